@@ -1,0 +1,6 @@
+"""WeightBridge: move model weights from RL trainers to rollout workers at the network's lower bound."""
+
+from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
+from wb.spec import CheckpointSpec
+
+__all__ = ["CheckpointSpec", "WbError", "SpecError", "ProbeError", "PlanError", "TransferError"]
