@@ -65,6 +65,10 @@ class CheckpointSpec:
         return self._names
 
     @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self._dtypes
+
+    @property
     def offsets(self) -> np.ndarray:
         """``(T+1,) int64``: first id of each tensor, then ``numel``."""
         return self._offsets

@@ -1,0 +1,83 @@
+"""Who holds or needs which ids, where: Worker, BufferSpec, Layout (pure data)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+from wb.dtypes import canonical_dtype, dtype_info
+from wb.errors import SpecError
+from wb.sourcemap import SourceMap
+
+__all__ = ["Role", "Worker", "BufferSpec", "Layout"]
+
+
+class Role(StrEnum):
+    TRAINER = "trainer"  # buffers *hold* ids
+    ROLLOUT = "rollout"  # buffers *need* ids
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One process with one GPU (or CPU device): global rank, node name, role, index on the node.
+
+    Examples:
+        >>> Worker(rank=0, node="n0", role="trainer", local_rank=0).role
+        <Role.TRAINER: 'trainer'>
+    """
+
+    rank: int
+    node: str
+    role: Role
+    local_rank: int = 0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise SpecError(f"Worker.role must be 'trainer' or 'rollout', got {self.role!r}") from None
+        if self.rank < 0 or self.local_rank < 0:
+            raise SpecError(f"Worker rank and local_rank must be >= 0, got {self.rank}, "
+                            f"{self.local_rank}")
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """A buffer's source map and element dtype."""
+
+    sourcemap: SourceMap
+    dtype: str
+
+    def __post_init__(self):
+        if not isinstance(self.sourcemap, SourceMap):
+            raise SpecError(f"BufferSpec.sourcemap must be a SourceMap, got "
+                            f"{type(self.sourcemap).__name__}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_info(self.dtype).itemsize
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.sourcemap.shape
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One worker's buffers by name: held ids for a trainer, needed ids for a rollout."""
+
+    worker: Worker
+    buffers: Mapping[str, BufferSpec] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, b in self.buffers.items():
+            if not isinstance(b, BufferSpec):
+                raise SpecError(f"Layout buffer `{name}` of rank {self.worker.rank} must be a "
+                                f"BufferSpec, got {type(b).__name__}")
+        object.__setattr__(self, "buffers", MappingProxyType(dict(self.buffers)))
+
+    def __reduce__(self):
+        return (Layout, (self.worker, dict(self.buffers)))

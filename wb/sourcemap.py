@@ -1,0 +1,348 @@
+"""SourceMap: which checkpoint element every element of a buffer holds, stored in O(blocks).
+
+A buffer of shape ``S`` is viewed as 2-D: ``rows = prod(S[:-1])``, ``cols = S[-1]``. Its map ``M``
+(int64, ``-1`` = not from the checkpoint) is stored two equivalent ways:
+
+- **diff2**: the non-zeros of ``D = Δr² Δc² (M + 1)`` with zero padding before row 0 and column 0.
+  ``M + 1`` makes "not from the checkpoint" the zero background. An affine rectangle embedded in
+  zeros has at most 16 non-zeros in ``D`` (4 rows x 4 columns around its corners), so a slice-copy
+  map costs at most 16 entries per rectangle; any map is exact (at worst one entry per element), and
+  decoding is two prefix sums per axis. Integer arithmetic wraps modulo 2**64 identically in
+  encoding and decoding, so the round trip is exact for every id below 2**62.
+- **blocks**: affine rectangles ``id(r, c) = id0 + (r - r0) * sr + (c - c0) * sc`` for
+  ``r0 <= r < r0 + nr``, ``c0 <= c < c0 + nc``. Intersection and planning work on blocks.
+
+Neither form is ever O(elements); per-element int64 arrays exist only transiently while a map is
+built from, or decoded to, indices (in row chunks, so extra memory stays below about the size of
+the index array itself).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from wb.errors import SpecError
+
+__all__ = ["SourceMap", "Blocks", "MAX_ID"]
+
+#: Largest id a map may hold (second differences of larger ids could wrap past the exact range).
+MAX_ID = 2**62 - 1
+
+# Elements per chunk when scanning index arrays: bounds the transient memory of encoding.
+_CHUNK = 1 << 21
+
+
+class Blocks(NamedTuple):
+    """Affine rectangles of a source map in its 2-D view; all fields ``(n,) int64``.
+
+    Element ``(r, c)`` with ``r0 <= r < r0 + nr`` and ``c0 <= c < c0 + nc`` holds id
+    ``id0 + (r - r0) * sr + (c - c0) * sc``. A stride along an axis of length 1 is 0.
+    """
+
+    r0: np.ndarray  # (n,) int64 first row
+    nr: np.ndarray  # (n,) int64 number of rows (>= 1)
+    c0: np.ndarray  # (n,) int64 first column
+    nc: np.ndarray  # (n,) int64 number of columns (>= 1)
+    id0: np.ndarray  # (n,) int64 id at (r0, c0)
+    sr: np.ndarray  # (n,) int64 id step per row
+    sc: np.ndarray  # (n,) int64 id step per column
+
+    @staticmethod
+    def empty() -> Blocks:
+        return Blocks(*(np.zeros(0, np.int64) for _ in range(7)))
+
+    @staticmethod
+    def of(*rows: tuple[int, int, int, int, int, int, int]) -> Blocks:
+        """Blocks from tuples ``(r0, nr, c0, nc, id0, sr, sc)``."""
+        cols = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
+        return Blocks(*(np.ascontiguousarray(c) for c in cols))
+
+    @property
+    def count(self) -> int:
+        return len(self.r0)
+
+    @property
+    def numel(self) -> int:
+        """Elements covered by all blocks."""
+        return int(np.dot(self.nr, self.nc))
+
+    def take(self, index: np.ndarray) -> Blocks:
+        return Blocks(*(f[index] for f in self))
+
+
+def _view2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    cols = shape[-1] if shape else 1
+    rows = math.prod(shape[:-1]) if shape else 1
+    return rows, cols
+
+
+def _run_starts(v: np.ndarray, valid: np.ndarray, forced: np.ndarray) -> np.ndarray:
+    """Greedy starts of maximal arithmetic runs in ``v`` (positions, sorted).
+
+    A run starts at every forced position (a row start, the first valid element after an invalid
+    one); the element after a start always joins its run (any step); every later element joins if
+    it keeps the run's step. Positions whose second difference is zero never start a run, so only
+    the (few) candidates are looked at: in a chain of consecutive candidates, starts alternate.
+    """
+    n = v.shape[0]
+    cand = forced.copy()
+    if n > 2:
+        dd = v[2:] - 2 * v[1:-1] + v[:-2]  # wraps mod 2**64 exactly like the ids' differences
+        cand[2:] |= valid[2:] & ~forced[1:-1] & (dd != 0)
+    pos = np.flatnonzero(cand)
+    if pos.size == 0:
+        return pos
+    head = forced[pos].copy()
+    head[0] = True
+    head[1:] |= pos[1:] != pos[:-1] + 1
+    idx = np.arange(pos.size)
+    head_idx = np.maximum.accumulate(np.where(head, idx, 0))
+    return pos[(idx - head_idx) % 2 == 0]
+
+
+def _row_runs(ids2d: np.ndarray, row_offset: int) -> tuple[np.ndarray, ...]:
+    """Maximal affine runs along each row of a chunk: ``(row, c0, nc, id0, sc)`` arrays."""
+    rows, cols = ids2d.shape
+    v = ids2d.reshape(-1)
+    valid = v >= 0
+    forced = valid.copy()
+    forced[1:] &= ~valid[:-1]
+    forced[::cols] = valid[::cols]
+    starts = _run_starts(v, valid, forced)
+    stop = ~valid
+    stop[starts] = True
+    stop[::cols] = True
+    stops = np.append(np.flatnonzero(stop), v.size)
+    ends = stops[np.searchsorted(stops, starts, side="right")]
+    ends = np.minimum(ends, (starts // cols + 1) * cols)  # a run never leaves its row
+    length = ends - starts
+    id0 = v[starts]
+    sc = np.zeros_like(id0)
+    two = length > 1
+    sc[two] = v[starts[two] + 1] - id0[two]
+    return starts // cols + row_offset, starts % cols, length, id0, sc
+
+
+def _merge_rows(row, c0, nc, id0, sc) -> Blocks:
+    """Stacks runs of consecutive rows with the same columns and step into affine blocks."""
+    if row.size == 0:
+        return Blocks.empty()
+    order = np.lexsort((row, sc, nc, c0))
+    row, c0, nc, id0, sc = row[order], c0[order], nc[order], id0[order], sc[order]
+    n = row.size
+    forced = np.ones(n, dtype=bool)
+    forced[1:] = ((c0[1:] != c0[:-1]) | (nc[1:] != nc[:-1]) | (sc[1:] != sc[:-1])
+                  | (row[1:] != row[:-1] + 1))
+    starts = _run_starts(id0, np.ones(n, dtype=bool), forced)
+    ends = np.append(starts[1:], n)
+    nr = ends - starts
+    sr = np.zeros(starts.size, dtype=np.int64)
+    two = nr > 1
+    sr[two] = id0[starts[two] + 1] - id0[starts[two]]
+    b = Blocks(row[starts], nr, c0[starts], nc[starts], id0[starts], sr, sc[starts])
+    return b.take(np.lexsort((b.c0, b.r0)))
+
+
+def _diff2_of_blocks(rows: int, cols: int, b: Blocks) -> tuple[np.ndarray, np.ndarray]:
+    """Non-zeros of ``Δr² Δc² (M + 1)`` as (flat positions, values), summing the blocks' terms.
+
+    A block is ``a * 1_R(r) 1_C(c) + sr * (r - r0) 1_R(r) 1_C(c) + sc * 1_R(r) (c - c0) 1_C(c)``
+    with ``a = id0 + 1``; each term is separable, and the second difference of an indicator
+    ``1_[x, x+n)`` is ``(+1, -1, -1, +1)`` at ``(x, x+1, x+n, x+n+1)``, that of ``(r - x) 1_[x, x+n)``
+    is ``(0, 1, -n, n-1)`` there.
+    """
+    if b.count == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    one = np.ones_like(b.nr)
+    rp = np.stack([b.r0, b.r0 + 1, b.r0 + b.nr, b.r0 + b.nr + 1], axis=1)  # (n, 4)
+    cp = np.stack([b.c0, b.c0 + 1, b.c0 + b.nc, b.c0 + b.nc + 1], axis=1)
+    u1 = np.stack([one, -one, -one, one], axis=1)
+    u2 = np.stack([0 * one, one, -b.nr, b.nr - 1], axis=1)
+    v2 = np.stack([0 * one, one, -b.nc, b.nc - 1], axis=1)
+    a = (b.id0 + 1)[:, None, None]
+    val = (a * u1[:, :, None] * u1[:, None, :] + b.sr[:, None, None] * u2[:, :, None]
+           * u1[:, None, :] + b.sc[:, None, None] * u1[:, :, None] * v2[:, None, :])
+    r = np.broadcast_to(rp[:, :, None], val.shape).reshape(-1)
+    c = np.broadcast_to(cp[:, None, :], val.shape).reshape(-1)
+    val = val.reshape(-1)
+    keep = (r < rows) & (c < cols) & (val != 0)
+    pos, val = r[keep] * cols + c[keep], val[keep]
+    order = np.argsort(pos, kind="stable")
+    pos, val = pos[order], val[order]
+    if pos.size:
+        first = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1]])
+        pos, val = pos[first], np.add.reduceat(val, first)
+        nz = val != 0
+        pos, val = pos[nz], val[nz]
+    return pos, val
+
+
+class SourceMap:
+    """The checkpoint element id held by every element of one buffer, in O(blocks) memory.
+
+    Build one with :meth:`from_indices` (an int64 array, ``-1`` = not from the checkpoint),
+    :meth:`from_blocks` (affine rectangles, as presets do without touching elements) or
+    :meth:`from_diff2`. Two maps are equal when their shapes and diff2 entries are.
+
+    Examples:
+        >>> ids = np.arange(12).reshape(3, 4)[:, 1:3]          # a column shard
+        >>> sm = SourceMap.from_indices(ids)
+        >>> sm.shape, sm.nnz, sm.blocks.count
+        ((3, 2), 5, 1)
+        >>> bool((sm.to_indices() == ids).all())
+        True
+    """
+
+    __slots__ = ("shape", "_pos", "_val", "_blocks")
+
+    def __init__(self, shape: tuple[int, ...], pos: np.ndarray, val: np.ndarray,
+                 blocks: Blocks | None = None):
+        self.shape = tuple(int(d) for d in shape)
+        self._pos = np.ascontiguousarray(pos, dtype=np.int64)  # (nnz,) int64 flat 2-D position
+        self._val = np.ascontiguousarray(val, dtype=np.int64)  # (nnz,) int64 diff2 value
+        self._blocks = blocks
+
+    # --- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_indices(cls, ids: np.ndarray) -> SourceMap:
+        """Encodes an int64 array of ids (``-1``: not from the checkpoint) of any shape.
+
+        Raises:
+            SpecError: ``ids`` is not integer, or holds a value below -1 or above ``MAX_ID``.
+        """
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise SpecError(f"source map ids must be integers, got dtype {ids.dtype}")
+        shape = ids.shape
+        rows, cols = _view2d(shape)
+        runs: list[tuple[np.ndarray, ...]] = []
+        if rows * cols:
+            v2 = ids.reshape(rows, cols)
+            step = max(1, _CHUNK // cols)
+            for r in range(0, rows, step):
+                chunk = np.asarray(v2[r:r + step], dtype=np.int64)
+                lo, hi = chunk.min(), chunk.max()
+                if lo < -1 or hi > MAX_ID:
+                    raise SpecError(
+                        f"source map ids must lie in [-1, {MAX_ID}], found {lo if lo < -1 else hi}")
+                runs.append(_row_runs(chunk, r))
+        if runs:
+            blocks = _merge_rows(*(np.concatenate(f) for f in zip(*runs)))
+        else:
+            blocks = Blocks.empty()
+        return cls(shape, *_diff2_of_blocks(rows, cols, blocks), blocks=blocks)
+
+    @classmethod
+    def from_blocks(cls, shape: tuple[int, ...], blocks: Blocks, *,
+                    check: bool = True) -> SourceMap:
+        """A map from affine blocks in the 2-D view; uncovered elements are ``-1``.
+
+        Blocks must lie inside the view and must not overlap (checked unless ``check=False``,
+        for generators that cannot produce overlaps).
+        """
+        rows, cols = _view2d(tuple(shape))
+        b = Blocks(*(np.asarray(f, dtype=np.int64).reshape(-1) for f in blocks))
+        if b.count:
+            if ((b.nr < 1) | (b.nc < 1) | (b.r0 < 0) | (b.c0 < 0)
+                    | (b.r0 + b.nr > rows) | (b.c0 + b.nc > cols)).any():
+                raise SpecError(f"blocks must be non-empty and inside the {rows}x{cols} view of "
+                                f"shape {tuple(shape)}")
+            b = b._replace(sr=np.where(b.nr > 1, b.sr, 0), sc=np.where(b.nc > 1, b.sc, 0))
+            if check and b.numel != _covered(rows, cols, b):
+                raise SpecError("blocks overlap: every element may belong to one block only")
+        return cls(tuple(shape), *_diff2_of_blocks(rows, cols, b), blocks=b)
+
+    @classmethod
+    def from_diff2(cls, shape: tuple[int, ...], pos: np.ndarray, val: np.ndarray) -> SourceMap:
+        """A map from its stored diff2 entries (as :meth:`to_arrays` writes them)."""
+        return cls(tuple(shape), pos, val)
+
+    # --- views ---------------------------------------------------------------------------------
+    @property
+    def nnz(self) -> int:
+        """Stored diff2 entries (at most 16 per affine rectangle)."""
+        return int(self._pos.size)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def view2d(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the 2-D view."""
+        return _view2d(self.shape)
+
+    @property
+    def blocks(self) -> Blocks:
+        """Affine blocks covering every element that holds an id."""
+        if self._blocks is None:
+            self._blocks = SourceMap.from_indices(self.to_indices())._blocks
+        return self._blocks
+
+    @property
+    def n_ids(self) -> int:
+        """Elements that hold a checkpoint id (not ``-1``)."""
+        return self.blocks.numel
+
+    def to_indices(self) -> np.ndarray:
+        """Decodes to the int64 array of ids (O(elements); for tests, probing and small maps)."""
+        rows, cols = self.view2d
+        d = np.zeros(rows * cols, dtype=np.int64)
+        d[self._pos] = self._val
+        d = d.reshape(rows, cols)
+        for axis in (0, 0, 1, 1):
+            np.cumsum(d, axis=axis, out=d)
+        d -= 1
+        return d.reshape(self.shape)
+
+    def diff2(self) -> tuple[np.ndarray, np.ndarray]:
+        """The stored entries: flat positions in the 2-D view and values, ``(nnz,) int64`` each."""
+        return self._pos, self._val
+
+    def __getitem__(self, index) -> SourceMap:
+        """The map of a slice of the buffer (decodes this map transiently)."""
+        return SourceMap.from_indices(self.to_indices()[index])
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Plain arrays for ``np.savez`` / JSON: shape, diff2 entries and blocks."""
+        out = {"shape": np.asarray(self.shape, dtype=np.int64), "pos": self._pos, "val": self._val}
+        out.update({f"block_{k}": v for k, v in self.blocks._asdict().items()})
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays) -> SourceMap:
+        blocks = Blocks(*(np.asarray(arrays[f"block_{k}"], np.int64) for k in Blocks._fields))
+        return cls(tuple(int(x) for x in arrays["shape"]), arrays["pos"], arrays["val"], blocks)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SourceMap):
+            return NotImplemented
+        return (self.shape == other.shape and np.array_equal(self._pos, other._pos)
+                and np.array_equal(self._val, other._val))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (SourceMap, (self.shape, self._pos, self._val, self._blocks))
+
+    def __repr__(self) -> str:
+        nb = f", blocks={self._blocks.count}" if self._blocks is not None else ""
+        return f"SourceMap(shape={self.shape}, nnz={self.nnz}{nb})"
+
+
+def _covered(rows: int, cols: int, b: Blocks) -> int:
+    """Distinct elements covered by blocks: a sweep over row slabs, interval union per slab."""
+    rb = np.unique(np.concatenate([b.r0, b.r0 + b.nr]))
+    total = 0
+    for lo, hi in zip(rb[:-1], rb[1:]):
+        live = (b.r0 <= lo) & (b.r0 + b.nr >= hi)
+        if live.any():
+            s, e = b.c0[live], b.c0[live] + b.nc[live]
+            order = np.argsort(s)
+            s, e = s[order], e[order]
+            reach = np.r_[-1, np.maximum.accumulate(e)[:-1]]
+            total += int(np.maximum(0, e - np.maximum(s, reach)).sum()) * int(hi - lo)
+    return total

@@ -1,0 +1,1 @@
+"""JAX shim of WeightBridge: probe a JAX trainer's load function and send its sharded params."""

@@ -1,0 +1,395 @@
+"""A tiny JAX trainer for tests and demos: its parameter layout, load function and an oracle.
+
+The trainer keeps its params as a pytree of sharded ``jax.Array`` leaves in JAX conventions, which
+differ from the Hugging Face checkpoint that :func:`wb.presets.spec_from_config` describes: kernels
+are ``[in, out]`` (the transpose of PyTorch's ``[out, in]``), attention projections are split per
+head, gate and up projections are fused on a new leading axis, experts are stacked, and the
+vocabulary is padded with zero rows so that it shards evenly over ``tp``. Some leaves are also
+sharded over ``dp`` (FSDP-like) and others are replicated over it, so a sender meets both kinds of
+holder.
+
+:func:`make_load_fn` builds the trainer's ``load(ckpt) -> params``: the function a probe traces to
+learn which checkpoint element every trainer buffer holds. :func:`expected_maps` is the answer the
+probe must find, computed independently with numpy only, so tests can compare the two exactly.
+
+Layout (``h`` hidden size, ``nh``/``kv`` attention/key-value heads, ``hd`` head dim, ``E`` experts,
+``mi`` expert intermediate size, ``I`` dense intermediate size, ``Vp`` vocabulary rounded up to a
+multiple of ``8 * tp``)::
+
+    embed       [Vp, h]          P("tp", None)       embed_tokens.weight, zero padding rows
+    layers[i]   input_norm [h], post_norm [h]        P()
+      attn      q [h, nh, hd]    P("dp", "tp", None) q_proj.weight.T reshaped
+                k, v [h, kv, hd] P(None, "tp", None) if tp divides kv, else P()
+                o [nh, hd, h]    P("tp", None, "dp") o_proj.weight.T reshaped
+                q_norm, k_norm [hd]                  P()
+      mlp       dense (i < first_k_dense_replace):
+                gate_up [2, h, I]     P(None, "dp", "tp")     stack([gate.T, up.T])
+                down [I, h]           P("tp", None)
+                MoE:
+                router [h, E]         P()                     gate.weight.T
+                gate_up [2, E, h, mi] P(None, "tp", None, None)
+                down [E, mi, h]       P("tp", "dp", None)
+    final_norm  [h]              P()
+    lm_head     [h, Vp]          P(None, "tp")       lm_head.weight.T, zero padding columns
+                                                     (absent when tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from wb.dtypes import dtype_info
+from wb.errors import SpecError
+from wb.presets import TINY, spec_from_config
+from wb.spec import CheckpointSpec
+
+__all__ = ["make_mesh", "make_load_fn", "expected_maps", "checkpoint_arrays"]
+
+#: The vocabulary is padded to a multiple of ``VOCAB_MULTIPLE * tp`` rows, as JAX trainers pad it
+#: so every tp shard of the embedding and of the logits is the same, lane-aligned size.
+VOCAB_MULTIPLE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Dims:
+    """The config numbers the layout depends on (read once, checked once)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    n_dense: int  # layers 0 .. n_dense-1 have a dense MLP, the rest are MoE
+    intermediate: int  # dense MLP width; 0 when there are no dense layers
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int  # 0 when there are no MoE layers
+    moe_intermediate: int  # 0 when there are no MoE layers
+    tied: bool  # tie_word_embeddings: no lm_head.weight in the checkpoint
+
+    @classmethod
+    def of(cls, cfg: Mapping) -> _Dims:
+        arch = cfg.get("architecture")
+        if arch != "qwen3_moe":
+            raise SpecError(
+                f"`cfg['architecture']` is {arch!r}; the JAX reference trainer models only "
+                f"'qwen3_moe' (GQA attention with per-head norms), so pass a qwen3_moe config "
+                f"such as wb.presets.TINY")
+
+        def num(key: str, *fallbacks: str) -> int:
+            for k in (key, *fallbacks):
+                if k in cfg:
+                    return int(cfg[k])
+            raise SpecError(f"`cfg` has no `{key}`, which the JAX reference layout needs")
+
+        layers = num("num_hidden_layers")
+        n_dense = min(int(cfg.get("first_k_dense_replace", 0)), layers)
+        has_moe = n_dense < layers
+        dims = cls(
+            vocab=num("vocab_size"), hidden=num("hidden_size"), layers=layers, n_dense=n_dense,
+            intermediate=num("intermediate_size") if n_dense else 0,
+            heads=num("num_attention_heads"), kv_heads=num("num_key_value_heads"),
+            head_dim=num("head_dim"),
+            experts=num("num_experts", "n_routed_experts") if has_moe else 0,
+            moe_intermediate=num("moe_intermediate_size") if has_moe else 0,
+            tied=bool(cfg.get("tie_word_embeddings", False)))
+        if has_moe and dims.experts < 1:
+            raise SpecError(
+                f"`cfg` has MoE layers ({n_dense}..{layers - 1}) but `num_experts` is "
+                f"{dims.experts}; give at least 1 expert or set first_k_dense_replace={layers}")
+        return dims
+
+    @property
+    def has_moe(self) -> bool:
+        return self.n_dense < self.layers
+
+
+def _padded_vocab(vocab: int, tp: int) -> int:
+    multiple = VOCAB_MULTIPLE * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _check_fits(d: _Dims, dp: int, tp: int) -> None:
+    """Raises one SpecError listing every leaf dimension that dp or tp does not divide."""
+    rules = [(d.hidden, "hidden_size", "dp", dp, "`attn.q`, `attn.o` and a dense `mlp.gate_up` "
+              "shard h over dp"),
+             (d.heads, "num_attention_heads", "tp", tp,
+              "`attn.q` and `attn.o` shard heads over tp")]
+    if d.n_dense:
+        rules.append((d.intermediate, "intermediate_size", "tp", tp,
+                      "dense `mlp.gate_up` and `mlp.down` shard I over tp"))
+    if d.has_moe:
+        rules.append((d.experts, "num_experts", "tp", tp,
+                      "MoE `mlp.gate_up` and `mlp.down` shard experts over tp"))
+        rules.append((d.moe_intermediate, "moe_intermediate_size", "dp", dp,
+                      "MoE `mlp.down` shards mi over dp"))
+    bad = [f"`cfg['{key}']` = {value} is not divisible by {axis} = {size} ({why})"
+           for value, key, axis, size, why in rules if value % size]
+    if bad:
+        raise SpecError("the config does not fit the mesh: " + "; ".join(bad)
+                        + "; choose dp and tp that divide these sizes")
+
+
+def make_mesh(dp: int = 2, tp: int = 2) -> Mesh:
+    """A ``(dp, tp)`` mesh over the first ``dp * tp`` devices, axis names ``("dp", "tp")``.
+
+    Args:
+        dp: data-parallel (FSDP) axis size, >= 1.
+        tp: tensor-parallel axis size, >= 1.
+
+    Returns:
+        A :class:`jax.sharding.Mesh` with devices ``jax.devices()[:dp * tp]`` in row-major order.
+
+    Raises:
+        ValueError: dp or tp is below 1, or JAX sees fewer than ``dp * tp`` devices.
+
+    Examples:
+        >>> dict(make_mesh(dp=1, tp=1).shape)
+        {'dp': 1, 'tp': 1}
+    """
+    if dp < 1 or tp < 1:
+        raise ValueError(f"make_mesh(dp={dp}, tp={tp}): both axis sizes must be >= 1")
+    n = dp * tp
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(
+            f"make_mesh(dp={dp}, tp={tp}) needs {n} devices but JAX sees {len(devices)} "
+            f"({devices[0].platform}); for emulated CPU devices call "
+            f"jax.config.update('jax_num_cpu_devices', {n}) right after `import jax`, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, before JAX initialises its "
+            f"backend (the first jax.devices() call or array operation)")
+    return Mesh(np.asarray(devices[:n], dtype=object).reshape(dp, tp), ("dp", "tp"))
+
+
+def _mesh_axes(mesh: Mesh | None) -> tuple[int, int]:
+    if mesh is None:
+        return 1, 1
+    shape = dict(mesh.shape)
+    if set(shape) != {"dp", "tp"}:
+        raise SpecError(
+            f"`mesh` has axes {tuple(shape)}; the JAX reference layout shards over axes named "
+            f"('dp', 'tp'), so build the mesh with make_mesh(dp, tp)")
+    return shape["dp"], shape["tp"]
+
+
+def make_load_fn(cfg: Mapping = TINY,
+                 mesh: Mesh | None = None) -> Callable[[Mapping[str, Any]], dict]:
+    """The reference JAX trainer's ``load``: full HF checkpoint tensors -> sharded params pytree.
+
+    ``load`` only moves data (transposes, reshapes, stacks, zero padding with ``jax.numpy``) and
+    keeps each input's dtype; it is not jitted. The layout is in this module's docstring.
+
+    Args:
+        cfg: a qwen3_moe architecture config (see :func:`wb.presets.spec_from_config`).
+        mesh: a mesh with axes ``("dp", "tp")`` (see :func:`make_mesh`); each leaf is placed with
+            ``jax.device_put(x, NamedSharding(mesh, spec))``. ``None``: plain single-device arrays,
+            laid out as for ``tp = 1``.
+
+    Returns:
+        ``load(ckpt)``, where ``ckpt`` maps every tensor name of ``spec_from_config(cfg)`` to its
+        full array (numpy, ml_dtypes bfloat16, or ``jax.Array``); it returns the params pytree of
+        nested dicts and lists of ``jax.Array``.
+
+    Raises:
+        SpecError: (a ValueError) the architecture is not qwen3_moe, a config field is missing, or
+            dp/tp do not divide a sharded dimension (every such clash is listed). ``load`` raises
+            it when ``ckpt`` lacks a tensor, has an unknown one, a tensor has the wrong shape, or
+            JAX would change its dtype (float64/int64 without ``jax_enable_x64``).
+
+    Examples:
+        >>> load = make_load_fn(TINY)
+        >>> params = load(checkpoint_arrays(spec_from_config(TINY)))
+        >>> params["embed"].shape, params["embed"].dtype
+        ((104, 32), dtype(bfloat16))
+        >>> params["layers"][1]["mlp"]["gate_up"].shape  # [2, E, h, mi]
+        (2, 4, 32, 16)
+    """
+    d = _Dims.of(cfg)
+    dp, tp = _mesh_axes(mesh)
+    _check_fits(d, dp, tp)
+    spec = spec_from_config(cfg)
+    vp = _padded_vocab(d.vocab, tp)
+    # kv heads are few; when tp does not divide them, trainers replicate k and v rather than pad.
+    kv_spec = P(None, "tp", None) if d.kv_heads % tp == 0 else P()
+
+    def put(x: jax.Array, pspec: P) -> jax.Array:
+        return x if mesh is None else jax.device_put(x, NamedSharding(mesh, pspec))
+
+    def load(ckpt: Mapping[str, Any]) -> dict:
+        unknown = [n for n in ckpt if n not in spec]
+        if unknown:
+            raise SpecError(
+                f"`ckpt` has tensors the config does not define: {unknown[:3]}"
+                f"{' ...' if len(unknown) > 3 else ''}; pass exactly the tensors of "
+                f"spec_from_config(cfg) (is tie_word_embeddings right?)")
+
+        def take(name: str) -> jax.Array:
+            if name not in ckpt:
+                raise SpecError(f"`ckpt` has no tensor `{name}`; load needs all {len(spec)} "
+                                f"tensors of spec_from_config(cfg)")
+            x = ckpt[name]
+            if tuple(x.shape) != spec.shape(name):
+                raise SpecError(f"`ckpt['{name}']` has shape {tuple(x.shape)}, the config says "
+                                f"{spec.shape(name)}")
+            y = jnp.asarray(x)
+            if y.dtype != x.dtype:
+                raise SpecError(
+                    f"`ckpt['{name}']` is {np.dtype(x.dtype).name} but JAX would store it as "
+                    f"{y.dtype.name}; load never casts, so pass {y.dtype.name} or enable "
+                    f"jax_enable_x64")
+            return y
+
+        def pad_vocab(w: jax.Array) -> jax.Array:  # [V, h] -> [Vp, h], zero rows
+            return jnp.pad(w, ((0, vp - d.vocab), (0, 0)))
+
+        h, hd = d.hidden, d.head_dim
+        params: dict = {"embed": put(pad_vocab(take("model.embed_tokens.weight")), P("tp", None))}
+        layers = []
+        for i in range(d.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            attn = {
+                "q": put(take(a + "q_proj.weight").T.reshape(h, d.heads, hd), P("dp", "tp", None)),
+                "k": put(take(a + "k_proj.weight").T.reshape(h, d.kv_heads, hd), kv_spec),
+                "v": put(take(a + "v_proj.weight").T.reshape(h, d.kv_heads, hd), kv_spec),
+                "o": put(take(a + "o_proj.weight").T.reshape(d.heads, hd, h), P("tp", None, "dp")),
+                "q_norm": put(take(a + "q_norm.weight"), P()),
+                "k_norm": put(take(a + "k_norm.weight"), P()),
+            }
+            m = p + "mlp."
+            if i < d.n_dense:
+                gate_up = jnp.stack([take(m + "gate_proj.weight").T, take(m + "up_proj.weight").T])
+                mlp = {"gate_up": put(gate_up, P(None, "dp", "tp")),
+                       "down": put(take(m + "down_proj.weight").T, P("tp", None))}
+            else:
+                ex = [f"{m}experts.{e}." for e in range(d.experts)]
+                gate = jnp.stack([take(x + "gate_proj.weight").T for x in ex])  # [E, h, mi]
+                up = jnp.stack([take(x + "up_proj.weight").T for x in ex])
+                down = jnp.stack([take(x + "down_proj.weight").T for x in ex])  # [E, mi, h]
+                mlp = {"router": put(take(m + "gate.weight").T, P()),
+                       "gate_up": put(jnp.stack([gate, up]), P(None, "tp", None, None)),
+                       "down": put(down, P("tp", "dp", None))}
+            layers.append({
+                "input_norm": put(take(p + "input_layernorm.weight"), P()),
+                "post_norm": put(take(p + "post_attention_layernorm.weight"), P()),
+                "attn": attn, "mlp": mlp})
+        params["layers"] = layers
+        params["final_norm"] = put(take("model.norm.weight"), P())
+        if not d.tied:
+            params["lm_head"] = put(pad_vocab(take("lm_head.weight")).T, P(None, "tp"))
+        return params
+
+    return load
+
+
+def expected_maps(cfg: Mapping = TINY, tp: int = 1) -> dict[str, np.ndarray]:
+    """The oracle: which global checkpoint id each element of each params leaf holds.
+
+    Computed with numpy only and written independently of :func:`make_load_fn` (each transform
+    takes a different but equivalent route, e.g. reshape-then-transpose where ``load`` transposes
+    first), so the two agreeing is evidence that both follow the documented layout.
+
+    Args:
+        cfg: a qwen3_moe architecture config.
+        tp: the mesh's tp size; it only sets the padded vocabulary ``Vp`` (``None`` mesh: 1).
+
+    Returns:
+        ``{jax.tree_util.keystr(path): ids}`` for every leaf of the params pytree, e.g.
+        ``"['layers'][0]['attn']['q']"``; ``ids`` is an int64 array of the leaf's global shape,
+        -1 where the leaf holds padding (zeros).
+
+    Raises:
+        SpecError: (a ValueError) tp < 1, the architecture is not qwen3_moe, or a field is missing.
+
+    Examples:
+        >>> maps = expected_maps(TINY, tp=2)
+        >>> maps["['embed']"].shape, int(maps["['embed']"][-1, 0]), int(maps["['embed']"][0, 1])
+        ((112, 32), -1, 1)
+    """
+    if tp < 1:
+        raise SpecError(f"expected_maps(tp={tp}): tp must be >= 1")
+    d = _Dims.of(cfg)
+    spec = spec_from_config(cfg)
+    vp = _padded_vocab(d.vocab, tp)
+    h, nh, kv, hd = d.hidden, d.heads, d.kv_heads, d.head_dim
+
+    def padded_rows(name: str) -> np.ndarray:
+        out = np.full((vp, h), -1, dtype=np.int64)
+        out[: d.vocab] = spec.ids(name)
+        return out
+
+    def heads_in(ids: np.ndarray, n: int) -> np.ndarray:
+        # [n*hd, h] (row n_*hd + d_ is head n_, dim d_) -> [h, n, hd]
+        return ids.reshape(n, hd, h).transpose(2, 0, 1)
+
+    out: dict[str, np.ndarray] = {"['embed']": padded_rows("model.embed_tokens.weight")}
+    for i in range(d.layers):
+        key, p = f"['layers'][{i}]", f"model.layers.{i}."
+        out[f"{key}['input_norm']"] = spec.ids(p + "input_layernorm.weight")
+        out[f"{key}['post_norm']"] = spec.ids(p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        out[f"{key}['attn']['q']"] = heads_in(spec.ids(a + "q_proj.weight"), nh)
+        out[f"{key}['attn']['k']"] = heads_in(spec.ids(a + "k_proj.weight"), kv)
+        out[f"{key}['attn']['v']"] = heads_in(spec.ids(a + "v_proj.weight"), kv)
+        # o_proj [h, nh*hd] (column n_*hd + d_) -> [nh, hd, h]
+        out[f"{key}['attn']['o']"] = spec.ids(a + "o_proj.weight").reshape(h, nh, hd).transpose(
+            1, 2, 0)
+        out[f"{key}['attn']['q_norm']"] = spec.ids(a + "q_norm.weight")
+        out[f"{key}['attn']['k_norm']"] = spec.ids(a + "k_norm.weight")
+        m = p + "mlp."
+        if i < d.n_dense:
+            out[f"{key}['mlp']['gate_up']"] = np.stack(
+                [np.swapaxes(spec.ids(m + f"{w}_proj.weight"), 0, 1) for w in ("gate", "up")])
+            out[f"{key}['mlp']['down']"] = np.swapaxes(spec.ids(m + "down_proj.weight"), 0, 1)
+        else:
+            out[f"{key}['mlp']['router']"] = np.swapaxes(spec.ids(m + "gate.weight"), 0, 1)
+            # [2, E, mi, h] of PyTorch weights, then [in, out] kernels by swapping the last axes
+            torch_layout = np.array([[spec.ids(m + f"experts.{e}.{w}_proj.weight")
+                                      for e in range(d.experts)] for w in ("gate", "up")])
+            out[f"{key}['mlp']['gate_up']"] = np.swapaxes(torch_layout, -1, -2)
+            out[f"{key}['mlp']['down']"] = np.swapaxes(np.array(
+                [spec.ids(m + f"experts.{e}.down_proj.weight") for e in range(d.experts)]), -1, -2)
+    out["['final_norm']"] = spec.ids("model.norm.weight")
+    if not d.tied:
+        out["['lm_head']"] = padded_rows("lm_head.weight").T
+    return {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in out.items()}
+
+
+def checkpoint_arrays(spec: CheckpointSpec, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random full checkpoint tensors in the spec's dtypes (bfloat16 as ``ml_dtypes.bfloat16``).
+
+    Floats are standard normal rounded to the dtype; integers are uniform in ``[-128, 127]`` clipped
+    to the dtype's range (so no cast overflows); bools are fair coin flips.
+
+    Args:
+        spec: the checkpoint spec, e.g. ``spec_from_config(TINY)``.
+        seed: seed of ``numpy.random.default_rng``; equal seeds give equal arrays.
+
+    Returns:
+        ``{name: array}`` in spec order, each of the spec's shape and dtype.
+
+    Examples:
+        >>> arrays = checkpoint_arrays(spec_from_config(TINY))
+        >>> arrays["lm_head.weight"].shape, arrays["lm_head.weight"].dtype
+        ((100, 32), dtype(bfloat16))
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in spec.names:
+        dt, shape = dtype_info(spec.dtype(name)).numpy, spec.shape(name)
+        if dt == np.bool_:
+            out[name] = rng.random(shape) < 0.5
+        elif np.issubdtype(dt, np.integer):
+            info = np.iinfo(dt)
+            out[name] = rng.integers(max(info.min, -128), min(info.max, 127), size=shape,
+                                     endpoint=True).astype(dt)
+        else:
+            out[name] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    return out

@@ -1,0 +1,1 @@
+"""PyTorch shim of WeightBridge (probe, Sender) and the reference rollout model in `wb_torch.testing`."""

@@ -1,0 +1,448 @@
+"""A tiny vLLM-style rollout model for one tensor-parallel rank, and its numpy oracle.
+
+:class:`TinyRollout` behaves like a vLLM model class: its parameters are already sharded for one
+TP rank, and its own :meth:`TinyRollout.load_weights` takes *full* Hugging Face checkpoint tensors
+(names as :func:`wb.presets.spec_from_config` gives them) and copies the right slices into its
+parameters in place, through vLLM's ``stacked_params_mapping`` (q/k/v into ``qkv_proj``, gate/up
+into ``gate_up_proj``), the fused-MoE expert mapping (gate/up into ``w13``, down into ``w2``) and a
+``weight_loader`` function attached to each parameter. It is what probing and transfer tests run
+against when no vLLM is installed.
+
+:func:`expected_maps` is an independent pure-numpy statement of the same layout: for every
+parameter, the global checkpoint id each element must hold. Tests compare the two.
+
+Layout decisions that follow vLLM (``tp`` = ``tp_size``, ``r`` = ``tp_rank``):
+
+- Embedding and LM head rows are padded to a multiple of 64 (``VocabParallelEmbedding``), then
+  split evenly; padding rows are never written.
+- When ``tp > num_key_value_heads`` the kv heads are replicated: rank ``r`` holds kv head
+  ``r // (tp // num_key_value_heads)`` (``QKVParallelLinear``).
+- Experts are split over the TP ranks (expert parallelism, ``enable_expert_parallel``), each
+  expert whole: rank ``r`` owns experts ``[r*E/tp, (r+1)*E/tp)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from wb.presets import TINY, spec_from_config
+from wb.spec import CheckpointSpec
+
+__all__ = ["TinyRollout", "expected_maps", "checkpoint_tensors"]
+
+# vLLM's VocabParallelEmbedding pads the vocabulary to this multiple before splitting it.
+_VOCAB_PAD = 64
+
+
+# --- arguments -----------------------------------------------------------------------------------
+def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> None:
+    """Raises ValueError unless ``cfg`` is a qwen3_moe config that ``tp_size`` ranks can split."""
+    if cfg.get("architecture") != "qwen3_moe":
+        raise ValueError(f"`cfg['architecture']` is {cfg.get('architecture')!r}; TinyRollout only "
+                         f"models 'qwen3_moe' (use wb.presets.TINY or a copy of it)")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"`tp_size` must be a positive int, got {tp_size!r}")
+    if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"`tp_rank` must be an int in [0, {tp_size}) for tp_size={tp_size}, "
+                         f"got {tp_rank!r}")
+    nh, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    if nh % tp_size:
+        raise ValueError(f"`tp_size`={tp_size} must divide num_attention_heads={nh}; "
+                         f"pick a tp_size among the divisors of {nh}")
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"`tp_size`={tp_size} and num_key_value_heads={kv} must divide one "
+                         f"another (kv heads are split when tp_size <= {kv} and replicated when "
+                         f"tp_size is a multiple of {kv})")
+    E = int(cfg.get("num_experts", 0))
+    if int(cfg["num_hidden_layers"]) > int(cfg.get("first_k_dense_replace", 0)) and (
+            E < 1 or E % tp_size):
+        raise ValueError(f"`tp_size`={tp_size} must divide num_experts={E} (experts are split "
+                         f"whole over the TP ranks); pick a tp_size among the divisors of {E}")
+    if int(cfg.get("first_k_dense_replace", 0)) > 0:
+        inter = int(cfg["intermediate_size"])
+        if inter % tp_size:
+            raise ValueError(f"`tp_size`={tp_size} must divide intermediate_size={inter} (the "
+                             f"dense MLP layers are split over the TP ranks)")
+    vp = _padded_vocab(int(cfg["vocab_size"]))
+    if vp % tp_size:
+        raise ValueError(f"`tp_size`={tp_size} must divide the padded vocabulary {vp} "
+                         f"(vocab_size={cfg['vocab_size']} rounded up to a multiple of "
+                         f"{_VOCAB_PAD})")
+
+
+def _padded_vocab(vocab: int) -> int:
+    return -(-vocab // _VOCAB_PAD) * _VOCAB_PAD
+
+
+# --- weight loaders (vLLM attaches one to each parameter as `param.weight_loader`) ---------------
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    # copy_ broadcasts, so a wrong slice would be silently smeared over the parameter: refuse it.
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: slice of shape {tuple(src.shape)} does not fit the parameter "
+                         f"region of shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _load_replicated(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    _copy(param.data, loaded, "replicated parameter")
+
+
+def _load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, *, start: int) -> None:
+    # Rows at or past the real vocabulary are padding: this rank may hold a few or none of the
+    # real rows, and its padding rows keep whatever they held.
+    n = max(0, min(param.shape[0], loaded.shape[0] - start))
+    _copy(param.data[:n], loaded[start:start + n], "vocab-parallel rows")
+
+
+def _load_columns(param: nn.Parameter, loaded: torch.Tensor, *, start: int) -> None:
+    width = param.shape[1]
+    _copy(param.data, loaded[:, start:start + width], "row-parallel input columns")
+
+
+def _load_qkv(param: nn.Parameter, loaded: torch.Tensor, shard_id: str, *,
+              shards: Mapping[str, tuple[int, int, int]]) -> None:
+    # shards[shard_id] = (first parameter row, first checkpoint row, rows)
+    dst, src, n = shards[shard_id]
+    _copy(param.data[dst:dst + n], loaded[src:src + n], f"qkv_proj shard {shard_id!r}")
+
+
+def _load_merged(param: nn.Parameter, loaded: torch.Tensor, shard_id: int, *, rows: int,
+                 start: int) -> None:
+    _copy(param.data[shard_id * rows:(shard_id + 1) * rows], loaded[start:start + rows],
+          f"gate_up_proj shard {shard_id}")
+
+
+def _load_expert(param: nn.Parameter, loaded: torch.Tensor, weight_name: str, *, shard_id: str,
+                 expert_id: int, first_expert: int, inter: int) -> bool:
+    """vLLM FusedMoE loader: returns False (writes nothing) for an expert of another rank."""
+    local = expert_id - first_expert
+    if not 0 <= local < param.shape[0]:
+        return False
+    if shard_id == "w2":
+        dst = param.data[local]
+    else:  # w13 holds gate_proj (w1) then up_proj (w3)
+        dst = param.data[local, :inter] if shard_id == "w1" else param.data[local, inter:]
+    _copy(dst, loaded, f"{weight_name} -> expert {expert_id} {shard_id}")
+    return True
+
+
+# --- modules -------------------------------------------------------------------------------------
+def _parameter(shape: tuple[int, ...], loader: Callable, *, dtype: torch.dtype,
+               device) -> nn.Parameter:
+    data = torch.empty(shape, dtype=dtype, device=device)
+    # All-zero bits are 0.0 in every float format; fill_ is not implemented for float8 on CPU.
+    data.view(torch.uint8).zero_()
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class _Weight(nn.Module):
+    """One parameter named ``weight``: vLLM's linear layers, norms and embeddings, minus compute."""
+
+    def __init__(self, shape: tuple[int, ...], loader: Callable, *, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _parameter(shape, loader, dtype=dtype, device=device)
+
+
+class _KVCacheScales(nn.Module):
+    """vLLM's ``Attention`` module: an fp8 kv-cache scale that is not in the checkpoint."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32, device=device),
+                                    requires_grad=False)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        h, hd = int(cfg["hidden_size"]), int(cfg["head_dim"])
+        nh, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        nq = nh // tp_size
+        kv_local = max(1, kv // tp_size)
+        kv_shard = tp_rank // max(1, tp_size // kv)  # which group of kv_local heads this rank holds
+        shards = {"q": (0, tp_rank * nq * hd, nq * hd),
+                  "k": (nq * hd, kv_shard * kv_local * hd, kv_local * hd),
+                  "v": ((nq + kv_local) * hd, kv_shard * kv_local * hd, kv_local * hd)}
+        self.qkv_proj = _Weight(((nq + 2 * kv_local) * hd, h),
+                                functools.partial(_load_qkv, shards=shards), **kw)
+        self.o_proj = _Weight((h, nq * hd),
+                              functools.partial(_load_columns, start=tp_rank * nq * hd), **kw)
+        self.q_norm = _Weight((hd,), _load_replicated, **kw)
+        self.k_norm = _Weight((hd,), _load_replicated, **kw)
+        self.attn = _KVCacheScales(kw["device"])
+
+
+class _DenseMLP(nn.Module):
+    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        h, n = int(cfg["hidden_size"]), int(cfg["intermediate_size"]) // tp_size
+        self.gate_up_proj = _Weight(
+            (2 * n, h), functools.partial(_load_merged, rows=n, start=tp_rank * n), **kw)
+        self.down_proj = _Weight((h, n), functools.partial(_load_columns, start=tp_rank * n), **kw)
+
+
+class _FusedExperts(nn.Module):
+    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, *, dtype, device):
+        super().__init__()
+        h, mi = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+        n = int(cfg["num_experts"]) // tp_size
+        loader = functools.partial(_load_expert, first_expert=tp_rank * n, inter=mi)
+        self.w13_weight = _parameter((n, 2 * mi, h), loader, dtype=dtype, device=device)
+        self.w2_weight = _parameter((n, h, mi), loader, dtype=dtype, device=device)
+
+
+class _MoE(nn.Module):
+    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        self.gate = _Weight((int(cfg["num_experts"]), int(cfg["hidden_size"])), _load_replicated,
+                            **kw)
+        self.experts = _FusedExperts(cfg, tp_rank, tp_size, **kw)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, cfg: Mapping, dense: bool, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        h = int(cfg["hidden_size"])
+        self.input_layernorm = _Weight((h,), _load_replicated, **kw)
+        self.self_attn = _SelfAttention(cfg, tp_rank, tp_size, **kw)
+        self.post_attention_layernorm = _Weight((h,), _load_replicated, **kw)
+        self.mlp = (_DenseMLP if dense else _MoE)(cfg, tp_rank, tp_size, **kw)
+
+
+class _Model(nn.Module):
+    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        h = int(cfg["hidden_size"])
+        self.embed_tokens = _vocab_parallel(cfg, tp_rank, tp_size, **kw)
+        n_dense = int(cfg.get("first_k_dense_replace", 0))
+        self.layers = nn.ModuleList(
+            _DecoderLayer(cfg, i < n_dense, tp_rank, tp_size, **kw)
+            for i in range(int(cfg["num_hidden_layers"])))
+        self.norm = _Weight((h,), _load_replicated, **kw)
+
+
+def _vocab_parallel(cfg: Mapping, tp_rank: int, tp_size: int, **kw) -> _Weight:
+    rows = _padded_vocab(int(cfg["vocab_size"])) // tp_size
+    return _Weight((rows, int(cfg["hidden_size"])),
+                   functools.partial(_load_vocab_rows, start=tp_rank * rows), **kw)
+
+
+# (parameter, checkpoint name part, shard id), as in vLLM's Qwen3MoeModel.load_weights.
+_STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                   ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                   ("gate_up_proj", "up_proj", 1))
+
+
+def _expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
+    """vLLM's ``FusedMoE.make_expert_params_mapping``: (param prefix, ckpt part, expert, shard)."""
+    return [("experts.w13_" if shard in ("w1", "w3") else "experts.w2_",
+             f"experts.{e}.{ckpt}.", e, shard)
+            for e in range(num_experts)
+            for shard, ckpt in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+
+
+class TinyRollout(nn.Module):
+    """A qwen3_moe rollout model for one TP rank, loading weights the way vLLM does.
+
+    The parameters (``named_parameters()``) are this rank's shards; :meth:`load_weights` receives
+    full checkpoint tensors and copies slices into them in place. There is no compute.
+
+    Args:
+        cfg: a ``qwen3_moe`` config (see :data:`wb.presets.TINY`); dense MLP layers for
+            ``i < first_k_dense_replace``.
+        tp_rank: this rank, in ``[0, tp_size)``.
+        tp_size: tensor-parallel degree; experts are split whole over the same ranks.
+        dtype: dtype of every parameter except the float32 ``k_scale``s (float64, float32,
+            bfloat16, float16 and float8_e4m3fn all work; loading casts).
+        device: where the parameters live.
+
+    Attributes:
+        spec: the checkpoint spec ``load_weights`` accepts (``spec_from_config(cfg)``).
+
+    Raises:
+        ValueError: ``cfg`` is not qwen3_moe, ``tp_rank`` is out of range, or ``tp_size`` does not
+            divide the heads, experts, dense intermediate size or padded vocabulary (kv heads may
+            instead divide ``tp_size``, and are then replicated).
+
+    Examples:
+        >>> model = TinyRollout(tp_rank=1, tp_size=2)
+        >>> model.model.layers[0].self_attn.qkv_proj.weight.shape  # 2 q heads, 1 k, 1 v, of 8
+        torch.Size([32, 32])
+        >>> model.model.embed_tokens.weight.shape  # vocab 100 padded to 128, split in 2
+        torch.Size([64, 32])
+    """
+
+    def __init__(self, cfg: Mapping = TINY, *, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device="cpu"):
+        super().__init__()
+        _check_args(cfg, tp_rank, tp_size)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating torch.dtype, got {dtype!r}")
+        self.spec: CheckpointSpec = spec_from_config(cfg)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._num_experts = int(cfg.get("num_experts", 0))
+        kw = dict(dtype=dtype, device=device)
+        self.model = _Model(cfg, tp_rank, tp_size, **kw)
+        self.lm_head = _vocab_parallel(cfg, tp_rank, tp_size, **kw)
+        if cfg.get("tie_word_embeddings", False):
+            # As vLLM does: one parameter, listed once by named_parameters() as embed_tokens.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("TinyRollout only loads weights; it has no forward pass")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies this rank's slices of full checkpoint tensors into the parameters, in place.
+
+        Tensors may come in any order and any subset; parameter storage is never replaced.
+
+        Args:
+            weights: ``(checkpoint name, full tensor)`` pairs, names and shapes as in
+                :attr:`spec`; any dtype and device (``copy_`` casts and moves).
+
+        Returns:
+            The names of the parameters the tensors were routed to; an expert tensor for another
+            rank's expert adds nothing (vLLM skips it the same way).
+
+        Raises:
+            KeyError: a name is not a tensor of the checkpoint.
+            ValueError: a tensor's shape is not the checkpoint shape of its name.
+        """
+        params = dict(self.named_parameters())
+        expert_mapping = _expert_params_mapping(self._num_experts)
+        loaded_params: set[str] = set()
+        for name, loaded in weights:
+            if name not in self.spec:
+                raise KeyError(f"`{name}` is not a tensor of this model's checkpoint "
+                               f"({len(self.spec)} tensors, e.g. {self.spec.names[0]!r}); check "
+                               f"that the trainer and TinyRollout were built from the same config")
+            if tuple(loaded.shape) != self.spec.shape(name):
+                raise ValueError(f"`{name}` has shape {tuple(loaded.shape)}, but the checkpoint "
+                                 f"shape is {self.spec.shape(name)}; pass the full, unsharded "
+                                 f"tensor")
+            for param_name, weight_name, shard_id in _STACKED_PARAMS:
+                # Expert gate/up names contain "gate_proj"/"up_proj" too; they go to w13 below.
+                if weight_name not in name or "mlp.experts" in name:
+                    continue
+                target = name.replace(weight_name, param_name)
+                params[target].weight_loader(params[target], loaded, shard_id)
+                loaded_params.add(target)
+                break
+            else:
+                for param_name, weight_name, expert_id, shard_id in expert_mapping:
+                    if weight_name not in name:
+                        continue
+                    target = name.replace(weight_name, param_name)
+                    if params[target].weight_loader(params[target], loaded, name,
+                                                    shard_id=shard_id, expert_id=expert_id):
+                        loaded_params.add(target)
+                    break
+                else:
+                    params[name].weight_loader(params[name], loaded)
+                    loaded_params.add(name)
+        return loaded_params
+
+
+# --- the oracle ----------------------------------------------------------------------------------
+def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
+                  tp_size: int = 1) -> dict[str, np.ndarray]:
+    """The global checkpoint id each element of each :class:`TinyRollout` parameter must hold.
+
+    Pure numpy, written from the layout (module docstring), not from the model: slices and
+    concatenations of ``spec.ids(name)``.
+
+    Args:
+        cfg: as for :class:`TinyRollout`.
+        tp_rank: as for :class:`TinyRollout`.
+        tp_size: as for :class:`TinyRollout`.
+
+    Returns:
+        ``{parameter name: int64 array of the parameter's shape}``, ``-1`` where an element comes
+        from no checkpoint tensor (vocab padding rows, ``k_scale``).
+
+    Raises:
+        ValueError: as for :class:`TinyRollout`.
+
+    Examples:
+        >>> maps = expected_maps(tp_rank=1, tp_size=2)
+        >>> maps["model.embed_tokens.weight"][35:39, 0]  # rows 99..102 of the padded 128
+        array([3168,   -1,   -1,   -1])
+    """
+    _check_args(cfg, tp_rank, tp_size)
+    spec = spec_from_config(cfg)
+    r, tp = tp_rank, tp_size
+    nh, kv, hd = (int(cfg[k]) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    out: dict[str, np.ndarray] = {}
+
+    def vocab_rows(name: str) -> np.ndarray:
+        ids = spec.ids(name)
+        padded = np.full((_padded_vocab(ids.shape[0]), ids.shape[1]), -1, dtype=np.int64)
+        padded[:ids.shape[0]] = ids
+        return np.split(padded, tp)[r]
+
+    def kv_rows(name: str) -> np.ndarray:
+        heads = spec.ids(name).reshape(kv, hd, -1)
+        mine = [r // (tp // kv)] if tp >= kv else range(r * kv // tp, (r + 1) * kv // tp)
+        return np.concatenate([heads[g] for g in mine])
+
+    out["model.embed_tokens.weight"] = vocab_rows("model.embed_tokens.weight")
+    for i in range(int(cfg["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
+                     "self_attn.k_norm"):
+            out[p + norm + ".weight"] = spec.ids(p + norm + ".weight")
+        out[p + "self_attn.qkv_proj.weight"] = np.concatenate([
+            np.split(spec.ids(p + "self_attn.q_proj.weight"), tp)[r],
+            kv_rows(p + "self_attn.k_proj.weight"), kv_rows(p + "self_attn.v_proj.weight")])
+        out[p + "self_attn.o_proj.weight"] = np.split(spec.ids(p + "self_attn.o_proj.weight"), tp,
+                                                      axis=1)[r]
+        out[p + "self_attn.attn.k_scale"] = np.full((1,), -1, dtype=np.int64)
+        if i < int(cfg.get("first_k_dense_replace", 0)):
+            out[p + "mlp.gate_up_proj.weight"] = np.concatenate([
+                np.split(spec.ids(p + "mlp.gate_proj.weight"), tp)[r],
+                np.split(spec.ids(p + "mlp.up_proj.weight"), tp)[r]])
+            out[p + "mlp.down_proj.weight"] = np.split(spec.ids(p + "mlp.down_proj.weight"), tp,
+                                                       axis=1)[r]
+        else:
+            out[p + "mlp.gate.weight"] = spec.ids(p + "mlp.gate.weight")
+            E = int(cfg["num_experts"])
+            mine = range(r * E // tp, (r + 1) * E // tp)
+            e = p + "mlp.experts."
+            out[e + "w13_weight"] = np.stack([
+                np.concatenate([spec.ids(f"{e}{j}.gate_proj.weight"),
+                                spec.ids(f"{e}{j}.up_proj.weight")]) for j in mine])
+            out[e + "w2_weight"] = np.stack([spec.ids(f"{e}{j}.down_proj.weight") for j in mine])
+    out["model.norm.weight"] = spec.ids("model.norm.weight")
+    if "lm_head.weight" in spec:  # absent when tied: the model then has one shared parameter
+        out["lm_head.weight"] = vocab_rows("lm_head.weight")
+    return out
+
+
+def checkpoint_tensors(spec: CheckpointSpec, rng: np.random.Generator | None = None,
+                       dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random full checkpoint tensors for demos: standard normal values, cast to ``dtype``.
+
+    Args:
+        spec: names and shapes of the tensors.
+        rng: source of the values; ``np.random.default_rng(0)`` when None, so runs repeat.
+        dtype: dtype of every tensor.
+
+    Returns:
+        ``{name: tensor of spec.shape(name)}`` in spec order, on the CPU.
+
+    Examples:
+        >>> t = checkpoint_tensors(spec_from_config(TINY))
+        >>> t["lm_head.weight"].shape, t["lm_head.weight"].dtype
+        (torch.Size([100, 32]), torch.bfloat16)
+    """
+    rng = np.random.default_rng(0) if rng is None else rng
+    return {name: torch.from_numpy(rng.standard_normal(spec.shape(name), dtype=np.float32))
+            .to(dtype) for name in spec.names}
