@@ -69,6 +69,17 @@ class Blocks(NamedTuple):
         """Elements covered by all blocks."""
         return int(np.dot(self.nr, self.nc))
 
+    def __eq__(self, other: object) -> bool:  # arrays compare element-wise; blocks as a whole
+        if not isinstance(other, Blocks):
+            return NotImplemented
+        return all(np.array_equal(a, b) for a, b in zip(self, other))
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # type: ignore[assignment]
+
     def take(self, index: np.ndarray) -> Blocks:
         return Blocks(*(f[index] for f in self))
 

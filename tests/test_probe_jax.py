@@ -1,0 +1,50 @@
+"""wb_jax.probe on the reference JAX trainer: exact global maps and per-device shard maps."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import wb  # noqa: E402
+import wb_jax  # noqa: E402
+from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb_jax.testing import checkpoint_arrays, expected_maps, make_load_fn, make_mesh  # noqa: E402
+
+needs4 = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (emulated) devices")
+
+
+@needs4
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_probe_equals_oracle_on_a_2x2_mesh(dtype):
+    cfg = dict(TINY, dtype=dtype)
+    maps = wb_jax.probe(make_load_fn(cfg, make_mesh(2, 2)), spec_from_config(cfg))
+    want = expected_maps(cfg, tp=2)
+    assert set(maps) == set(want)
+    for key, ids in want.items():
+        np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
+    # Reshaped attention kernels: one block per input row at most; stacked gate/up: 2 x E blocks.
+    assert maps["['layers'][0]['attn']['q']"].blocks.count <= TINY["hidden_size"]
+    assert maps["['layers'][1]['mlp']['gate_up']"].blocks.count == 2 * TINY["num_experts"]
+
+
+@needs4
+def test_shard_maps_follow_each_arrays_sharding():
+    mesh = make_mesh(2, 2)
+    load = make_load_fn(TINY, mesh)
+    spec = spec_from_config(TINY)
+    maps = wb_jax.probe(load, spec)
+    params = load(checkpoint_arrays(spec))
+    per_device = wb_jax.device_maps(params, maps)
+    assert len(per_device) == 4
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for dev, bufs in per_device.items():
+        for key, (sm, dtype) in bufs.items():
+            shard = next(s for s in leaves[key].addressable_shards if s.device == dev)
+            np.testing.assert_array_equal(sm.to_indices(), maps[key].to_indices()[shard.index])
+            assert dtype == "bfloat16"
+
+
+def test_impure_jax_load_is_refused():
+    spec = wb.CheckpointSpec({"w": ((8, 4), "float32")})
+    with pytest.raises(wb.ProbeError, match=r"buffer `\['w'\]`"):
+        wb_jax.probe(lambda ck: {"w": jax.numpy.asarray(ck["w"]) * 2.0}, spec)

@@ -1,0 +1,65 @@
+"""wb_torch.probe on the reference vLLM-style rollout model: exact for every dtype and TP rank."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import wb  # noqa: E402
+import wb_torch  # noqa: E402
+from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb_torch.testing import TinyRollout, expected_maps  # noqa: E402
+
+SPEC = spec_from_config(TINY)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1), (4, 3)])
+def test_probe_equals_oracle(dtype, tp, rank):
+    model = TinyRollout(TINY, tp_rank=rank, tp_size=tp, dtype=dtype)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    maps = wb_torch.probe(model, SPEC)
+    want = expected_maps(TINY, tp_rank=rank, tp_size=tp)
+    assert set(maps) == set(want)
+    for name, ids in want.items():
+        np.testing.assert_array_equal(maps[name].to_indices(), ids, err_msg=name)
+    assert ptrs == {n: p.data_ptr() for n, p in model.named_parameters()}
+    # k_scale is not from the checkpoint; padded vocab rows of the last shard are -1.
+    assert (maps["model.layers.0.self_attn.attn.k_scale"].to_indices() == -1).all()
+
+
+def test_maps_are_compact():
+    maps = wb_torch.probe(TinyRollout(TINY, tp_rank=1, tp_size=2), SPEC)
+    qkv = maps["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.blocks.count == 3 and qkv.nnz <= 48  # q rows, k rows, v rows
+    w13 = maps["model.layers.1.mlp.experts.w13_weight"]
+    assert w13.blocks.count <= 4 and w13.nnz <= 64  # 2 local experts x (gate, up), adjacent ids merge
+
+
+def test_scaling_load_weights_is_refused_with_the_parameter_named():
+    model = TinyRollout(TINY, dtype=torch.float32)
+
+    def scaled(weights):
+        return model.load_weights((n, t * 3) if "o_proj" in n else (n, t) for n, t in weights)
+    with pytest.raises(wb.ProbeError, match=r"buffer `model\.layers\.\d\.self_attn\.o_proj\.weight`"):
+        wb_torch.probe(model, SPEC, load_weights=scaled)
+
+
+def test_raising_load_weights_names_the_checkpoint_tensor():
+    model = TinyRollout(TINY)
+    bad = spec_from_config(dict(TINY, hidden_size=16))  # shapes the model does not expect
+    with pytest.raises(wb.ProbeError, match=r"checkpoint tensor `model\.embed_tokens\.weight`"):
+        wb_torch.probe(model, bad)
+
+
+def test_model_without_load_weights():
+    with pytest.raises(wb.ProbeError, match="no load_weights"):
+        wb_torch.probe(torch.nn.Linear(2, 2), SPEC)
+
+
+def test_numpy_round_trip_keeps_dtype():
+    for dt in DTYPES:
+        t = torch.arange(6, dtype=torch.float32).to(dt)
+        back = wb_torch.from_numpy(wb_torch.to_numpy(t))
+        assert back.dtype == dt and torch.equal(back.float(), t.float())

@@ -1,0 +1,45 @@
+"""Brute-force, per-element oracles (O(elements)): the reference the block algorithms must equal."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from wb.correspond import Correspondence
+from wb.layout import Layout
+
+__all__ = ["correspondence_pairs", "overlap_pairs"]
+
+Element = tuple[int, str, int]  # (layout index, buffer name, flat index)
+
+
+def correspondence_pairs(trainers: Sequence[Layout], rollouts: Sequence[Layout]
+                         ) -> set[tuple[Element, Element]]:
+    """Every (trainer element, rollout element) pair holding the same id, element by element."""
+    holders: dict[int, list[Element]] = {}
+    for li, lay in enumerate(trainers):
+        for name, buf in lay.buffers.items():
+            for f, i in enumerate(buf.sourcemap.to_indices().reshape(-1).tolist()):
+                if i >= 0:
+                    holders.setdefault(i, []).append((li, name, f))
+    pairs = set()
+    for li, lay in enumerate(rollouts):
+        for name, buf in lay.buffers.items():
+            for f, i in enumerate(buf.sourcemap.to_indices().reshape(-1).tolist()):
+                for h in holders.get(i, ()):
+                    pairs.add((h, (li, name, f)))
+    return pairs
+
+
+def overlap_pairs(corr: Correspondence) -> set[tuple[Element, Element]]:
+    """The element pairs a :class:`~wb.correspond.Correspondence` claims, expanded per element."""
+    ov = corr.overlaps()
+    pairs = set()
+    for k in range(ov.src_slot.size):
+        s, d = corr.slots[ov.src_slot[k]], corr.slots[ov.dst_slot[k]]
+        i, j = np.meshgrid(np.arange(ov.na[k]), np.arange(ov.nb[k]), indexing="ij")
+        fs = (ov.src_f0[k] + i * ov.src_fa[k] + j * ov.src_fb[k]).reshape(-1).tolist()
+        fd = (ov.dst_f0[k] + i * ov.dst_fa[k] + j * ov.dst_fb[k]).reshape(-1).tolist()
+        pairs.update(((s.layout, s.buffer, a), (d.layout, d.buffer, b)) for a, b in zip(fs, fd))
+    return pairs
