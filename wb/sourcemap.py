@@ -202,7 +202,7 @@ class SourceMap:
         >>> ids = np.arange(12).reshape(3, 4)[:, 1:3]          # a column shard
         >>> sm = SourceMap.from_indices(ids)
         >>> sm.shape, sm.nnz, sm.blocks.count
-        ((3, 2), 5, 1)
+        ((3, 2), 4, 1)
         >>> bool((sm.to_indices() == ids).all())
         True
     """

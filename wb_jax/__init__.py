@@ -13,7 +13,20 @@ import numpy as np
 
 import wb
 
-__all__ = ["probe", "shard_maps", "device_maps"]
+__all__ = ["probe", "shard_maps", "device_maps", "use_cpu_devices"]
+
+
+def use_cpu_devices(n: int) -> int:
+    """Asks JAX for ``n`` emulated CPU devices (for meshes on one machine); returns how many exist.
+
+    Only works before JAX starts its backend (the first computation); afterwards the devices that
+    exist are kept, and the caller gets their count to check.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", max(int(n), 1))
+    except RuntimeError:
+        pass  # backend already started (a notebook, a test session): keep what exists
+    return len(jax.devices())
 
 
 def _leaves(tree: Any) -> dict[str, Any]:

@@ -1,0 +1,36 @@
+"""Properties of SourceMap: exact round trips for any map; compact encodings for slice copies."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import wb
+from wb.sourcemap import MAX_ID
+from wb.testing import strategies as wbst
+
+shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=7)
+
+
+@given(hnp.arrays(np.int64, shapes, elements=st.integers(-1, MAX_ID)))
+def test_round_trip_any_map(ids):
+    sm = wb.SourceMap.from_indices(ids)
+    back = sm.to_indices()
+    assert back.shape == ids.shape and np.array_equal(back, ids)
+    assert wb.SourceMap.from_blocks(ids.shape, sm.blocks) == sm
+
+
+@given(hnp.arrays(np.int64, shapes, elements=st.integers(-1, 40)))
+def test_round_trip_small_ids_with_many_repeats(ids):
+    sm = wb.SourceMap.from_indices(ids)
+    assert np.array_equal(sm.to_indices(), ids)
+    assert sm.blocks.numel == int((ids >= 0).sum())
+
+
+@given(wbst.slice_copy_maps())
+def test_slice_copies_round_trip_and_stay_compact(case):
+    spec, ids = case
+    sm = wb.SourceMap.from_indices(ids)
+    assert np.array_equal(sm.to_indices(), ids)
+    assert sm.nnz <= 16 * sm.blocks.count
+    assert sm.blocks.numel == int((ids >= 0).sum())

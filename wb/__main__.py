@@ -1,0 +1,38 @@
+"""``python -m wb``: the command line (``demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="probe a JAX trainer and PyTorch rollouts, find the "
+                                        "correspondence, and show it (local, no cluster)")
+    demo.add_argument("--trainer", choices=("jax", "torch"), default="jax")
+    demo.add_argument("--rollout", choices=("torch", "jax"), default="torch")
+    demo.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
+    demo.add_argument("--tp", type=int, default=2, help="TP degree of each PyTorch side (default 2)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from wb.demo import run_demo
+
+        t0 = time.perf_counter()
+        report = run_demo(trainer=args.trainer, rollout=args.rollout, replicas=args.replicas,
+                          tp=args.tp, quiet=args.json)
+        report["demo_s"] = round(time.perf_counter() - t0, 3)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["verified"] else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
