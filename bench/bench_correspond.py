@@ -59,19 +59,23 @@ def layouts(n_tensors: int, scale: int, *, t_tp=4, t_dp=2, r_tp=8, r_dp=4):
 
 
 def run(n_tensors: int = 64, repeat: int = 5, scales=(1, 100, 10_000)) -> list[dict]:
-    out = []
-    base = None
-    for scale in scales:
-        trainers, rollouts, numel = layouts(n_tensors, scale)
-        times = []
-        for _ in range(repeat):
+    """Times ``wb.correspond`` at each scale; scales alternate inside every repeat, so a noisy
+    neighbour on the machine slows all of them alike."""
+    cases = {s: layouts(n_tensors, s) for s in scales}
+    times: dict[int, list[float]] = {s: [] for s in scales}
+    corrs = {}
+    for _ in range(repeat):
+        for scale, (trainers, rollouts, _) in cases.items():
             t0 = time.perf_counter()
-            corr = wb.correspond(trainers, rollouts)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        base = base or med
+            corrs[scale] = wb.correspond(trainers, rollouts)
+            times[scale].append(time.perf_counter() - t0)
+    out = []
+    base = statistics.median(times[scales[0]])
+    for scale, (trainers, rollouts, numel) in cases.items():
+        med = statistics.median(times[scale])
         blocks = sum(b.sourcemap.blocks.count for lay in trainers + rollouts
                      for b in lay.buffers.values())
+        corr = corrs[scale]
         out.append(dict(scale=scale, elements=numel, blocks=blocks, cells=int(corr.cell_id0.size),
                         overlaps=int(corr.overlaps().src_slot.size), median_s=med,
                         ratio_to_1x=med / base))

@@ -12,8 +12,15 @@ from wb.testing import strategies as wbst
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=7)
 
 
+@given(hnp.arrays(np.int64, shapes, elements=st.integers(-2**63, 2**63 - 1)))
+def test_round_trip_any_int64_map(ids):
+    sm = wb.SourceMap.from_indices(ids)
+    assert np.array_equal(sm.to_indices(), ids)
+    assert wb.SourceMap.from_blocks(ids.shape, sm.blocks) == sm
+
+
 @given(hnp.arrays(np.int64, shapes, elements=st.integers(-1, MAX_ID)))
-def test_round_trip_any_map(ids):
+def test_round_trip_any_id_map(ids):
     sm = wb.SourceMap.from_indices(ids)
     back = sm.to_indices()
     assert back.shape == ids.shape and np.array_equal(back, ids)

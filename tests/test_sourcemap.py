@@ -88,10 +88,18 @@ def test_from_blocks_rejects_overlaps_and_out_of_view():
         wb.SourceMap.from_blocks((4, 4), Blocks.of((3, 2, 0, 1, 0, 4, 1)))
 
 
-@pytest.mark.parametrize("bad", [np.array([0, -2]), np.array([0.5]), np.array([2**62])])
-def test_bad_ids_are_refused(bad):
+@pytest.mark.parametrize("bad", [np.array([0.5]), np.array([2**64 - 1], dtype=np.uint64)])
+def test_non_int64_ids_are_refused(bad):
     with pytest.raises(wb.SpecError):
         wb.SourceMap.from_indices(bad)
+
+
+def test_extreme_int64_values_round_trip_but_layouts_refuse_them():
+    ids = np.array([[-2**63, 2**63 - 1, -1, 0], [-5, 2**62, 2**63 - 2, -2**63 + 1]])
+    sm = wb.SourceMap.from_indices(ids)
+    np.testing.assert_array_equal(sm.to_indices(), ids)
+    with pytest.raises(wb.SpecError, match="ids must be"):
+        wb.BufferSpec(sm, "bfloat16")
 
 
 def test_slicing_pickle_and_arrays_round_trip():

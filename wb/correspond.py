@@ -200,11 +200,17 @@ class _Zones(NamedTuple):
     p: np.ndarray  # (z,) phase: id = p + a * S + b with 0 <= b < S
 
 
-def _infer_zones(rect: _Rect) -> tuple[_Zones, np.ndarray]:
+def _infer_zones(rect: _Rect, seg: _Seg) -> tuple[_Zones, np.ndarray]:
     """Groups rectangles whose id extents overlap into zones with one consistent grid.
 
+    A group's grid width is its rectangles' ``S``; its phase ``p`` must let every rectangle sit
+    inside one grid row. Candidate phases are the residues of 1-D run ends inside the group (whole
+    tensors and whole rows start on row boundaries) and of the rectangles' first ids; the valid
+    candidate leaving the fewest run ends off a row boundary wins, so runs are cut as little as
+    possible. Zone extents are then widened to whole grid rows where no neighbour is in the way.
+
     Returns the zones (sorted, disjoint) and, per rectangle, its zone or -1 where no grid fits all
-    rectangles of its group (those are split into rows by the caller).
+    rectangles of its group (the caller splits those into rows, which is always exact).
     """
     m = rect.x0.size
     if m == 0:
@@ -221,33 +227,53 @@ def _infer_zones(rect: _Rect) -> tuple[_Zones, np.ndarray]:
     g_hi = np.zeros(n_g, np.int64)
     np.minimum.at(g_lo, group, lo)
     np.maximum.at(g_hi, group, hi)
-    # Every rectangle of a group must have the same S, and a phase where none wraps a grid row.
     g_S = np.zeros(n_g, np.int64)
     g_S[group[order][::-1]] = rect.S[order][::-1]  # S of the first rectangle of each group
-    ok = np.ones(n_g, bool)
-    np.logical_and.at(ok, group, rect.S == g_S[group])
-    g_p = np.full(n_g, -1, np.int64)
+    same_S = np.ones(n_g, bool)
+    np.logical_and.at(same_S, group, rect.S == g_S[group])
+    S_safe = np.maximum(g_S, 1)
+    # Run ends that fall inside a group (groups are numbered in increasing id order).
+    ends = np.concatenate([seg.x0, seg.x0 + seg.n])
+    eg = np.searchsorted(g_lo, ends, side="right") - 1
+    inside = (eg >= 0) & (ends <= g_hi[np.maximum(eg, 0)])
+    ends, eg = ends[inside], eg[inside]
+    e_order = np.lexsort((ends, eg))
+    ends, eg = ends[e_order], eg[e_order]
+    e_start = np.searchsorted(eg, np.arange(n_g))
+    e_count = np.bincount(eg, minlength=n_g)
     members = order[np.argsort(group[order], kind="stable")]  # by group, then by lo
-    g_start = np.searchsorted(group[members], np.arange(n_g))
-    g_size = np.bincount(group, minlength=n_g)
-    open_ = ok.copy()
-    for k in range(64):  # candidate phases: the residues of each group's k-th rectangle
-        cand = open_ & (g_size > k)
-        if not cand.any():
-            break
-        gi = np.flatnonzero(cand)
-        phase = np.full(n_g, -1, np.int64)
-        phase[gi] = rect.x0[members[g_start[gi] + k]] % g_S[gi]
-        mine = cand[group]
-        fits = np.ones(n_g, bool)
-        b0 = (rect.x0 - phase[group]) % np.maximum(g_S[group], 1)
+    r_start = np.searchsorted(group[members], np.arange(n_g))
+    r_count = np.bincount(group, minlength=n_g)
+    best_p = np.full(n_g, -1, np.int64)
+    best_score = np.full(n_g, np.iinfo(np.int64).max)
+    rounds = [("end", k) for k in range(8)] + [("rect", k) for k in range(8)]
+    for kind, k in rounds:
+        has = same_S & ((e_count if kind == "end" else r_count) > k)
+        if not has.any():
+            continue
+        gi = np.flatnonzero(has)
+        phase = np.zeros(n_g, np.int64)
+        src = ends[e_start[gi] + k] if kind == "end" else rect.x0[members[r_start[gi] + k]]
+        phase[gi] = src % S_safe[gi]
+        fits = has.copy()
+        mine = has[group]
+        b0 = (rect.x0 - phase[group]) % S_safe[group]
         np.logical_and.at(fits, group[mine], (b0 + rect.ncol <= g_S[group])[mine])
-        won = cand & fits
-        g_p[won] = phase[won]
-        open_ &= ~won
-    good = g_p >= 0
+        score = np.zeros(n_g, np.int64)
+        np.add.at(score, eg, ((ends - phase[eg]) % S_safe[eg] != 0).astype(np.int64))
+        better = fits & (score < best_score)
+        best_p[better], best_score[better] = phase[better], score[better]
+    good = best_p >= 0
     zone_of_group = np.cumsum(good) - 1
-    zones = _Zones(g_lo[good], g_hi[good], g_S[good], g_p[good])
+    z_lo, z_hi, z_S, z_p = g_lo[good], g_hi[good], g_S[good], best_p[good]
+    # Widen to whole grid rows, never into a neighbour (zones stay sorted and disjoint).
+    want_lo = z_p + ((z_lo - z_p) // z_S) * z_S
+    want_hi = z_p + (-((z_p - z_hi) // z_S)) * z_S
+    nxt = np.r_[z_lo[1:], np.iinfo(np.int64).max]
+    z_hi = np.minimum(want_hi, nxt)
+    prev = np.r_[np.iinfo(np.int64).min, z_hi[:-1]]
+    z_lo = np.maximum(want_lo, prev)
+    zones = _Zones(z_lo, z_hi, z_S, z_p)
     return zones, np.where(good[group], zone_of_group[group], -1)
 
 
@@ -346,7 +372,7 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
                 segs.append(s)
                 rects.append(r)
     seg, rect = _cat(segs, _Seg), _cat(rects, _Rect)
-    zones, rect_zone = _infer_zones(rect)
+    zones, rect_zone = _infer_zones(rect, seg)
     misfit = rect_zone < 0
     if misfit.any():
         seg = _cat([seg, _rect_rows(rect, misfit)], _Seg)

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 from wb.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
-from wb.sourcemap import SourceMap
+from wb.sourcemap import MAX_ID, SourceMap
 
 __all__ = ["Role", "Worker", "BufferSpec", "Layout"]
 
@@ -55,6 +55,10 @@ class BufferSpec:
             raise SpecError(f"BufferSpec.sourcemap must be a SourceMap, got "
                             f"{type(self.sourcemap).__name__}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        lo, hi = self.sourcemap.blocks.id_range()
+        if lo < 0 or hi > MAX_ID:
+            raise SpecError(f"BufferSpec source map holds ids in [{lo:.0f}, {hi:.0f}]; ids must be "
+                            f"-1 (not from the checkpoint) or in [0, {MAX_ID}]")
 
     @property
     def itemsize(self) -> int:

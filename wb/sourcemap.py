@@ -8,7 +8,8 @@ A buffer of shape ``S`` is viewed as 2-D: ``rows = prod(S[:-1])``, ``cols = S[-1
   zeros has at most 16 non-zeros in ``D`` (4 rows x 4 columns around its corners), so a slice-copy
   map costs at most 16 entries per rectangle; any map is exact (at worst one entry per element), and
   decoding is two prefix sums per axis. Integer arithmetic wraps modulo 2**64 identically in
-  encoding and decoding, so the round trip is exact for every id below 2**62.
+  encoding and decoding (both are ring operations), so the round trip is exact for every int64
+  value; only ``-1`` is special. Layouts additionally require ids in ``[0, MAX_ID]``.
 - **blocks**: affine rectangles ``id(r, c) = id0 + (r - r0) * sr + (c - c0) * sc`` for
   ``r0 <= r < r0 + nr``, ``c0 <= c < c0 + nc``. Intersection and planning work on blocks.
 
@@ -28,7 +29,7 @@ from wb.errors import SpecError
 
 __all__ = ["SourceMap", "Blocks", "MAX_ID"]
 
-#: Largest id a map may hold (second differences of larger ids could wrap past the exact range).
+#: Largest id a layout accepts (the codec itself is exact for any int64 value).
 MAX_ID = 2**62 - 1
 
 # Elements per chunk when scanning index arrays: bounds the transient memory of encoding.
@@ -80,6 +81,17 @@ class Blocks(NamedTuple):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def id_range(self) -> tuple[float, float]:
+        """Smallest and largest id in the blocks (as floats: a range check, not an exact value)."""
+        if self.count == 0:
+            return 0.0, 0.0
+        id0 = self.id0.astype(np.float64)
+        span_r = (self.nr - 1).astype(np.float64) * self.sr
+        span_c = (self.nc - 1).astype(np.float64) * self.sc
+        lo = id0 + np.minimum(span_r, 0) + np.minimum(span_c, 0)
+        hi = id0 + np.maximum(span_r, 0) + np.maximum(span_c, 0)
+        return float(lo.min()), float(hi.max())
+
     def take(self, index: np.ndarray) -> Blocks:
         return Blocks(*(f[index] for f in self))
 
@@ -118,7 +130,7 @@ def _row_runs(ids2d: np.ndarray, row_offset: int) -> tuple[np.ndarray, ...]:
     """Maximal affine runs along each row of a chunk: ``(row, c0, nc, id0, sc)`` arrays."""
     rows, cols = ids2d.shape
     v = ids2d.reshape(-1)
-    valid = v >= 0
+    valid = v != -1
     forced = valid.copy()
     forced[1:] &= ~valid[:-1]
     forced[::cols] = valid[::cols]
@@ -219,14 +231,18 @@ class SourceMap:
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def from_indices(cls, ids: np.ndarray) -> SourceMap:
-        """Encodes an int64 array of ids (``-1``: not from the checkpoint) of any shape.
+        """Encodes an integer array of ids (``-1``: not from the checkpoint) of any shape.
+
+        Exact for every int64 value. Layouts (:class:`wb.BufferSpec`) accept ids ``0 .. MAX_ID``.
 
         Raises:
-            SpecError: ``ids`` is not integer, or holds a value below -1 or above ``MAX_ID``.
+            SpecError: ``ids`` is not an integer array, or is uint64 beyond the int64 range.
         """
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise SpecError(f"source map ids must be integers, got dtype {ids.dtype}")
+        if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
+            raise SpecError(f"source map ids must fit int64, found {ids.max()}")
         shape = ids.shape
         rows, cols = _view2d(shape)
         runs: list[tuple[np.ndarray, ...]] = []
@@ -235,10 +251,6 @@ class SourceMap:
             step = max(1, _CHUNK // cols)
             for r in range(0, rows, step):
                 chunk = np.asarray(v2[r:r + step], dtype=np.int64)
-                lo, hi = chunk.min(), chunk.max()
-                if lo < -1 or hi > MAX_ID:
-                    raise SpecError(
-                        f"source map ids must lie in [-1, {MAX_ID}], found {lo if lo < -1 else hi}")
                 runs.append(_row_runs(chunk, r))
         if runs:
             blocks = _merge_rows(*(np.concatenate(f) for f in zip(*runs)))
