@@ -3,14 +3,17 @@
 from wb import dtypes
 from wb.correspond import Correspondence, Overlaps, correspond
 from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
-from wb.layout import BufferSpec, Layout, Role, Worker
+from wb.layout import BufferSpec, Cluster, Layout, Role, Worker
+from wb.plan import Plan, Traffic, run_local
+from wb.planner import lower_bound, plan
 from wb.probe import probe
 from wb.sourcemap import Blocks, SourceMap
 from wb.spec import CheckpointSpec
 
 __all__ = [
     "CheckpointSpec", "SourceMap", "Blocks", "probe",
-    "Worker", "BufferSpec", "Layout", "Role",
+    "Worker", "BufferSpec", "Layout", "Role", "Cluster",
+    "plan", "Plan", "Traffic", "lower_bound", "run_local",
     "correspond", "Correspondence", "Overlaps",
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError",
     "dtypes",

@@ -127,17 +127,20 @@ def _cat(parts, cls):
     return cls(*(np.concatenate(f).astype(np.int64, copy=False) for f in zip(*parts)))
 
 
-def _pieces(slot: int, b: Blocks, cols: int) -> tuple[_Seg, _Rect]:
-    """Canonical pieces of one buffer's blocks: 1-D id runs and grid rectangles."""
+def _pieces(slot: np.ndarray, b: Blocks, cols: np.ndarray) -> tuple[_Seg, _Rect]:
+    """Canonical pieces of blocks (of any buffers): 1-D id runs and grid rectangles.
+
+    ``slot`` and ``cols`` give, per block, its buffer and the buffer's row length.
+    """
     n = b.count
     id0, sr, sc = b.id0.copy(), b.sr.copy(), b.sc.copy()
     f0 = b.r0 * cols + b.c0
-    fr = np.full(n, cols, np.int64)
+    fr = cols.astype(np.int64, copy=True)
     fc = np.ones(n, np.int64)
     # Negative steps: walk the block backwards so ids ascend (the buffer steps turn negative).
     neg = sr < 0
     id0[neg] += (b.nr[neg] - 1) * sr[neg]
-    f0[neg] += (b.nr[neg] - 1) * cols
+    f0[neg] += (b.nr[neg] - 1) * cols[neg]
     sr[neg], fr[neg] = -sr[neg], -fr[neg]
     neg = sc < 0
     id0[neg] += (b.nc[neg] - 1) * sc[neg]
@@ -155,13 +158,14 @@ def _pieces(slot: int, b: Blocks, cols: int) -> tuple[_Seg, _Rect]:
     p_L = np.concatenate([nc[row1], nr[col1], (nr * nc)[flat_c], (nr * nc)[flat_r]])
     p_x0 = np.concatenate([id0[row1], id0[col1], id0[flat_c], id0[flat_r]])
     p_f0 = np.concatenate([f0[row1], f0[col1], f0[flat_c], f0[flat_r]])
+    p_slot = np.concatenate([slot[row1], slot[col1], slot[flat_c], slot[flat_r]])
     # Genuine 2-D blocks with a unit id step on one axis are grid rectangles.
     inner_c = two_d & (sc == 1) & (sr >= nc)
     inner_r = two_d & ~inner_c & (sr == 1) & (sc >= nr)
-    rects = [(id0[inner_c], nr[inner_c], nc[inner_c], sr[inner_c], f0[inner_c], fr[inner_c],
-              fc[inner_c]),
-             (id0[inner_r], nc[inner_r], nr[inner_r], sc[inner_r], f0[inner_r], fc[inner_r],
-              fr[inner_r])]
+    rects = [(slot[inner_c], id0[inner_c], nr[inner_c], nc[inner_c], sr[inner_c], f0[inner_c],
+              fr[inner_c], fc[inner_c]),
+             (slot[inner_r], id0[inner_r], nc[inner_r], nr[inner_r], sc[inner_r], f0[inner_r],
+              fc[inner_r], fr[inner_r])]
     # Anything else: one 1-D progression per buffer row (exact, O(rows)).
     odd = two_d & ~inner_c & ~inner_r
     if odd.any():
@@ -172,23 +176,24 @@ def _pieces(slot: int, b: Blocks, cols: int) -> tuple[_Seg, _Rect]:
         p_L = np.concatenate([p_L, nc[k]])
         p_x0 = np.concatenate([p_x0, id0[k] + i * sr[k]])
         p_f0 = np.concatenate([p_f0, f0[k] + i * fr[k]])
+        p_slot = np.concatenate([p_slot, slot[k]])
     rep = (p_s == 0) & (p_L > 1)  # one id repeated: each copy is its own one-element run
     if rep.any():
         k = np.repeat(np.flatnonzero(rep), p_L[rep])
         i = np.arange(k.size) - np.repeat(np.cumsum(p_L[rep]) - p_L[rep], p_L[rep])
         keep = ~rep
+        p_slot = np.concatenate([p_slot[keep], p_slot[k]])
         p_x0 = np.concatenate([p_x0[keep], p_x0[k]])
         p_f0 = np.concatenate([p_f0[keep], p_f0[k] + i * p_fs[k]])
         p_s = np.concatenate([p_s[keep], np.ones(k.size, np.int64)])
         p_fs = np.concatenate([p_fs[keep], np.ones(k.size, np.int64)])
         p_L = np.concatenate([p_L[keep], np.ones(k.size, np.int64)])
     unit = (p_s == 1) | (p_L == 1)
-    seg = _Seg(np.full(unit.sum(), slot), p_x0[unit], p_L[unit], p_f0[unit], p_fs[unit])
+    seg = _Seg(p_slot[unit], p_x0[unit], p_L[unit], p_f0[unit], p_fs[unit])
     st = ~unit  # strided 1-D progressions: a one-column rectangle of grid width s
-    rects.append((p_x0[st], p_L[st], np.ones(st.sum(), np.int64), p_s[st], p_f0[st], p_fs[st],
-                  np.zeros(st.sum(), np.int64)))
-    rect = _cat([(np.full(len(r[0]), slot),) + r for r in rects], _Rect)
-    return seg, rect
+    rects.append((p_slot[st], p_x0[st], p_L[st], np.ones(st.sum(), np.int64), p_s[st], p_f0[st],
+                  p_fs[st], np.zeros(st.sum(), np.int64)))
+    return seg, _cat(rects, _Rect)
 
 
 # --- zones ------------------------------------------------------------------------------------
@@ -358,7 +363,8 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
             buffer and first missing id), or dtypes disagree.
     """
     slots: list[Slot] = []
-    segs, rects = [], []
+    blocks: list[Blocks] = []
+    cols: list[int] = []
     for role, layouts in ((Role.TRAINER, trainers), (Role.ROLLOUT, rollouts)):
         for li, lay in enumerate(layouts):
             if not isinstance(lay, Layout):
@@ -367,11 +373,14 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
                 raise PlanError(f"{role.value}s[{li}] is a layout of a {lay.worker.role.value} "
                                 f"(rank {lay.worker.rank}); pass it in the {lay.worker.role.value}s list")
             for name, buf in lay.buffers.items():
-                s, r = _pieces(len(slots), buf.sourcemap.blocks, buf.sourcemap.view2d[1])
                 slots.append(Slot(role, li, lay.worker.rank, name))
-                segs.append(s)
-                rects.append(r)
-    seg, rect = _cat(segs, _Seg), _cat(rects, _Rect)
+                blocks.append(buf.sourcemap.blocks)
+                cols.append(buf.sourcemap.view2d[1])
+    counts = np.array([b.count for b in blocks], np.int64)
+    all_blocks = Blocks(*(np.concatenate(f) if blocks else np.zeros(0, np.int64)
+                          for f in zip(*blocks))) if blocks else Blocks.empty()
+    seg, rect = _pieces(np.repeat(np.arange(len(slots)), counts), all_blocks,
+                        np.repeat(np.asarray(cols, np.int64), counts))
     zones, rect_zone = _infer_zones(rect, seg)
     misfit = rect_zone < 0
     if misfit.any():

@@ -11,7 +11,7 @@ from wb.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
 from wb.sourcemap import MAX_ID, SourceMap
 
-__all__ = ["Role", "Worker", "BufferSpec", "Layout"]
+__all__ = ["Role", "Worker", "BufferSpec", "Layout", "Cluster"]
 
 
 class Role(StrEnum):
@@ -85,3 +85,35 @@ class Layout:
 
     def __reduce__(self):
         return (Layout, (self.worker, dict(self.buffers)))
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Bandwidths of the machines: a NIC per GPU and NVLink inside a node.
+
+    Defaults are H100/H200-class: 400 Gb/s NIC per GPU (each direction) and ~450 GB/s NVLink per
+    GPU (each direction). ``nodes`` overrides the NIC speed of named nodes (Gb/s).
+
+    Examples:
+        >>> Cluster().nic_bytes_per_s("n0") / 1e9, Cluster().nvlink_bytes_per_s("n0") / 1e9
+        (50.0, 450.0)
+    """
+
+    nic_gbps: float = 400.0  # per GPU, each direction, gigabits per second
+    nvlink_GBps: float = 450.0  # per GPU, each direction, gigabytes per second
+    nodes: Mapping[str, float] = field(default_factory=dict)  # node -> NIC Gb/s per GPU
+
+    def __post_init__(self):
+        if self.nic_gbps <= 0 or self.nvlink_GBps <= 0:
+            raise SpecError(f"Cluster bandwidths must be positive, got nic_gbps={self.nic_gbps}, "
+                            f"nvlink_GBps={self.nvlink_GBps}")
+        object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
+
+    def nic_bytes_per_s(self, node: str) -> float:
+        return self.nodes.get(node, self.nic_gbps) * 1e9 / 8
+
+    def nvlink_bytes_per_s(self, node: str) -> float:
+        return self.nvlink_GBps * 1e9
+
+    def __reduce__(self):
+        return (Cluster, (self.nic_gbps, self.nvlink_GBps, dict(self.nodes)))

@@ -23,11 +23,12 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from wb.layout import BufferSpec, Layout, Worker
+from wb.layout import BufferSpec, Cluster, Layout, Worker
 from wb.sourcemap import SourceMap
 from wb.spec import CheckpointSpec
 
-__all__ = ["specs", "slice_copy", "slice_copy_maps", "holder_sets", "layouts", "LayoutCase"]
+__all__ = ["specs", "slice_copy", "slice_copy_maps", "holder_sets", "layouts", "LayoutCase",
+           "clusters"]
 
 _DTYPES = ("bfloat16", "float32", "float16")
 
@@ -132,21 +133,37 @@ class LayoutCase(NamedTuple):
 
 
 @st.composite
-def layouts(draw, *, max_rollouts: int = 4, max_nodes: int = 3, dtype: str = "bfloat16"
-            ) -> LayoutCase:
-    """A spec, trainers that hold all of it, and rollout workers on nodes needing slice copies."""
+def layouts(draw, *, max_rollouts: int = 4, max_nodes: int = 3, dtype: str = "bfloat16",
+            colocated: bool | None = None) -> LayoutCase:
+    """A spec, trainers that hold all of it, and rollout workers on nodes needing slice copies.
+
+    With ``colocated`` (drawn when ``None``), rollout workers share nodes, and sometimes GPUs
+    (same node and ``local_rank``), with trainers.
+    """
     spec = draw(specs(dtypes=(dtype,)))
     holders = draw(holder_sets(spec))
     n_tnodes = draw(st.integers(1, 2))
-    trainers = [Layout(Worker(rank=i, node=f"t{i % n_tnodes}", role="trainer",
+    trainers = [Layout(Worker(rank=i, node=f"n{i % n_tnodes}", role="trainer",
                               local_rank=i // n_tnodes),
                        {"buf": BufferSpec(SourceMap.from_indices(h), dtype)})
                 for i, h in enumerate(holders)]
+    coloc = draw(st.booleans()) if colocated is None else colocated
     n_nodes = draw(st.integers(1, max_nodes))
     rollouts = []
     for k in range(draw(st.integers(1, max_rollouts))):
         bufs = {f"b{j}": BufferSpec(SourceMap.from_indices(draw(slice_copy(spec))), dtype)
                 for j in range(draw(st.integers(1, 3)))}
-        rollouts.append(Layout(Worker(rank=len(trainers) + k, node=f"r{k % n_nodes}",
-                                      role="rollout", local_rank=k // n_nodes), bufs))
+        # colocated: rollout nodes are the trainer nodes n0, n1, ..., GPUs overlap theirs
+        node = f"n{k % n_nodes}" if coloc else f"r{k % n_nodes}"
+        rollouts.append(Layout(Worker(rank=len(trainers) + k, node=node, role="rollout",
+                                      local_rank=k // n_nodes), bufs))
     return LayoutCase(spec, trainers, rollouts)
+
+
+@st.composite
+def clusters(draw) -> Cluster:
+    """Bandwidth models: NIC 100-800 Gb/s per GPU, NVLink 100-900 GB/s, some slower nodes."""
+    slow = draw(st.dictionaries(st.sampled_from(["n0", "n1", "r0", "r1"]),
+                                st.floats(25, 400), max_size=2))
+    return Cluster(nic_gbps=draw(st.floats(100, 800)), nvlink_GBps=draw(st.floats(100, 900)),
+                   nodes=slow)

@@ -1,0 +1,69 @@
+"""Properties of plans on random specs, slice-copy layouts and clusters, colocated or not."""
+
+import numpy as np
+from hypothesis import given
+
+import wb
+from wb.testing import strategies as wbst
+
+
+def _value(ids):
+    """The weight value of checkpoint element `id` (distinct per id, exact in float64)."""
+    return ids.astype(np.float64) * 3.0 + 0.25
+
+
+def _buffers(layouts, fill):
+    out = {}
+    for lay in layouts:
+        out[lay.worker.rank] = {}
+        for name, b in lay.buffers.items():
+            ids = b.sourcemap.to_indices()
+            out[lay.worker.rank][name] = _value(ids) if fill is None else np.full(ids.shape, fill)
+    return out
+
+
+@given(wbst.layouts(), wbst.clusters())
+def test_plan_verifies_delivers_exactly_and_meets_the_bound(case, cluster):
+    p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64)
+    p.verify()
+    # run_local reproduces every needed element exactly and touches nothing else
+    out = wb.run_local(p, _buffers(case.trainers, None), _buffers(case.rollouts, np.nan))
+    for lay in case.rollouts:
+        for name, b in lay.buffers.items():
+            ids = b.sourcemap.to_indices()
+            got = out[lay.worker.rank][name]
+            assert np.array_equal(got[ids >= 0], _value(ids[ids >= 0]))
+            assert np.isnan(got[ids < 0]).all()
+    # traffic equals the lower bound: trainer bytes == M, node_in[v] == M_v
+    t, lb = p.traffic(), wb.lower_bound(case.trainers, case.rollouts)
+    assert t.trainer_total == lb.trainer_total
+    assert {k: v for k, v in t.node_in.items() if v} == lb.node_in
+
+
+@given(wbst.layouts())
+def test_stage_order_and_no_piece_enters_a_node_twice(case):
+    p = wb.plan(case.trainers, case.rollouts, chunk_bytes=48)
+    T = p.transfers
+    fwd = T.after >= 0
+    assert (T.after[fwd] < np.flatnonzero(fwd)).all()
+    assert (T.piece[T.after[fwd]] == T.piece[fwd]).all()
+    assert (T.dst_slot[T.after[fwd]] == T.src_slot[fwd]).all()
+    node = {i: (p.trainers if s.role == "trainer" else p.rollouts)[s.layout].worker.node
+            for i, s in enumerate(p.slots)}
+    entered = [(int(T.piece[t]), node[int(T.dst_slot[t])]) for t in range(T.piece.size)
+               if node[int(T.src_slot[t])] != node[int(T.dst_slot[t])]]
+    assert len(entered) == len(set(entered))
+    # messages: a forwarded message waits for exactly the message that carried its data
+    M = p.messages
+    assert (M.parent[T.message[fwd]] == T.message[T.after[fwd]]).all()
+
+
+@given(wbst.layouts(colocated=False))
+def test_without_colocation_trainers_send_each_needed_byte_once(case):
+    p = wb.plan(case.trainers, case.rollouts)
+    needed = set()
+    for lay in case.rollouts:
+        for b in lay.buffers.values():
+            ids = b.sourcemap.to_indices()
+            needed.update(ids[ids >= 0].tolist())
+    assert p.traffic().trainer_total == 2 * len(needed)  # bf16

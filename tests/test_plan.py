@@ -1,0 +1,175 @@
+"""Plans: bound, verify (including corrupted plans), serialisation, per-worker views, run_local."""
+
+import io
+
+import numpy as np
+import pytest
+
+import wb
+from wb.plan import Transfers
+
+W = np.arange(32 * 24, dtype=np.int64).reshape(32, 24)  # a weight [out, in]
+N = W.size + np.arange(24)  # a norm
+
+
+def lay(rank, node, role, bufs, local_rank=0):
+    return wb.Layout(wb.Worker(rank, node, role, local_rank),
+                     {k: wb.BufferSpec(wb.SourceMap.from_indices(v), "bfloat16") for k, v in bufs.items()})
+
+
+def deployment():
+    """2 trainer replicas x TP 2 (transposed shards) -> 3 rollout nodes x TP 2 (+ norm)."""
+    trainers = [lay(d * 2 + t, f"t{d}", "trainer", {"w": W[:, 12 * t:12 * (t + 1)].T, "n": N}, t)
+                for d in range(2) for t in range(2)]
+    rollouts = [lay(4 + v * 2 + t, f"r{v}", "rollout", {"w": W[16 * t:16 * (t + 1)], "n": N}, t)
+                for v in range(3) for t in range(2)]
+    return trainers, rollouts
+
+
+@pytest.fixture(scope="module")
+def good():
+    trainers, rollouts = deployment()
+    return wb.plan(trainers, rollouts, chunk_bytes=256)
+
+
+def test_traffic_equals_the_lower_bound(good):
+    trainers, rollouts = deployment()
+    t, lb = good.traffic(), wb.lower_bound(trainers, rollouts)
+    M = (W.size + N.size) * 2
+    assert t.trainer_total == lb.trainer_total == M
+    assert t.node_in == lb.node_in == {"r0": M, "r1": M, "r2": M}
+    assert sum(t.node_out.get(f"r{v}", 0) for v in range(3)) == 2 * M  # stage 2 feeds 2 of 3
+    good.verify()
+
+
+def test_holders_are_balanced_over_replicas(good):
+    out = good.traffic().trainer_out
+    assert max(out.values()) <= 1.3 * min(out.values())
+
+
+def _drop(plan, t):
+    """The plan without transfer t (a leaf), indices and messages kept consistent."""
+    T = plan.transfers
+    assert not (T.after == t).any()
+    keep = np.arange(T.piece.size) != t
+    remap = np.cumsum(keep) - 1
+    after = np.where(T.after[keep] >= 0, remap[np.maximum(T.after[keep], 0)], -1)
+    fields = {f: getattr(T, f)[keep] for f in T._fields}
+    fields["after"] = after
+    return plan.replace(transfers=Transfers(**fields))
+
+
+def _leaf(plan):
+    T = plan.transfers
+    used = set(T.after[T.after >= 0].tolist())
+    return max(t for t in range(T.piece.size) if t not in used)
+
+
+def test_verify_rejects_a_dropped_chunk(good):
+    with pytest.raises(wb.PlanError, match="never delivered"):
+        _drop(good, _leaf(good)).verify()
+
+
+def test_verify_rejects_a_wrong_source(good):
+    T = good.transfers
+    t = int(np.flatnonzero(T.stage == 1)[0])
+    # the other TP shard's trainer buffer (same rank layout index differs): holds other ids
+    wrong = T.src_inc.copy()
+    corr = good.corr
+    cands = np.flatnonzero((good.corr.slot_role[corr.inc_slot] == 0)
+                           & (corr.inc_cell != good.pieces.cell[T.piece[t]]))
+    wrong[t] = cands[0]
+    slot = T.src_slot.copy()
+    slot[t] = corr.inc_slot[cands[0]]
+    with pytest.raises(wb.PlanError, match="source buffer does not hold"):
+        good.replace(transfers=T._replace(src_inc=wrong, src_slot=slot)).verify()
+
+
+def test_verify_rejects_a_wrong_region(good):
+    T = good.transfers
+    f0 = T.dst_f0.copy()
+    f0[3] += 1
+    with pytest.raises(wb.PlanError, match="destination region"):
+        good.replace(transfers=T._replace(dst_f0=f0)).verify()
+
+
+def test_verify_rejects_a_duplicated_send(good):
+    T = good.transfers
+    t = _leaf(good)
+    dup = Transfers(*(np.r_[f, f[t]] for f in T))
+    with pytest.raises(wb.PlanError, match="delivered twice"):
+        good.replace(transfers=dup).verify()
+
+
+def test_verify_rejects_a_stage_order_violation(good):
+    T = good.transfers
+    child = int(np.flatnonzero(T.after >= 0)[0])
+    parent = int(T.after[child])
+    after = T.after.copy()
+    after[child] = child + 1 if child + 1 < T.piece.size else child  # points at a later transfer
+    with pytest.raises(wb.PlanError, match="stage order"):
+        good.replace(transfers=T._replace(after=after)).verify()
+    assert parent < child
+
+
+def test_verify_rejects_a_plan_for_other_layouts(good):
+    trainers, rollouts = deployment()
+    other = [lay(4, "r0", "rollout", {"w": W[:8]})]
+    with pytest.raises(wb.PlanError, match="other layouts"):
+        good.replace(rollouts=tuple(other)).verify()
+
+
+def test_save_load_round_trip_without_pickle(good):
+    f = io.BytesIO()
+    good.save(f)
+    f.seek(0)
+    back = wb.Plan.load(f)
+    assert back == good
+    back.verify()
+    f.seek(0)
+    with np.load(f, allow_pickle=False) as z:
+        assert all(z[k].dtype != object for k in z.files)
+
+
+def test_per_worker_view(good):
+    m = good.messages
+    for r in {int(x) for x in m.src_rank} | {int(x) for x in m.dst_rank}:
+        view = good.for_rank(r)
+        assert (m.src_rank[view.sends] == r).all() and (m.dst_rank[view.recvs] == r).all()
+    assert sum(good.for_rank(r).sends.size for r in range(10)) == m.stage.size
+
+
+def test_run_local_fills_rollouts_bit_exactly(good):
+    trainers, rollouts = deployment()
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal(W.size + N.size).astype(np.float32)
+    tb = {lay.worker.rank: {k: weights[b.sourcemap.to_indices()] for k, b in lay.buffers.items()}
+          for lay in trainers}
+    rb = {lay.worker.rank: {k: np.zeros(b.shape, np.float32) for k, b in lay.buffers.items()}
+          for lay in rollouts}
+    out = wb.run_local(good, tb, rb)
+    for lay in rollouts:
+        for k, b in lay.buffers.items():
+            np.testing.assert_array_equal(out[lay.worker.rank][k], weights[b.sourcemap.to_indices()])
+
+
+def test_run_local_refuses_wrong_shapes(good):
+    with pytest.raises(wb.PlanError, match="shape"):
+        wb.run_local(good, {r: {"w": np.zeros((2, 2)), "n": np.zeros(24)} for r in range(4)}, {})
+
+
+def test_missing_ids_raise_plan_error_naming_buffer_and_id():
+    trainers = [lay(0, "t", "trainer", {"w": W[:20]})]
+    rollouts = [lay(1, "r", "rollout", {"w": W[16:]})]
+    with pytest.raises(wb.PlanError, match=r"buffer `w`.*first missing id 480"):
+        wb.plan(trainers, rollouts)
+
+
+def test_colocated_gpu_uses_a_local_copy_only():
+    t = lay(0, "n0", "trainer", {"w": W})
+    r = lay(1, "n0", "rollout", {"w": W[:, :12]})
+    p = wb.plan([t], [r])
+    p.verify()
+    tr = p.traffic()
+    assert tr.trainer_total == 0 and tr.node_in == {} and tr.intra_node == {}
+    assert wb.lower_bound([t], [r]).trainer_total == 0

@@ -1,0 +1,421 @@
+"""The three-stage planner: every needed byte leaves the trainers once and enters each node once.
+
+For every cell of the correspondence (a set of ids with all its holders and needs), per rollout node
+that needs it, one of three cases holds:
+
+- **L** (local): a GPU of the node hosts both a trainer holding the cell and a rollout needing it: a
+  local copy, no link used.
+- **W** (held on the node): a trainer on another GPU of the node holds it: one NVLink send.
+- **V** (from outside): nothing on the node has it: the node receives it exactly once over a NIC,
+  either from a trainer (stage 1, for the first such node when no L/W node exists) or from another
+  rollout node that already has it (stage 2).
+
+Inside a node the receiving GPU forwards to the node's other GPUs that need the cell (stage 3).
+The V nodes of a cell form a chain (each forwards to the next), with the chain's start rotating
+from cell to cell so every node forwards about as much as it receives. Choices that balance load:
+the trainer replica that sends (least-loaded NIC first, largest cells first), and the receiving GPU
+of a node when several GPUs need the cell (least-loaded NIC in). Cells are then cut into pieces
+of at most ``chunk_bytes`` that follow their cell's route, so forwarding starts as soon as a
+piece lands; pieces are packed into messages per pair of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from wb.correspond import Correspondence, correspond
+from wb.errors import PlanError
+from wb.layout import Cluster, Layout
+from wb.plan import Messages, Pieces, Plan, Traffic, Transfers, slot_table
+
+__all__ = ["plan", "lower_bound", "DEFAULT_CHUNK_BYTES"]
+
+#: Piece size: large enough that per-message costs vanish, small enough to pipeline stages.
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluster | None = None,
+         *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+    """Plans the transfer of every id the rollouts need, at the traffic lower bound.
+
+    Args:
+        trainers: trainer layouts (buffers hold ids); several may hold the same id (replicas).
+        rollouts: rollout layouts (buffers need ids). Nodes come from ``Worker.node``; a trainer
+            and a rollout with the same node and ``local_rank`` share a GPU.
+        cluster: bandwidths (default :class:`wb.Cluster`): used to balance and to simulate.
+        chunk_bytes: largest piece, in bytes.
+
+    Returns:
+        A :class:`wb.Plan` whose ``traffic()`` equals :func:`lower_bound` (trainer bytes = M,
+        bytes into each node = M_v).
+
+    Raises:
+        PlanError: an id needed by a rollout is held by no trainer, or dtypes disagree.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> w = np.arange(64).reshape(8, 8)
+        >>> t = wb.Layout(wb.Worker(0, "t", "trainer"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+        >>> r = [wb.Layout(wb.Worker(1 + i, f"r{i}", "rollout"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w[:, :4]), "float32")}) for i in range(2)]
+        >>> p = wb.plan([t], r)
+        >>> p.verify(); p.traffic().trainer_out, p.traffic().node_in
+        ({0: 128}, {'r0': 128, 'r1': 128})
+    """
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    cluster = cluster or Cluster()
+    trainers, rollouts = tuple(trainers), tuple(rollouts)
+    corr = correspond(trainers, rollouts)
+    tab, nodes = slot_table(corr.slots, trainers, rollouts)
+    routes = _route(corr, tab, nodes, cluster)
+    pieces = _cut(corr, tab, chunk_bytes)
+    transfers, messages = _expand(corr, tab, routes, pieces, chunk_bytes)
+    return Plan(trainers, rollouts, cluster, int(chunk_bytes), corr, pieces, transfers, messages)
+
+
+# --- per-cell facts -----------------------------------------------------------------------------
+
+def _cell_itemsize(corr: Correspondence, tab) -> np.ndarray:
+    size = np.zeros(corr.cell_id0.size, np.int64)
+    np.maximum.at(size, corr.inc_cell, tab.itemsize[corr.inc_slot])
+    return size
+
+
+def _key_in(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Whether each key is in ``table`` (both int64)."""
+    t = np.unique(table)
+    if t.size == 0:
+        return np.zeros(keys.size, bool)
+    pos = np.minimum(np.searchsorted(t, keys), t.size - 1)
+    return t[pos] == keys
+
+
+def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster) -> dict:
+    """Routes per cell: arrays of (cell, stage, src incidence, dst incidence, parent route, level)."""
+    role = tab.role[corr.inc_slot]
+    n_cells = corr.cell_id0.size
+    n_gpus = int(tab.gpu.max(initial=-1)) + 1
+    n_nodes = len(nodes)
+    cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
+    H = np.flatnonzero(role == 0)
+    N = np.flatnonzero(role == 1)
+    h_cell, h_gpu, h_node = corr.inc_cell[H], tab.gpu[corr.inc_slot[H]], tab.node[corr.inc_slot[H]]
+    n_cell, n_gpu, n_node = corr.inc_cell[N], tab.gpu[corr.inc_slot[N]], tab.node[corr.inc_slot[N]]
+    local = _key_in(n_cell * n_gpus + n_gpu, h_cell * n_gpus + h_gpu)
+    held_on_node = _key_in(n_cell * n_nodes + n_node, h_cell * n_nodes + h_node)
+    # Group needs by (cell, node); within a group local needs first, then by GPU.
+    order = np.lexsort((n_gpu, ~local, n_node, n_cell))
+    N, n_cell, n_gpu, n_node = N[order], n_cell[order], n_gpu[order], n_node[order]
+    local, held_on_node = local[order], held_on_node[order]
+    gkey = n_cell * n_nodes + n_node
+    g_start = np.flatnonzero(np.r_[True, gkey[1:] != gkey[:-1]])
+    g_of = np.cumsum(np.r_[True, gkey[1:] != gkey[:-1]]) - 1  # group of each need (sorted)
+    n_groups = g_start.size
+    g_cell, g_node = n_cell[g_start], n_node[g_start]
+    g_cls = np.where(local[g_start], 0, np.where(held_on_node[g_start], 1, 2))  # L, W, V
+    g_size = np.diff(np.r_[g_start, N.size])
+
+    routes = {k: [] for k in ("cell", "stage", "src", "dst", "parent", "level")}
+    rid = [0]
+
+    def add(cell, stage, src, dst, parent, level) -> np.ndarray:
+        n = np.asarray(cell).size
+        for k, v in zip(("cell", "stage", "src", "dst", "parent", "level"),
+                        (cell, stage, src, dst, parent, level)):
+            routes[k].append(np.broadcast_to(np.asarray(v, np.int64), (n,)).copy())
+        ids = np.arange(rid[0], rid[0] + n)
+        rid[0] += n
+        return ids
+
+    # Holder incidences sorted by (cell, gpu) for lookups.
+    h_order = np.lexsort((h_gpu, h_cell))
+    H, h_cell, h_gpu, h_node = H[h_order], h_cell[h_order], h_gpu[h_order], h_node[h_order]
+    hkey_gpu = h_cell * n_gpus + h_gpu
+
+    # Receiving need incidence of each group, and how it got the cell (route id).
+    g_recv = np.full(n_groups, -1, np.int64)
+    g_route = np.full(n_groups, -1, np.int64)
+    g_level = np.zeros(n_groups, np.int64)
+    # L: every local need gets a local copy from a same-GPU holder; the first is the receiver.
+    loc = np.flatnonzero(local)
+    if loc.size:
+        pos = np.searchsorted(hkey_gpu, n_cell[loc] * n_gpus + n_gpu[loc])
+        rids = add(n_cell[loc], 1, H[pos], N[loc], -1, 0)
+        first = g_start[g_cls == 0]
+        g_recv[g_cls == 0] = N[first]
+        route_of_need = np.full(N.size, -1, np.int64)
+        route_of_need[loc] = rids
+        g_route[g_cls == 0] = route_of_need[first]
+    # W: one NVLink send from a holder on the node (rotating over them) to one need of the group.
+    w = np.flatnonzero(g_cls == 1)
+    if w.size:
+        node_order = np.lexsort((h_node, h_cell))
+        hk = (h_cell * n_nodes + h_node)[node_order]
+        lo = np.searchsorted(hk, g_cell[w] * n_nodes + g_node[w], side="left")
+        hi = np.searchsorted(hk, g_cell[w] * n_nodes + g_node[w], side="right")
+        pick = node_order[lo + g_cell[w] % (hi - lo)]
+        recv = N[g_start[w] + g_cell[w] % g_size[w]]
+        g_recv[w] = recv
+        g_route[w] = add(g_cell[w], 1, H[pick], recv, -1, 0)
+    # V: the receiving GPU balances NIC ingress; forced when one GPU needs it, else least loaded.
+    v = np.flatnonzero(g_cls == 2)
+    nic_in = np.zeros(n_gpus, np.float64)
+    bw_in = np.array([cluster.nic_bytes_per_s(nodes[n]) for n in _gpu_nodes(tab, n_gpus)])
+    if v.size:
+        last_gpu = n_gpu[g_start[v] + g_size[v] - 1]
+        single = n_gpu[g_start[v]] == last_gpu
+        sv = v[single]
+        g_recv[sv] = N[g_start[sv]]
+        np.add.at(nic_in, n_gpu[g_start[sv]], cell_bytes[g_cell[sv]] / bw_in[n_gpu[g_start[sv]]])
+        multi = v[~single]
+        for g in multi[np.argsort(-cell_bytes[g_cell[multi]], kind="stable")].tolist():
+            s, e = g_start[g], g_start[g] + g_size[g]
+            cand = n_gpu[s:e]
+            best = s + int(np.argmin(nic_in[cand]))
+            g_recv[g] = N[best]
+            nic_in[n_gpu[best]] += cell_bytes[g_cell[g]] / bw_in[n_gpu[best]]
+    # Chains over each cell's V groups; the chain starts at an L/W group if the cell has one.
+    if v.size:
+        vc = g_cell[v]
+        pos_in_cell = np.arange(v.size) - np.searchsorted(vc, vc)
+        n_in_cell = np.bincount(vc, minlength=n_cells)[vc]
+        rot = (pos_in_cell - vc % n_in_cell) % n_in_cell  # rotate the start from cell to cell
+        chain = v[np.lexsort((rot, vc))]
+        cc = g_cell[chain]
+        head = np.r_[True, cc[1:] != cc[:-1]]
+        # Sources of chain heads: an L/W group's receiver (rotating), else a trainer (stage 1).
+        lw = np.flatnonzero(g_cls != 2)
+        lw_cells = g_cell[lw]
+        heads = chain[head]
+        has_lw = _key_in(g_cell[heads], lw_cells)
+        # from a rollout node that already has it (stage 2)
+        hl = heads[has_lw]
+        if hl.size:
+            lo = np.searchsorted(lw_cells, g_cell[hl], side="left")
+            hi = np.searchsorted(lw_cells, g_cell[hl], side="right")
+            src_g = lw[lo + g_cell[hl] % (hi - lo)]
+            g_route[hl] = add(g_cell[hl], 2, g_recv[src_g], g_recv[hl], g_route[src_g], 1)
+            g_level[hl] = 1
+        # from a trainer (stage 1): the least-loaded holder NIC, largest cells first
+        ht = heads[~has_lw]
+        if ht.size:
+            src_h = _pick_holders(g_cell[ht], cell_bytes, H, h_cell, h_gpu, tab, nodes, cluster,
+                                  n_gpus)
+            g_route[ht] = add(g_cell[ht], 1, src_h, g_recv[ht], -1, 0)
+        # the rest of each chain: stage 2 from the previous node's receiver, level by level
+        rest = np.flatnonzero(~head)
+        if rest.size:
+            depth = np.arange(chain.size) - np.maximum.accumulate(np.where(head, np.arange(chain.size), 0))
+            for d in range(1, int(depth.max()) + 1):
+                at = rest[depth[rest] == d]
+                prev = chain[at - 1]
+                cur = chain[at]
+                g_route[cur] = add(g_cell[cur], 2, g_recv[prev], g_recv[cur], g_route[prev],
+                                   g_level[prev] + 1)
+                g_level[cur] = g_level[prev] + 1
+    # Stage 3: inside every group, the receiver forwards to the group's other needs (L groups:
+    # to the needs without a local copy).
+    is_recv = np.zeros(corr.inc_cell.size, bool)
+    is_recv[g_recv] = True
+    fwd = np.flatnonzero(~local & ~is_recv[N])  # local needs were served by local copies
+    if fwd.size:
+        g = g_of[fwd]
+        add(n_cell[fwd], 3, g_recv[g], N[fwd], g_route[g], g_level[g] + 1)
+    out = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in routes.items()}
+    if (out["parent"][out["stage"] != 1] < 0).any():
+        raise PlanError("internal: a forward without a parent route")
+    return out
+
+
+def _gpu_nodes(tab, n_gpus: int) -> np.ndarray:
+    node_of_gpu = np.zeros(n_gpus, np.int64)
+    node_of_gpu[tab.gpu] = tab.node
+    return node_of_gpu
+
+
+def _pick_holders(cells, cell_bytes, H, h_cell, h_gpu, tab, nodes, cluster, n_gpus) -> np.ndarray:
+    """For each cell (sent by a trainer over its NIC), the holder incidence whose GPU's egress is
+    least loaded, deciding the largest cells first (LPT)."""
+    bw = np.array([cluster.nic_bytes_per_s(nodes[n]) for n in _gpu_nodes(tab, n_gpus)])
+    load = np.zeros(n_gpus, np.float64)
+    lo = np.searchsorted(h_cell, cells, side="left")
+    hi = np.searchsorted(h_cell, cells, side="right")
+    if (hi <= lo).any():
+        raise PlanError("internal: a needed cell without holders passed the correspondence check")
+    out = H[lo].copy()
+    gpus_lo = h_gpu[lo]
+    gpus_hi = h_gpu[hi - 1]
+    forced = gpus_lo == gpus_hi  # one trainer GPU holds it (maybe in several buffers)
+    np.add.at(load, gpus_lo[forced], cell_bytes[cells[forced]] / bw[gpus_lo[forced]])
+    free = np.flatnonzero(~forced)
+    for k in free[np.argsort(-cell_bytes[cells[free]], kind="stable")].tolist():
+        cand = h_gpu[lo[k]:hi[k]]
+        j = lo[k] + int(np.argmin(load[cand]))
+        out[k] = H[j]
+        load[h_gpu[j]] += cell_bytes[cells[k]] / bw[h_gpu[j]]
+    return out
+
+
+# --- pieces and transfers -----------------------------------------------------------------------
+
+def _cut(corr: Correspondence, tab, chunk_bytes: int) -> Pieces:
+    """Cuts every needed cell into pieces of at most ``chunk_bytes`` (whole rows when they fit)."""
+    need = tab.role[corr.inc_slot] == 1
+    cells = np.unique(corr.inc_cell[need])
+    item = _cell_itemsize(corr, tab)[cells]
+    na, nb = corr.cell_na[cells], corr.cell_nb[cells]
+    row_bytes = nb * item
+    cols_per = np.where(row_bytes > chunk_bytes, np.maximum(1, chunk_bytes // item), nb)
+    rows_per = np.where(row_bytes > chunk_bytes, 1, np.maximum(1, chunk_bytes // row_bytes))
+    n_r = -(-na // rows_per)
+    n_c = -(-nb // cols_per)
+    count = n_r * n_c
+    c = np.repeat(np.arange(cells.size), count)
+    k = np.arange(c.size) - np.repeat(np.cumsum(count) - count, count)
+    ri, ci = np.divmod(k, n_c[c])
+    i0 = ri * rows_per[c]
+    j0 = ci * cols_per[c]
+    pna = np.minimum(rows_per[c], na[c] - i0)
+    pnb = np.minimum(cols_per[c], nb[c] - j0)
+    return Pieces(cells[c], i0, j0, pna, pnb, pna * pnb * item[c])
+
+
+def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes: int
+            ) -> tuple[Transfers, Messages]:
+    """Routes x pieces -> transfers in execution order, grouped into messages."""
+    n_cells = corr.cell_id0.size
+    per_cell = np.bincount(pieces.cell, minlength=n_cells)
+    first_piece = np.r_[0, np.cumsum(per_cell)[:-1]]  # pieces are sorted by cell
+    r_cell = routes["cell"]
+    cnt = per_cell[r_cell]
+    r = np.repeat(np.arange(r_cell.size), cnt)
+    k = np.arange(r.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)  # piece number within the cell
+    piece = first_piece[r_cell[r]] + k
+    # transfer index of (route, k): routes expand in route order
+    route_first = np.r_[0, np.cumsum(cnt)[:-1]]
+    parent_route = routes["parent"][r]
+    after = np.where(parent_route >= 0, route_first[np.maximum(parent_route, 0)] + k, -1)
+    level = routes["level"][r]
+    src_inc, dst_inc = routes["src"][r], routes["dst"][r]
+    stage = routes["stage"][r].astype(np.int8)
+    src_slot, dst_slot = corr.inc_slot[src_inc], corr.inc_slot[dst_inc]
+    i0, j0 = pieces.i0[piece], pieces.j0[piece]
+    nbytes = pieces.nbytes[piece]
+    src_rank, dst_rank = tab.rank[src_slot], tab.rank[dst_slot]
+    # Messages, level by level (a forwarded message needs its parent's id).
+    n_t = r.size
+    message = np.full(n_t, -1, np.int64)
+    m_parent: list[np.ndarray] = []
+    m_first_t: list[np.ndarray] = []
+    next_id = 0
+    order_chunks = []
+    for lv in range(int(level.max(initial=-1)) + 1):
+        at = np.flatnonzero(level == lv)
+        if lv == 0:
+            key_order = np.lexsort((k[at], r[at], dst_rank[at], src_rank[at]))
+            at = at[key_order]
+            pair = src_rank[at] * (int(dst_rank.max(initial=0)) + 1) + dst_rank[at]
+            new_pair = np.r_[True, pair[1:] != pair[:-1]]
+            csum = np.cumsum(nbytes[at]) - nbytes[at]
+            base = np.maximum.accumulate(np.where(new_pair, csum, 0))
+            bucket = (csum - base) // chunk_bytes
+            new = new_pair | np.r_[True, bucket[1:] != bucket[:-1]]
+            parent = np.full(at.size, -1, np.int64)
+        else:
+            pm = message[after[at]]
+            key_order = np.lexsort((k[at], r[at], dst_rank[at], pm))
+            at = at[key_order]
+            pm = pm[key_order]
+            new = np.r_[True, (pm[1:] != pm[:-1]) | (dst_rank[at][1:] != dst_rank[at][:-1])]
+            parent = pm
+        mid = next_id + np.cumsum(new) - 1
+        message[at] = mid
+        m_parent.append(parent[new])
+        next_id += int(new.sum())
+        order_chunks.append(at)
+    order = np.concatenate(order_chunks) if order_chunks else np.zeros(0, np.int64)
+    inv = np.empty(n_t, np.int64)
+    inv[order] = np.arange(n_t)
+    after_o = after[order]
+    after_o = np.where(after_o >= 0, inv[np.maximum(after_o, 0)], -1)
+    msg_o = message[order]
+    T = Transfers(
+        stage[order], piece[order],
+        src_slot[order], (corr.inc_f0[src_inc] + i0 * corr.inc_fa[src_inc] + j0 * corr.inc_fb[src_inc])[order],
+        corr.inc_fa[src_inc][order], corr.inc_fb[src_inc][order],
+        dst_slot[order], (corr.inc_f0[dst_inc] + i0 * corr.inc_fa[dst_inc] + j0 * corr.inc_fb[dst_inc])[order],
+        corr.inc_fa[dst_inc][order], corr.inc_fb[dst_inc][order],
+        after_o, msg_o, src_inc[order], dst_inc[order])
+    n_m = next_id
+    first = np.searchsorted(msg_o, np.arange(n_m))
+    count = np.bincount(msg_o, minlength=n_m)
+    M = Messages(T.stage[first], src_rank[order][first], dst_rank[order][first],
+                 np.bincount(msg_o, weights=nbytes[order], minlength=n_m).astype(np.int64),
+                 np.concatenate(m_parent) if m_parent else np.zeros(0, np.int64), first, count)
+    return T, M
+
+
+# --- the bound ----------------------------------------------------------------------------------
+
+def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traffic:
+    """The least traffic any plan needs: trainer bytes M and bytes M_v into each rollout node.
+
+    M_v: bytes of the ids some GPU of node v needs that no trainer on v holds (they must enter v
+    over its NICs). M: for each id, one send if no rollout node has it on the node (held by a
+    trainer there), plus one NVLink send into each node where a trainer on another GPU holds it and
+    no GPU both holds and needs it; ids a GPU needs and holds itself (colocated) cost nothing. Without
+    colocation M is simply the bytes of all needed ids.
+
+    ``trainer_out`` splits M evenly over each id's holders (one balanced assignment); ``node_out``
+    and ``intra_node`` are left empty (no per-node minimum is defined for them).
+    """
+    trainers, rollouts = tuple(trainers), tuple(rollouts)
+    corr = correspond(trainers, rollouts)
+    tab, nodes = slot_table(corr.slots, trainers, rollouts)
+    role = tab.role[corr.inc_slot]
+    n_gpus = int(tab.gpu.max(initial=-1)) + 1
+    n_nodes = len(nodes)
+    cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
+    H, N = np.flatnonzero(role == 0), np.flatnonzero(role == 1)
+    hc, nc = corr.inc_cell[H], corr.inc_cell[N]
+    hg, ng = tab.gpu[corr.inc_slot[H]], tab.gpu[corr.inc_slot[N]]
+    hn, nn = tab.node[corr.inc_slot[H]], tab.node[corr.inc_slot[N]]
+    local = _key_in(nc * n_gpus + ng, hc * n_gpus + hg)
+    on_node = _key_in(nc * n_nodes + nn, hc * n_nodes + hn)
+    gkey = nc * n_nodes + nn
+    groups, ginv = np.unique(gkey, return_inverse=True)
+    g_local = np.zeros(groups.size, bool)
+    np.logical_or.at(g_local, ginv, local)
+    g_on = np.zeros(groups.size, bool)
+    np.logical_or.at(g_on, ginv, on_node)
+    g_cell, g_node = groups // n_nodes, groups % n_nodes
+    V = ~g_on
+    W = g_on & ~g_local
+    node_in = {nodes[i]: int(b) for i, b in
+               zip(*_sum(g_node[V], cell_bytes[g_cell[V]])) if b}
+    any_lw = np.zeros(corr.cell_id0.size, bool)
+    any_lw[g_cell[~V]] = True
+    any_v = np.zeros(corr.cell_id0.size, bool)
+    any_v[g_cell[V]] = True
+    sends = np.bincount(g_cell[W], minlength=corr.cell_id0.size) + (any_v & ~any_lw)
+    per_cell = sends * cell_bytes
+    # split over holders (by rank), evenly
+    n_h = np.bincount(hc, minlength=corr.cell_id0.size)
+    share = np.where(n_h > 0, per_cell // np.maximum(n_h, 1), 0)
+    rem = per_cell - share * n_h
+    first_h = np.r_[True, hc[1:] != hc[:-1]]
+    amount = share[hc] + np.where(first_h, rem[hc], 0)
+    ranks = tab.rank[corr.inc_slot[H]]
+    trainer_out = {int(lay.worker.rank): 0 for lay in trainers}
+    for rk, b in zip(*_sum(ranks, amount)):
+        trainer_out[int(rk)] += int(b)
+    return Traffic(trainer_out, node_in, {}, {})
+
+
+def _sum(keys, values):
+    if keys.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    u, inv = np.unique(keys, return_inverse=True)
+    return u, np.bincount(inv, weights=values, minlength=u.size).astype(np.int64)
