@@ -1,4 +1,4 @@
-"""``python -m wb``: the command line (``demo``)."""
+"""``python -m wb``: the command line (``demo``, ``plan``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
     demo.add_argument("--tp", type=int, default=2, help="TP degree of each PyTorch side (default 2)")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
+                                     "traffic, simulated EWTT and baselines")
+    pl.add_argument("--preset", required=True, help="moonlight-16b-a3b, qwen3-235b-a22b, "
+                                                     "deepseek-v3, kimi-k2 or tiny")
+    pl.add_argument("--plot", metavar="FILE.png", help="draw the load on every link")
+    pl.add_argument("--no-verify", action="store_true", help="skip Plan.verify()")
+    pl.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from wb.cli_plan import run_plan
+
+        report = run_plan(args.preset, plot=args.plot, verify=not args.no_verify, quiet=args.json)
+        if args.json:
+            print(json.dumps(report))
+        return 0
     if args.command == "demo":
         from wb.demo import run_demo
 

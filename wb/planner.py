@@ -374,9 +374,28 @@ def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traff
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     corr = correspond(trainers, rollouts)
     tab, nodes = slot_table(corr.slots, trainers, rollouts)
+    b = bound_parts(corr, tab, nodes)
+    H = np.flatnonzero(tab.role[corr.inc_slot] == 0)
+    hc = corr.inc_cell[H]
+    per_cell = b["sends"] * b["cell_bytes"]
+    n_h = np.bincount(hc, minlength=corr.cell_id0.size)
+    share = np.where(n_h > 0, per_cell // np.maximum(n_h, 1), 0)
+    rem = per_cell - share * n_h
+    first_h = np.r_[True, hc[1:] != hc[:-1]]
+    amount = share[hc] + np.where(first_h, rem[hc], 0)
+    trainer_out = {int(lay.worker.rank): 0 for lay in trainers}
+    for rk, v in zip(*_sum(tab.rank[corr.inc_slot[H]], amount)):
+        trainer_out[int(rk)] += int(v)
+    return Traffic(trainer_out, b["node_in"], {}, {})
+
+
+def bound_parts(corr: Correspondence, tab, nodes: list[str]) -> dict:
+    """Per cell: its bytes, the trainer sends the bound requires, and whether it must leave the
+    trainers' nodes over a NIC; per node: M_v."""
     role = tab.role[corr.inc_slot]
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
     n_nodes = len(nodes)
+    n_cells = corr.cell_id0.size
     cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
     H, N = np.flatnonzero(role == 0), np.flatnonzero(role == 1)
     hc, nc = corr.inc_cell[H], corr.inc_cell[N]
@@ -384,8 +403,7 @@ def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traff
     hn, nn = tab.node[corr.inc_slot[H]], tab.node[corr.inc_slot[N]]
     local = _key_in(nc * n_gpus + ng, hc * n_gpus + hg)
     on_node = _key_in(nc * n_nodes + nn, hc * n_nodes + hn)
-    gkey = nc * n_nodes + nn
-    groups, ginv = np.unique(gkey, return_inverse=True)
+    groups, ginv = np.unique(nc * n_nodes + nn, return_inverse=True)
     g_local = np.zeros(groups.size, bool)
     np.logical_or.at(g_local, ginv, local)
     g_on = np.zeros(groups.size, bool)
@@ -393,25 +411,14 @@ def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traff
     g_cell, g_node = groups // n_nodes, groups % n_nodes
     V = ~g_on
     W = g_on & ~g_local
-    node_in = {nodes[i]: int(b) for i, b in
-               zip(*_sum(g_node[V], cell_bytes[g_cell[V]])) if b}
-    any_lw = np.zeros(corr.cell_id0.size, bool)
+    any_lw = np.zeros(n_cells, bool)
     any_lw[g_cell[~V]] = True
-    any_v = np.zeros(corr.cell_id0.size, bool)
+    any_v = np.zeros(n_cells, bool)
     any_v[g_cell[V]] = True
-    sends = np.bincount(g_cell[W], minlength=corr.cell_id0.size) + (any_v & ~any_lw)
-    per_cell = sends * cell_bytes
-    # split over holders (by rank), evenly
-    n_h = np.bincount(hc, minlength=corr.cell_id0.size)
-    share = np.where(n_h > 0, per_cell // np.maximum(n_h, 1), 0)
-    rem = per_cell - share * n_h
-    first_h = np.r_[True, hc[1:] != hc[:-1]]
-    amount = share[hc] + np.where(first_h, rem[hc], 0)
-    ranks = tab.rank[corr.inc_slot[H]]
-    trainer_out = {int(lay.worker.rank): 0 for lay in trainers}
-    for rk, b in zip(*_sum(ranks, amount)):
-        trainer_out[int(rk)] += int(b)
-    return Traffic(trainer_out, node_in, {}, {})
+    offnode = any_v & ~any_lw
+    sends = np.bincount(g_cell[W], minlength=n_cells) + offnode
+    node_in = {nodes[i]: int(v) for i, v in zip(*_sum(g_node[V], cell_bytes[g_cell[V]])) if v}
+    return {"cell_bytes": cell_bytes, "sends": sends, "offnode": offnode, "node_in": node_in}
 
 
 def _sum(keys, values):
@@ -419,3 +426,17 @@ def _sum(keys, values):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     u, inv = np.unique(keys, return_inverse=True)
     return u, np.bincount(inv, weights=values, minlength=u.size).astype(np.int64)
+
+
+def traffic_ratio(plan: Plan) -> float:
+    """The largest of trainer bytes / M and node_in[v] / M_v over all v (1.0 is the bound)."""
+    tab, nodes = slot_table(plan.corr.slots, plan.trainers, plan.rollouts)
+    b = bound_parts(plan.corr, tab, nodes)
+    t = plan.traffic()
+    M = int((b["sends"] * b["cell_bytes"]).sum())
+    ratios = [t.trainer_total / M if M else (1.0 if t.trainer_total == 0 else float("inf"))]
+    for v in set(t.node_in) | set(b["node_in"]):
+        got, need = t.node_in.get(v, 0), b["node_in"].get(v, 0)
+        if need or got:
+            ratios.append(got / need if need else float("inf"))
+    return float(max(ratios))

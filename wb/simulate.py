@@ -1,0 +1,176 @@
+"""EWTT estimates of a plan, of the ideal, and of the baselines RL frameworks use today.
+
+The model: every GPU has a NIC (out and in) and NVLink (out and in) at the :class:`wb.Cluster`
+bandwidths; all links run concurrently at full rate and the fabric has full bisection, so a
+schedule takes as long as its busiest link, plus one chunk per hop of its deepest forwarding chain
+(pipeline fill). Local copies on one GPU cost nothing. This is the bandwidth bound that pipelined,
+balanced transfers approach; it ignores per-message overheads and congestion inside the fabric.
+
+Baselines, modelled on what RL frameworks do:
+
+- **broadcast** (slime / Miles default): full tensors are gathered at one trainer rank per trainer
+  node over NVLink, then broadcast to every rollout GPU, which keeps its slice: every rollout GPU
+  receives every needed byte over its NIC. Gather and broadcast of a bucket do not overlap.
+- **p2p** (naive point-to-point): every rollout buffer pulls each region it needs from a fixed
+  trainer holder (the lowest rank holding it): no dedup across replicas or across the GPUs of a
+  node, no balancing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from wb.layout import Cluster
+from wb.plan import Plan, slot_table
+from wb.planner import bound_parts
+
+__all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p"]
+
+
+class Simulation(NamedTuple):
+    ewtt_s: float  # estimated end-to-end weight transfer time
+    ideal_s: float  # lower-bound bytes over the busiest link class, perfectly balanced
+    busiest: str  # which link bounds ewtt_s
+    link_s: dict  # {link class: (n,) seconds per GPU}: "trainer_nic_out", "rollout_nic_in", ...
+    pipeline_s: float  # the pipeline-fill part of ewtt_s
+
+    @property
+    def ratio(self) -> float:
+        return self.ewtt_s / self.ideal_s if self.ideal_s else 1.0
+
+
+def _gpu_info(plan: Plan, cluster: Cluster):
+    tab, nodes = slot_table(plan.corr.slots, plan.trainers, plan.rollouts)
+    n_gpus = int(tab.gpu.max(initial=-1)) + 1
+    node_of = np.zeros(n_gpus, np.int64)
+    node_of[tab.gpu] = tab.node
+    is_trainer = np.zeros(n_gpus, bool)
+    is_trainer[tab.gpu[tab.role == 0]] = True
+    is_rollout = np.zeros(n_gpus, bool)
+    is_rollout[tab.gpu[tab.role == 1]] = True
+    nic = np.array([cluster.nic_bytes_per_s(nodes[n]) for n in node_of])
+    nvl = np.array([cluster.nvlink_bytes_per_s(nodes[n]) for n in node_of])
+    return tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl
+
+
+def _loads(src_gpu, dst_gpu, nbytes, node_of, n_gpus):
+    cross = node_of[src_gpu] != node_of[dst_gpu]
+    nvl = ~cross & (src_gpu != dst_gpu)
+    return {
+        "nic_out": np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n_gpus),
+        "nic_in": np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n_gpus),
+        "nvlink_out": np.bincount(src_gpu[nvl], weights=nbytes[nvl], minlength=n_gpus),
+        "nvlink_in": np.bincount(dst_gpu[nvl], weights=nbytes[nvl], minlength=n_gpus),
+    }
+
+
+def _link_times(loads, nic, nvl, is_trainer, is_rollout) -> dict:
+    return {
+        "trainer_nic_out": (loads["nic_out"] / nic)[is_trainer],
+        "rollout_nic_in": (loads["nic_in"] / nic)[is_rollout],
+        "rollout_nic_out": (loads["nic_out"] / nic)[is_rollout & ~is_trainer],
+        "nvlink_out": loads["nvlink_out"] / nvl,
+        "nvlink_in": loads["nvlink_in"] / nvl,
+    }
+
+
+def _busiest(times: dict) -> tuple[float, str]:
+    best, name = 0.0, "none"
+    for k, v in times.items():
+        if v.size and v.max() > best:
+            best, name = float(v.max()), k
+    return best, name
+
+
+def ideal_s(plan: Plan, cluster: Cluster | None = None) -> float:
+    """The lower-bound bytes over the busiest link class, perfectly balanced: trainer bytes that
+    must leave the trainers' nodes over all trainer NICs, and each node's M_v over its NICs."""
+    cluster = cluster or plan.cluster
+    tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, _ = _gpu_info(plan, cluster)
+    b = bound_parts(plan.corr, tab, nodes)
+    out = float((b["cell_bytes"] * b["offnode"]).sum() / max(nic[is_trainer].sum(), 1.0))
+    for v, m in b["node_in"].items():
+        vi = nodes.index(v)
+        out = max(out, m / nic[is_rollout & (node_of == vi)].sum())
+    return out
+
+
+def simulate(plan: Plan, cluster: Cluster | None = None) -> Simulation:
+    """Estimated EWTT of ``plan`` under ``cluster`` (default: the plan's own), and the ideal."""
+    cluster = cluster or plan.cluster
+    tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
+    T = plan.transfers
+    nbytes = plan.pieces.nbytes[T.piece].astype(np.float64)
+    loads = _loads(tab.gpu[T.src_slot], tab.gpu[T.dst_slot], nbytes, node_of, n_gpus)
+    times = _link_times(loads, nic, nvl, is_trainer, is_rollout)
+    busy, name = _busiest(times)
+    depth = _depth(T.after)
+    piece_s = float(plan.pieces.nbytes.max(initial=0)) / float(nic.min()) if nic.size else 0.0
+    pipe = depth * piece_s
+    return Simulation(busy + pipe, ideal_s(plan, cluster), name, times, pipe)
+
+
+def _depth(after: np.ndarray) -> int:
+    """Hops of the longest forwarding chain (transfers are in topological order)."""
+    d = np.zeros(after.size, np.int64)
+    for t in np.flatnonzero(after >= 0):  # parents come first
+        d[t] = d[after[t]] + 1
+    return int(d.max(initial=0)) + 1 if after.size else 0
+
+
+def simulate_broadcast(plan: Plan, cluster: Cluster | None = None) -> Simulation:
+    """EWTT of the broadcast baseline for the same layouts (see the module docstring)."""
+    cluster = cluster or plan.cluster
+    tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
+    corr = plan.corr
+    b = bound_parts(corr, tab, nodes)
+    role = tab.role[corr.inc_slot]
+    needed = np.zeros(corr.cell_id0.size, bool)
+    needed[corr.inc_cell[role == 1]] = True
+    total = float((b["cell_bytes"] * needed).sum())
+    # gather: each needed cell goes, over NVLink, from its first holder to the lowest trainer GPU
+    # of that holder's node (bytes already there do not move)
+    H = np.flatnonzero(role == 0)
+    first = H[np.r_[True, corr.inc_cell[H][1:] != corr.inc_cell[H][:-1]]]
+    first = first[needed[corr.inc_cell[first]]]
+    src_gpu = tab.gpu[corr.inc_slot[first]]
+    src_node = node_of[src_gpu]
+    gpus = np.arange(n_gpus)
+    root = np.array([gpus[is_trainer & (node_of == n)].min() if (is_trainer & (node_of == n)).any()
+                     else -1 for n in range(len(nodes))])
+    moved = src_gpu != root[src_node]
+    gathered = np.bincount(src_node[moved], weights=b["cell_bytes"][corr.inc_cell[first]][moved],
+                           minlength=len(nodes))
+    gather_s = float(max((gathered[n] / nvl[root[n]] for n in np.flatnonzero(gathered)),
+                         default=0.0))
+    # broadcast: every rollout GPU receives every needed byte
+    rin = np.where(is_rollout, total, 0.0)
+    times = {"gather_nvlink_in": np.array([gather_s]), "rollout_nic_in": (rin / nic)[is_rollout]}
+    bcast_s = float(times["rollout_nic_in"].max(initial=0.0))
+    return Simulation(gather_s + bcast_s, ideal_s(plan, cluster), "rollout_nic_in", times, 0.0)
+
+
+def simulate_p2p(plan: Plan, cluster: Cluster | None = None) -> Simulation:
+    """EWTT of the naive P2P baseline for the same layouts (see the module docstring)."""
+    cluster = cluster or plan.cluster
+    tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
+    corr = plan.corr
+    role = tab.role[corr.inc_slot]
+    H = np.flatnonzero(role == 0)
+    hc = corr.inc_cell[H]
+    # fixed holder: the lowest trainer rank holding the cell
+    order = np.lexsort((tab.rank[corr.inc_slot[H]], hc))
+    H, hc = H[order], hc[order]
+    first = H[np.r_[True, hc[1:] != hc[:-1]]]
+    holder_of = np.full(corr.cell_id0.size, -1, np.int64)
+    holder_of[corr.inc_cell[first]] = first
+    N = np.flatnonzero(role == 1)
+    src = tab.gpu[corr.inc_slot[holder_of[corr.inc_cell[N]]]]
+    dst = tab.gpu[corr.inc_slot[N]]
+    nbytes = (corr.cell_numel[corr.inc_cell[N]] * tab.itemsize[corr.inc_slot[N]]).astype(np.float64)
+    loads = _loads(src, dst, nbytes, node_of, n_gpus)
+    times = _link_times(loads, nic, nvl, is_trainer, is_rollout)
+    busy, name = _busiest(times)
+    return Simulation(busy, ideal_s(plan, cluster), name, times, 0.0)
