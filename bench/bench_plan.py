@@ -1,0 +1,108 @@
+"""Planner scale: time and peak memory to build maps and plan, by model size and by GPU count.
+
+Each case runs in a fresh process (so peak RSS is its own): the four preset deployments
+(Moonlight-16B on 2 nodes .. Kimi-K2 1T on 64 nodes), then Kimi-K2 with 1, 2, 4 and 8 rollout
+replicas (32 .. 256 rollout GPUs) against the same 256 trainer GPUs. Reported per case: maps + plan
+seconds, peak RSS, traffic / lower bound, simulated EWTT / ideal, and the simulated speed-ups over
+the broadcast and naive-P2P baselines.
+
+    python bench/bench_plan.py [--quick] [--json] [--out bench/results/plan_scale_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+PRESETS = ("moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
+
+
+def one_case(preset: str, replicas: int | None) -> dict:
+    """Runs in the child: build maps, plan, simulate; report."""
+    import wb
+    from wb.deployments import _PLANS, deployment, megatron_trainer, vllm_rollout
+    from wb.planner import traffic_ratio
+    from wb.presets import load_config
+    from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+
+    t0 = time.perf_counter()
+    if replicas is None:
+        dep = deployment(preset)
+        trainers, rollouts = dep.trainers, dep.rollouts
+    else:
+        pl = _PLANS[preset]
+        cfg = load_config(pl.model)
+        trainers = megatron_trainer(cfg, tp=pl.tp, pp=pl.pp, ep=pl.ep, etp=pl.etp,
+                                    nodes=[f"trainer{i}" for i in range(pl.trainer_nodes)],
+                                    gpus_per_node=pl.gpus_per_node)
+        rollouts = vllm_rollout(cfg, tp=pl.r_tp, ep=pl.r_ep, replicas=replicas,
+                                nodes_per_replica=pl.nodes_per_replica,
+                                gpus_per_replica=pl.gpus_per_replica,
+                                gpus_per_node=pl.gpus_per_node, first_rank=len(trainers))
+    maps_s = time.perf_counter() - t0
+    p = wb.plan(trainers, rollouts)
+    plan_s = time.perf_counter() - t0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    sim, bc, p2p = simulate(p), simulate_broadcast(p), simulate_p2p(p)
+    return {"preset": preset, "replicas": replicas, "trainer_gpus": len(trainers),
+            "rollout_gpus": len(rollouts), "maps_s": maps_s, "plan_s": plan_s,
+            "peak_rss_mb": rss_mb, "traffic_ratio": traffic_ratio(p),
+            "ewtt_s": sim.ewtt_s, "ideal_s": sim.ideal_s, "ewtt_over_ideal": sim.ratio,
+            "speedup_vs_broadcast": bc.ewtt_s / sim.ewtt_s, "speedup_vs_p2p": p2p.ewtt_s / sim.ewtt_s,
+            "transfers": int(p.transfers.piece.size)}
+
+
+def run(quick: bool = False) -> list[dict]:
+    cases = [(p, None) for p in (PRESETS[:2] if quick else PRESETS)]
+    if not quick:
+        cases += [("kimi-k2", r) for r in (1, 2, 4, 8)]
+    rows = []
+    for preset, replicas in cases:
+        out = subprocess.run([sys.executable, __file__, "--case", preset,
+                              "--replicas", str(replicas or 0)],
+                             capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the two smaller presets only")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="also write the rows to this JSON file")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--replicas", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        print(json.dumps(one_case(args.case, args.replicas or None)))
+        return
+    rows = run(args.quick)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python bench/bench_plan.py --out " + args.out,
+                       "machine": "2-core CPU, no GPU", "rows": rows}, f, indent=1)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="maps + plan: time and memory by model size and GPU count")
+    for c in ("deployment", "GPUs (t -> r)", "maps+plan", "peak RSS", "traffic/bound",
+              "EWTT/ideal", "vs broadcast", "vs p2p", "transfers"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        name = r["preset"] + (f" x{r['replicas']} replicas" if r["replicas"] else "")
+        t.add_row(name, f"{r['trainer_gpus']} -> {r['rollout_gpus']}", f"{r['plan_s']:.1f} s",
+                  f"{r['peak_rss_mb']:,.0f} MB", f"{r['traffic_ratio']:.4f}",
+                  f"{r['ewtt_over_ideal']:.4f}", f"{r['speedup_vs_broadcast']:.1f}x",
+                  f"{r['speedup_vs_p2p']:.2f}x", f"{r['transfers']:,}")
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The four paper-like deployments plan at the traffic lower bound and within 10% of ideal EWTT.
+
+(Plan time and memory are measured by bench/bench_plan.py, not asserted here.)
+"""
+
+import pytest
+
+import wb
+from wb.deployments import deployment
+from wb.planner import traffic_ratio
+from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+
+
+@pytest.mark.parametrize("preset", ["moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"])
+def test_preset_plans_at_the_bound(preset):
+    try:
+        dep = deployment(preset)
+    except wb.SpecError:
+        pytest.skip("shared/models is not beside this checkout")
+    p = wb.plan(dep.trainers, dep.rollouts)
+    assert traffic_ratio(p) == 1.0
+    sim = simulate(p)
+    assert sim.ewtt_s <= 1.10 * sim.ideal_s
+    assert simulate_broadcast(p).ewtt_s > sim.ewtt_s
+    assert simulate_p2p(p).ewtt_s >= sim.ewtt_s
+    p.verify()
