@@ -7,13 +7,14 @@ from wb.layout import BufferSpec, Cluster, Layout, Role, Worker
 from wb.plan import Plan, Traffic, run_local
 from wb.planner import lower_bound, plan
 from wb.probe import probe
+from wb.simulate import Simulation, simulate
 from wb.sourcemap import Blocks, SourceMap
 from wb.spec import CheckpointSpec
 
 __all__ = [
     "CheckpointSpec", "SourceMap", "Blocks", "probe",
     "Worker", "BufferSpec", "Layout", "Role", "Cluster",
-    "plan", "Plan", "Traffic", "lower_bound", "run_local",
+    "plan", "Plan", "Traffic", "lower_bound", "run_local", "simulate", "Simulation",
     "correspond", "Correspondence", "Overlaps",
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError",
     "dtypes",
