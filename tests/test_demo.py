@@ -23,6 +23,16 @@ def test_demo_json_last_line(args):
     assert report["needed_bytes"] == nbytes
     assert set(report["node_needed_bytes"].values()) == {nbytes}
     assert report["map_entries"] * 20 < report["elements"]
+    assert report["weights_bit_identical"] is True and report["traffic_ratio"] == 1.0
+
+
+def test_demo_check_fails_when_no_bytes_move(monkeypatch):
+    import wb
+    import wb.demo
+    monkeypatch.setattr(wb, "run_local", lambda plan, t, r: r)  # a transfer that moves nothing
+    report = wb.demo.run_demo(quiet=True)
+    assert report["correspondence_exact"] is True
+    assert report["weights_bit_identical"] is False and report["verified"] is False
 
 
 def test_demo_refuses_bad_arguments():

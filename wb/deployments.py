@@ -431,26 +431,31 @@ def _megatron_layer(spec: CheckpointSpec, d: _Dims, i: int, tp: int,
     if i < d.n_dense:
         out.append((P + "mlp.linear_fc1.layer_norm_weight",
                     rep(H + "post_attention_layernorm.weight")))
-        out += _megatron_mlp(spec, H + "mlp.", P + "mlp.", d.inter // tp, h, dt)
+        out += _tp_mlp(spec, H + "mlp.", (P + "mlp.linear_fc1.weight", P + "mlp.linear_fc2.weight"),
+                       d.inter // tp, h, dt)
     else:
         out.append((P + "pre_mlp_layernorm.weight", rep(H + "post_attention_layernorm.weight")))
         out.append((P + "mlp.router.weight", rep(H + "mlp.gate.weight")))
         if d.mla:
             out.append((P + "mlp.router.expert_bias", rep(H + "mlp.gate.e_score_correction_bias")))
         if d.n_shared:
-            return out, _megatron_mlp(spec, H + "mlp.shared_experts.", P + "mlp.shared_experts.",
-                                      d.shared // tp, h, dt)
+            sh = P + "mlp.shared_experts."
+            return out, _tp_mlp(spec, H + "mlp.shared_experts.",
+                                (sh + "linear_fc1.weight", sh + "linear_fc2.weight"),
+                                d.shared // tp, h, dt)
     return out, []
 
 
-def _megatron_mlp(spec: CheckpointSpec, hf: str, mg: str, w: int, h: int, dt: str) -> list[_Entry]:
-    """TP-split dense MLP: fc1 = [gate rows; up rows] of the shard, fc2 = down columns."""
+def _tp_mlp(spec: CheckpointSpec, hf: str, names: tuple[str, str], w: int, h: int, dt: str
+            ) -> list[_Entry]:
+    """TP-split dense MLP, as Megatron (``linear_fc1/2``) and vLLM (``gate_up_proj``/``down_proj``)
+    both lay it out: fc1 = [gate rows; up rows] of the shard (``w`` rows each), fc2 = down columns."""
     def fc1(t: int) -> BufferSpec:
         return _buffer((2 * w, h), [
             _copy(spec, hf + "gate_proj.weight", rows=(t * w, (t + 1) * w)),
             _copy(spec, hf + "up_proj.weight", rows=(t * w, (t + 1) * w), at=(w, 0))], dt)
 
-    return [(mg + "linear_fc1.weight", fc1), (mg + "linear_fc2.weight", lambda t: _buffer(
+    return [(names[0], fc1), (names[1], lambda t: _buffer(
         (h, w), _copy(spec, hf + "down_proj.weight", cols=(t * w, (t + 1) * w)), dt))]
 
 
@@ -864,12 +869,7 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
         return lambda t: _buffer((vl, h), _copy(spec, name, rows=(t * vl, (t + 1) * vl)), dt)
 
     def mlp(hf: str, w: int) -> list[_Entry]:
-        def gate_up(t: int) -> BufferSpec:
-            return _buffer((2 * w, h), [
-                _copy(spec, hf + "gate_proj.weight", rows=(t * w, (t + 1) * w)),
-                _copy(spec, hf + "up_proj.weight", rows=(t * w, (t + 1) * w), at=(w, 0))], dt)
-        return [(hf + "gate_up_proj.weight", gate_up), (hf + "down_proj.weight", lambda t: _buffer(
-            (h, w), _copy(spec, hf + "down_proj.weight", cols=(t * w, (t + 1) * w)), dt))]
+        return _tp_mlp(spec, hf, (hf + "gate_up_proj.weight", hf + "down_proj.weight"), w, h, dt)
 
     def attention(a: str) -> list[_Entry]:
         hq = d.nh // tp

@@ -13,7 +13,7 @@ import numpy as np
 
 import wb
 
-__all__ = ["probe", "shard_maps", "device_maps", "use_cpu_devices"]
+__all__ = ["probe", "shard_maps", "device_maps", "device_arrays", "use_cpu_devices"]
 
 
 def use_cpu_devices(n: int) -> int:
@@ -84,4 +84,14 @@ def device_maps(params: Any, maps: Mapping[str, wb.SourceMap]) -> dict[Any, dict
         dtype = wb.dtypes.canonical_dtype(leaf.dtype)
         for dev, sm in shard_maps(maps[key], leaf.sharding).items():
             out.setdefault(dev, {})[key] = (sm, dtype)
+    return out
+
+
+def device_arrays(params: Any) -> dict[Any, dict[str, np.ndarray]]:
+    """Per addressable device, ``{leaf key: numpy copy of that device's shard}`` of ``params``
+    (the same devices and keys, in the same order, as :func:`device_maps`)."""
+    out: dict[Any, dict[str, np.ndarray]] = {}
+    for key, leaf in _leaves(params).items():
+        for shard in leaf.addressable_shards:
+            out.setdefault(shard.device, {})[key] = np.asarray(shard.data)
     return out
