@@ -1,0 +1,136 @@
+"""Multi-process transfers over UCX on loopback (spawned processes), and faults that must not hang.
+
+The layouts are the reference backends': a JAX trainer on a 2x2 mesh (2 data-parallel replicas x 2
+shards = 4 trainer processes) feeding vLLM-style PyTorch rollouts (2 nodes x TP 2 = 4 processes).
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx")
+pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+import wb  # noqa: E402
+from wb.testing.multiproc import run_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 emulated JAX devices")
+    from wb.demo import _random_checkpoint, jax_layouts, torch_layouts
+    from wb.presets import TINY
+
+    ckpt = _random_checkpoint()
+    trainers, _, _ = jax_layouts(TINY, role="trainer", dp=2, tp=2, copies=1, first_rank=0,
+                                 node_prefix="trainer", ckpt=ckpt)
+    rollouts, _, _ = torch_layouts(TINY, role="rollout", tp=2, copies=2, first_rank=4,
+                                   node_prefix="rollout", ckpt=ckpt)
+    return trainers, rollouts
+
+
+@pytest.fixture(scope="module")
+def plan_file(layouts, tmp_path_factory):
+    trainers, rollouts = layouts
+    d = tmp_path_factory.mktemp("plan")
+    p = wb.plan(trainers, rollouts, chunk_bytes=4096)  # several messages per pair, forwarding
+    p.verify()
+    p.save(d / "plan.npz")
+    # the same layouts, cut differently: a different plan (different fingerprint)
+    wb.plan(trainers, rollouts, chunk_bytes=1024).save(d / "other.npz")
+    return d
+
+
+RANKS = list(range(8))
+
+
+def _check_all_reported(run, faulty=()):
+    for r in RANKS:
+        if r in faulty:
+            continue
+        res = run.results[r]
+        assert res is not None, f"rank {r} wrote no result (exit code {run.exitcodes[r]})"
+        assert res["ok"] or res["kind"] == "TransferError", res
+
+
+@pytest.mark.timeout(180)
+def test_end_to_end_bit_identical_over_ucx(plan_file, tmp_path):
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), options={"timeout": 30})
+    _check_all_reported(run)
+    assert all(run.results[r]["ok"] for r in RANKS), run.results
+    assert all(run.results[r]["bit_identical"] for r in range(4, 8))
+    p = wb.Plan.load(plan_file / "plan.npz")
+    t = p.traffic()
+    sent = {r: run.results[r]["bytes_sent"] for r in range(4)}
+    assert sent == t.trainer_out  # trainers sent exactly what the plan (= the bound) says
+    received = sum(run.results[r]["bytes_received"] for r in range(4, 8))
+    assert received == int(p.messages.nbytes[p.messages.src_rank != p.messages.dst_rank].sum())
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_dies_mid_transfer_makes_the_others_fail_in_time(plan_file, tmp_path):
+    t0 = time.time()
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), options={"timeout": 4},
+                    faults={0: {"die_after": 1}}, join_timeout=60)
+    assert run.exitcodes[0] == 17
+    _check_all_reported(run, faulty=(0,))
+    failed = [r for r in RANKS[1:] if not run.results[r]["ok"]]
+    assert failed, "nobody noticed the dead trainer"
+    import re
+    assert any(re.search(r"peers? \[?0\b", run.results[r]["error"]) for r in failed)
+    assert time.time() - t0 < 50  # each worker gives up within its 4 s timeout (x a few hops)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_hangs_makes_the_others_fail_in_time(plan_file, tmp_path):
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), options={"timeout": 4},
+                    faults={5: {"hang_after": 1}}, join_timeout=25)
+    assert run.results[5] is None and run.exitcodes[5] == -9  # killed by the harness
+    _check_all_reported(run, faulty=(5,))
+    stuck = [r for r in RANKS if r != 5 and not run.results[r]["ok"]]
+    assert any("peer 5" in run.results[r]["error"] or "peers [5]" in run.results[r]["error"]
+               for r in stuck)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_with_another_plan_refuses_before_sending(plan_file, tmp_path):
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), options={"timeout": 4},
+                    faults={2: {"other_plan": str(plan_file / "other.npz")}}, join_timeout=60)
+    _check_all_reported(run)
+    res = run.results[2]
+    assert not res["ok"] and "different plan" in res["error"] and "bytes_sent" not in res
+    # no rollout ends up with a mix: whoever finished has exactly the right bytes
+    for r in range(4, 8):
+        if run.results[r]["ok"]:
+            assert run.results[r]["bit_identical"]
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_buffer_is_refused_before_any_byte_moves(plan_file, tmp_path):
+    p = wb.Plan.load(plan_file / "plan.npz")
+    name = next(iter(p.rollouts[1].buffers))
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), options={"timeout": 4},
+                    faults={5: {"bad_buffer": name}}, join_timeout=60)
+    _check_all_reported(run)
+    res = run.results[5]
+    assert not res["ok"] and "refusing before any byte moves" in res["error"]
+    others = [run.results[r] for r in RANKS if r != 5 and not run.results[r]["ok"]]
+    assert any("peer 5" in o["error"] for o in others)
+
+
+def test_wrong_dtype_refused_in_process():
+    from wb.executor import execute
+    from wb.transport.local import LocalHub, LocalTransport
+
+    w = np.arange(64).reshape(8, 8)
+    t = wb.Layout(wb.Worker(0, "t", "trainer"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+    r = wb.Layout(wb.Worker(1, "r", "rollout"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+    p = wb.plan([t], [r])
+    with pytest.raises(wb.TransferError, match="is float64, the plan needs float32"):
+        execute(p, 0, {"w": np.zeros((8, 8))}, LocalTransport(0, LocalHub()))
+    with pytest.raises(wb.TransferError, match="different layouts"):
+        execute(p, 1, {"w": np.zeros((8, 8), np.float32)}, LocalTransport(1, LocalHub()),
+                layout=wb.Layout(r.worker, {"w": wb.BufferSpec(wb.SourceMap.from_indices(w.T), "float32")}))

@@ -1,0 +1,377 @@
+"""Runs one worker's part of a plan: pack, send, receive, unpack, forward.
+
+Each message of the plan is one tagged send from its source rank to its destination rank (tag =
+``tag_base + message index``, the same on every rank). A message whose single region is contiguous
+in both buffers moves zero-copy (sent from and received into the buffers themselves); others are
+packed into contiguous staging on the sender (strided views, no index arrays) and unpacked at the
+receiver. A message whose source and destination are the same rank is a local copy. A forwarded
+message (stage 2 or 3) leaves as soon as the message that brought its data has landed.
+
+Staging is bounded (``staging_bytes``, split between receives and sends). Receives and packed
+sends are issued in plan order, which is topological: the lowest unfinished message of the whole
+plan always has its parent done, its receive posted and staging free at its sender, so every plan
+makes progress whatever the budget. Zero-copy messages and local copies use no staging and go as
+soon as they are ready.
+
+A peer that dies or hangs stops completions: after ``timeout`` seconds without any progress the
+worker raises :class:`wb.TransferError` naming the peers and plan steps it is still waiting for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wb.dtypes import canonical_dtype
+from wb.errors import TransferError
+from wb.layout import Layout
+from wb.plan import Plan
+
+__all__ = ["execute", "plan_fingerprint", "ExecStats", "DEFAULT_STAGING_BYTES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ExecStats:
+    """What one worker did: bytes and messages each way, seconds, staging high-water mark."""
+
+    rank: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    messages_sent: int
+    messages_received: int
+    start_s: float  # time.time() when the first byte could move (after connecting)
+    end_s: float  # time.time() when the worker's last message completed
+    staging_peak: int
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """A hash of everything that decides which bytes go where (hex sha256)."""
+    h = hashlib.sha256()
+    for lay in (*plan.trainers, *plan.rollouts):
+        w = lay.worker
+        h.update(json.dumps([w.rank, w.node, w.role.value, w.local_rank,
+                             [[n, list(b.shape), b.dtype] for n, b in lay.buffers.items()]]).encode())
+    for nt in (plan.corr, plan.pieces, plan.transfers, plan.messages):
+        for v in nt:
+            if isinstance(v, np.ndarray):
+                h.update(np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()
+
+
+def _layout_of(plan: Plan, rank: int) -> Layout:
+    for lay in (*plan.trainers, *plan.rollouts):
+        if lay.worker.rank == rank:
+            return lay
+    raise TransferError(f"rank {rank} has no layout in this plan (ranks "
+                        f"{sorted(lay.worker.rank for lay in (*plan.trainers, *plan.rollouts))})")
+
+
+def _as_array(name: str, buf: Any, rank: int):
+    """(array module, array) of a numpy / DLPack / CUDA array, without copying."""
+    if hasattr(buf, "__cuda_array_interface__"):
+        try:
+            import cupy
+        except ImportError as e:
+            raise TransferError(f"rank {rank}: buffer `{name}` is a CUDA array; packing on the "
+                                f"device needs CuPy (pip install cupy-cuda12x / cupy-cuda13x)") from e
+        return cupy, cupy.asarray(buf)
+    if isinstance(buf, np.ndarray):
+        return np, buf
+    try:
+        return np, np.from_dlpack(buf) if hasattr(buf, "__dlpack__") else np.asarray(buf)
+    except (TypeError, BufferError, RuntimeError):
+        return np, np.asarray(buf)
+
+
+def _check_buffers(plan: Plan, rank: int, buffers: Mapping[str, Any], layout: Layout | None):
+    mine = _layout_of(plan, rank)
+    if layout is not None:
+        if set(layout.buffers) != set(mine.buffers) or any(
+                layout.buffers[n].sourcemap != b.sourcemap or layout.buffers[n].dtype != b.dtype
+                for n, b in mine.buffers.items()):
+            raise TransferError(
+                f"rank {rank}: the plan was made for different layouts than this worker's "
+                f"(buffers or source maps differ); plan again with every worker's current layout")
+    flat: dict[str, Any] = {}
+    xps = set()
+    for name, spec in mine.buffers.items():
+        if name not in buffers:
+            raise TransferError(f"rank {rank}: buffer `{name}` of the plan was not given "
+                                f"(given: {sorted(buffers)[:5]}...)")
+        xp, a = _as_array(name, buffers[name], rank)
+        if tuple(a.shape) != spec.shape:
+            raise TransferError(f"rank {rank}: buffer `{name}` has shape {tuple(a.shape)}, the "
+                                f"plan needs {spec.shape}; refusing before any byte moves")
+        try:
+            dt = canonical_dtype(a.dtype)
+        except Exception:  # noqa: BLE001 - an unknown dtype is simply a mismatch
+            dt = str(a.dtype)
+        if dt != spec.dtype:
+            raise TransferError(f"rank {rank}: buffer `{name}` is {dt}, the plan needs "
+                                f"{spec.dtype}; refusing before any byte moves")
+        if not a.flags.c_contiguous:
+            raise TransferError(f"rank {rank}: buffer `{name}` must be C-contiguous")
+        flat[name] = a.reshape(-1)
+        xps.add(xp)
+    return flat, (xps.pop() if len(xps) == 1 else np)
+
+
+def _contiguous(na, nb, fa, fb) -> bool:
+    return (nb == 1 or fb == 1) and (na == 1 or fa == nb)
+
+
+def _region(xp, flat, f0, na, nb, fa, fb):
+    """A strided (na, nb) view of the flat buffer, element (i, j) at flat[f0 + i*fa + j*fb]."""
+    item = flat.itemsize
+    # a length-1 axis has no step (the line zone's row step is 2**62: meaningless, and too big)
+    strides = (int(fa) * item if na > 1 else 0, int(fb) * item if nb > 1 else 0)
+    return xp.lib.stride_tricks.as_strided(flat[f0:], shape=(int(na), int(nb)), strides=strides)
+
+
+class _Msg:
+    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zero_copy", "out", "local")
+
+    def __init__(self, m, stage, peer, nbytes, ts, parent, zero_copy, out, local):
+        self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
+        self.parent, self.zero_copy, self.out, self.local = parent, zero_copy, out, local
+
+    def label(self) -> str:
+        return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
+
+
+def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
+            layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+            timeout: float = 60.0, tag_base: int = 0, close: bool = True) -> ExecStats:
+    """Runs ``rank``'s part of ``plan``: its sends, receives, local copies and forwards.
+
+    Args:
+        plan: the plan every worker runs (checked by fingerprint with every peer).
+        rank: this worker's rank.
+        buffers: ``{buffer name: array}`` of this worker's layout: numpy or DLPack host arrays, or
+            CUDA arrays (packing then runs on the device, with CuPy). Filled in place on rollouts.
+        transport: a connected-on-demand :class:`wb.transport.Transport` for this rank.
+        layout: this worker's own layout (as it probed it); refused if the plan's differs.
+        staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
+        timeout: seconds without any progress before raising :class:`wb.TransferError`.
+        tag_base: added to every tag (keeps updates of different versions apart).
+        close: close the transport (with a barrier) when done.
+
+    Returns:
+        :class:`ExecStats`.
+
+    Raises:
+        TransferError: bad buffers or a plan for other layouts (before any byte moves), a peer
+            running another plan (before sending), a failed or stalled transfer (naming the peer
+            and plan step).
+    """
+    flat, xp = _check_buffers(plan, rank, buffers, layout)
+    M, T, P = plan.messages, plan.transfers, plan.pieces
+    slot_buf = [s.buffer for s in plan.slots]
+    slot_rank = np.array([s.rank for s in plan.slots], np.int64)
+    mine = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
+    peers = set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist())
+    peers.discard(rank)
+    fp = plan_fingerprint(plan).encode()
+    hellos = transport.connect(sorted(peers), hello=fp)
+    wrong = sorted(p for p, h in hellos.items() if h != fp)
+    if wrong:
+        _abort(transport)
+        raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
+                            f"mismatch); refusing before sending anything; give every worker the "
+                            f"same plan")
+    msgs: dict[int, _Msg] = {}
+    children: dict[int, list[int]] = {}
+    for m in mine.tolist():
+        f, c = int(M.first[m]), int(M.count[m])
+        ts = np.arange(f, f + c)
+        out = int(M.src_rank[m]) == rank
+        local = out and int(M.dst_rank[m]) == rank
+        t0 = ts[0]
+        zc = c == 1 and _contiguous(P.na[T.piece[t0]], P.nb[T.piece[t0]], T.src_fa[t0],
+                                    T.src_fb[t0]) and _contiguous(
+            P.na[T.piece[t0]], P.nb[T.piece[t0]], T.dst_fa[t0], T.dst_fb[t0])
+        peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
+        msgs[m] = _Msg(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts, int(M.parent[m]), zc, out,
+                       local)
+        if out and M.parent[m] >= 0:
+            children.setdefault(int(M.parent[m]), []).append(m)
+    del slot_rank
+
+    def src_view(t):
+        p = T.piece[t]
+        return _region(xp, flat[slot_buf[T.src_slot[t]]], T.src_f0[t], P.na[p], P.nb[p],
+                       T.src_fa[t], T.src_fb[t])
+
+    def dst_view(t):
+        p = T.piece[t]
+        return _region(xp, flat[slot_buf[T.dst_slot[t]]], T.dst_f0[t], P.na[p], P.nb[p],
+                       T.dst_fa[t], T.dst_fb[t])
+
+    def contiguous_bytes(t, side):
+        p = T.piece[t]
+        n = int(P.na[p] * P.nb[p])
+        if side == "src":
+            a, f0 = flat[slot_buf[T.src_slot[t]]], int(T.src_f0[t])
+        else:
+            a, f0 = flat[slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
+        return a[f0:f0 + n].view(xp.uint8)
+
+    def pack(msg: _Msg):
+        buf = xp.empty(msg.nbytes, dtype=xp.uint8)
+        o = 0
+        for t in msg.ts:
+            v = src_view(t)
+            n = v.size * v.itemsize
+            buf[o:o + n].view(v.dtype).reshape(v.shape)[...] = v
+            o += n
+        return buf
+
+    def unpack(msg: _Msg, buf):
+        o = 0
+        for t in msg.ts:
+            v = dst_view(t)
+            n = v.size * v.itemsize
+            v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
+            o += n
+
+    recv_budget = send_budget = max(staging_bytes // 2, 1)
+    staged = {"recv": 0, "send": 0}
+    peak = 0
+    done: set[int] = set()
+    inflight: list[tuple[Any, _Msg, Any]] = []
+    order_in = sorted(m for m, g in msgs.items() if not g.out)
+    order_out = sorted(m for m, g in msgs.items() if g.out)
+    # zero-copy receives cost no staging: post them all now
+    for m in order_in:
+        g = msgs[m]
+        if g.zero_copy:
+            inflight.append((transport.recv(g.peer, contiguous_bytes(g.ts[0], "dst"),
+                                            tag_base + m), g, None))
+    staged_in = [m for m in order_in if not msgs[m].zero_copy]
+    pooled_out = [m for m in order_out if not msgs[m].zero_copy and not msgs[m].local]
+    free_out = [m for m in order_out if msgs[m].zero_copy or msgs[m].local]
+    next_in = next_out = 0
+    free_waiting = set(free_out)
+    stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
+    start = time.time()
+    last = time.monotonic()
+
+    def ready(g: _Msg) -> bool:
+        return g.parent < 0 or g.parent in done
+
+    def complete(m: int):
+        done.add(m)
+
+    try:
+        while True:
+            progressed = False
+            # receives into staging, in plan order, within budget
+            while next_in < len(staged_in):
+                g = msgs[staged_in[next_in]]
+                if staged["recv"] and staged["recv"] + g.nbytes > recv_budget:
+                    break
+                buf = xp.empty(g.nbytes, dtype=xp.uint8)
+                inflight.append((transport.recv(g.peer, buf, tag_base + g.m), g, buf))
+                staged["recv"] += g.nbytes
+                next_in += 1
+                progressed = True
+            # local copies and zero-copy sends: as soon as their data is here
+            for m in sorted(free_waiting):
+                g = msgs[m]
+                if not ready(g):
+                    continue
+                free_waiting.discard(m)
+                progressed = True
+                if g.local:
+                    for t in g.ts:
+                        dst_view(t)[...] = src_view(t)
+                    stats["local"] += g.nbytes
+                    complete(m)
+                else:
+                    inflight.append((transport.send(g.peer, contiguous_bytes(g.ts[0], "src"),
+                                                    tag_base + m), g, None))
+            # packed sends: strictly in plan order, within budget
+            while next_out < len(pooled_out):
+                g = msgs[pooled_out[next_out]]
+                if not ready(g) or (staged["send"] and staged["send"] + g.nbytes > send_budget):
+                    break
+                buf = pack(g)
+                inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
+                staged["send"] += g.nbytes
+                next_out += 1
+                progressed = True
+            peak = max(peak, staged["recv"] + staged["send"])
+            # completions
+            still = []
+            for req, g, buf in inflight:
+                if req.done():
+                    progressed = True
+                    if g.out:
+                        stats["sent"] += g.nbytes
+                        stats["msent"] += 1
+                        if buf is not None:
+                            staged["send"] -= g.nbytes
+                    else:
+                        if buf is not None:
+                            unpack(g, buf)
+                            staged["recv"] -= g.nbytes
+                        stats["received"] += g.nbytes
+                        stats["mrecv"] += 1
+                        complete(g.m)
+                else:
+                    still.append((req, g, buf))
+            inflight = still
+            if (not inflight and next_in == len(staged_in) and next_out == len(pooled_out)
+                    and not free_waiting):
+                break
+            now = time.monotonic()
+            if progressed:
+                last = now
+            elif now - last > timeout:
+                raise TransferError(_stalled(rank, timeout, inflight, msgs, pooled_out, next_out,
+                                             free_waiting))
+            else:
+                time.sleep(0.0002)
+    except BaseException:
+        _abort(transport)
+        raise
+    end = time.time()
+    if close:
+        transport.close()
+    return ExecStats(rank, stats["sent"], stats["received"], stats["local"], stats["msent"],
+                     stats["mrecv"], start, end, peak)
+
+
+def _abort(transport) -> None:
+    try:
+        getattr(transport, "abort", transport.close)()
+    except Exception:  # noqa: BLE001 - already failing; the original error matters
+        log.exception("closing the transport after a failure")
+
+
+def _stalled(rank, timeout, inflight, msgs, pooled_out, next_out, free_waiting) -> str:
+    waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}" for _, g, _ in inflight[:4]]
+    if next_out < len(pooled_out):
+        g = msgs[pooled_out[next_out]]
+        waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
+    for m in sorted(free_waiting)[:2]:
+        waiting.append(f"forwarding {msgs[m].label()} once message {msgs[m].parent} arrives")
+    peers = sorted({g.peer for _, g, _ in inflight})
+    return (f"rank {rank}: no progress for {timeout:.1f} s; peers {peers} are dead or hung? "
+            f"Waiting for: " + "; ".join(waiting))

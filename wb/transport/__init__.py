@@ -1,0 +1,49 @@
+"""Transports: post tagged sends and receives of contiguous byte buffers between ranks.
+
+:class:`Transport` is the seam the executor talks to. :class:`~wb.transport.ucx.UcxTransport`
+moves bytes between processes and machines over UCX (``ucxx``); :class:`~wb.transport.local.
+LocalTransport` between threads of one process (notebooks, tests). A buffer is a contiguous
+1-D ``uint8`` array: numpy on the host, or a CUDA array (``__cuda_array_interface__``, e.g. CuPy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Transport", "Request"]
+
+
+@runtime_checkable
+class Request(Protocol):
+    """One posted send or receive."""
+
+    peer: int
+    tag: int
+
+    def done(self) -> bool:
+        """True once complete; raises :class:`wb.TransferError` if it failed."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Tagged point-to-point byte transport among the ranks of one plan."""
+
+    rank: int
+
+    def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
+        """Connects to ``peers``; publishes ``hello`` and returns each peer's ``hello``."""
+        ...
+
+    def send(self, peer: int, buf: Any, tag: int) -> Request: ...
+
+    def recv(self, peer: int, buf: Any, tag: int) -> Request: ...
+
+    def describe(self) -> str:
+        """What is in use (transports, devices), for logs."""
+        ...
+
+    def close(self) -> None:
+        """Waits until every peer is done (a barrier), then releases endpoints and the worker."""
+        ...

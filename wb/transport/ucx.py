@@ -1,0 +1,184 @@
+"""UCX transport over ``ucxx``: tag send/recv between worker-address endpoints.
+
+Nothing happens at import or construction: the UCX context and worker are created by
+:meth:`UcxTransport.connect`. Each rank publishes its worker address through a rendezvous
+:class:`~wb.rendezvous.Store` and creates an endpoint from each peer's address. Endpoints are created
+with UCX error handling off on both sides, because UCX's shared-memory transports need it; a peer
+that dies is therefore noticed by the executor's inactivity timeout, not by UCX.
+
+UCX moves large tagged messages by zero-copy rendezvous: CUDA IPC between GPUs of one node,
+RDMA over InfiniBand/RoCE when UCX has verbs, shared memory or TCP otherwise. Which transports are
+allowed is ``tls`` (UCX's ``UCX_TLS``):
+
+- default on a machine without GPUs: ``tcp,posix,sysv,self``. UCX's own default also tries
+  ``cma`` (cross-memory attach), which hangs inside containers that forbid ``process_vm_readv``.
+- default on a machine with GPUs: ``cuda_ipc,cuda_copy,rc,tcp,posix,sysv,self``.
+- ``UCX_TLS`` in the environment, or the ``tls`` argument, overrides both.
+
+PyPI's ``libucx`` wheels are built without InfiniBand verbs. On an InfiniBand cluster, use the
+system's UCX: ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` (with the system UCX on the library
+path) makes ``ucxx`` load it; then ``rc`` (and ``dc``/``ud``) carry stage 1 and 2 by RDMA.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from wb.errors import TransferError
+from wb.rendezvous import Store
+
+__all__ = ["UcxTransport", "default_tls"]
+
+log = logging.getLogger(__name__)
+
+_CPU_TLS = "tcp,posix,sysv,self"
+_GPU_TLS = "cuda_ipc,cuda_copy,rc,tcp,posix,sysv,self"
+
+
+def default_tls() -> str:
+    """The UCX transports used when neither ``tls=`` nor ``UCX_TLS`` says otherwise."""
+    if os.environ.get("UCX_TLS"):
+        return os.environ["UCX_TLS"]
+    return _GPU_TLS if glob.glob("/dev/nvidia[0-9]*") else _CPU_TLS
+
+
+class _UcxRequest:
+    __slots__ = ("req", "peer", "tag", "what", "rank", "buf")
+
+    def __init__(self, req, peer: int, tag: int, what: str, rank: int, buf):
+        self.req, self.peer, self.tag, self.what, self.rank = req, peer, tag, what, rank
+        self.buf = buf  # keep the memory alive while UCX may touch it
+
+    def done(self) -> bool:
+        if not self.req.completed:
+            return False
+        try:
+            self.req.check_error()
+        except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
+            raise TransferError(f"rank {self.rank}: UCX {self.what} of tag {self.tag:#x} with peer "
+                                f"{self.peer} failed: {type(e).__name__}: {e}") from e
+        return True
+
+
+class UcxTransport:
+    """Tagged byte transport between ranks over UCX.
+
+    Args:
+        rank: this worker's global rank.
+        store: the rendezvous store every rank of the plan shares.
+        tls: UCX transports (``UCX_TLS``); default :func:`default_tls`.
+        session: a name that keeps the keys of concurrent sessions in one store apart.
+        timeout: seconds to wait for peers' addresses and for the closing barrier.
+    """
+
+    def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
+                 timeout: float = 60.0):
+        self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
+        self.tls = tls or default_tls()
+        self._ctx = self._worker = None
+        self._eps: dict[int, Any] = {}
+        self._peers: list[int] = []
+
+    # --- lifetime ------------------------------------------------------------------------------
+    def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
+        try:
+            import ucxx._lib.libucxx as ucx_api
+        except ImportError as e:
+            raise TransferError("the UCX transport needs ucxx: pip install 'weightbridge[ucx]' "
+                                "(or [ucx-cu12])") from e
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        self._api = ucx_api
+        self._ctx = ucx_api.UCXContext(config_dict={"TLS": self.tls},
+                                       feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.start_progress_thread(polling_mode=False)
+        addr = self._worker.address.tobytes()
+        self.store.set(f"{self.session}/addr/{self.rank}", addr)
+        self.store.set(f"{self.session}/hello/{self.rank}", hello)
+        log.info("rank %d: UCX %s, TLS=%s", self.rank, self._api.get_ucx_version(), self.tls)
+        # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
+        # plan) before any endpoint exists.
+        self._peers = sorted(set(int(p) for p in peers) - {self.rank})
+        return {p: self._get(f"hello/{p}", p) for p in self._peers}
+
+    def _get(self, key: str, peer: int) -> bytes:
+        try:
+            return self.store.get(f"{self.session}/{key}", self.timeout)
+        except TransferError as e:
+            raise TransferError(f"rank {self.rank}: peer {peer} did not show up within "
+                                f"{self.timeout:.1f} s (no `{key}` in the rendezvous store); is it "
+                                f"running, with the same store and session?") from e
+
+    def close(self, *, barrier: bool = True) -> None:
+        if self._worker is None:
+            return
+        try:
+            if barrier:  # peers may still be receiving what UCX already counts as sent
+                self.store.set(f"{self.session}/done/{self.rank}", b"1")
+                for p in self._peers:
+                    try:
+                        self.store.get(f"{self.session}/done/{p}", self.timeout)
+                    except TransferError as e:
+                        raise TransferError(f"rank {self.rank}: peer {p} did not finish its part "
+                                            f"of the plan within {self.timeout:.1f} s") from e
+        finally:
+            self._worker.stop_progress_thread()
+            self._eps.clear()
+            self._worker = self._ctx = None
+
+    def abort(self) -> None:
+        """Drops everything in flight (after a failure); no barrier."""
+        if self._worker is not None:
+            self._worker.cancel_inflight_requests()
+            self.close(barrier=False)
+
+    # --- transfers -----------------------------------------------------------------------------
+    def _ep(self, peer: int):
+        ep = self._eps.get(peer)
+        if ep is None:
+            if peer not in self._peers:
+                raise TransferError(f"rank {self.rank} is not connected to peer {peer}; pass it "
+                                    f"to connect()")
+            raw = self._get(f"addr/{peer}", peer)
+            try:
+                address = self._api.UCXAddress.create_from_buffer(np.frombuffer(raw, np.uint8))
+                ep = self._worker.create_endpoint_from_worker_address(address, False)
+            except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
+                raise TransferError(f"rank {self.rank}: cannot reach peer {peer} over UCX "
+                                    f"(TLS={self.tls}): {type(e).__name__}: {e}") from e
+            self._eps[peer] = ep
+        return ep
+
+    def send(self, peer: int, buf, tag: int) -> _UcxRequest:
+        from ucxx._lib.arr import Array
+
+        ep = self._ep(peer)
+        try:
+            req = ep.tag_send(Array(buf), self._api.UCXXTag(int(tag)))
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"rank {self.rank}: UCX send of tag {tag:#x} to peer {peer} "
+                                f"failed: {type(e).__name__}: {e}") from e
+        return _UcxRequest(req, peer, tag, "send", self.rank, buf)
+
+    def recv(self, peer: int, buf, tag: int) -> _UcxRequest:
+        from ucxx._lib.arr import Array
+
+        ep = self._ep(peer)
+        try:
+            req = ep.tag_recv(Array(buf), self._api.UCXXTag(int(tag)))
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"rank {self.rank}: UCX receive of tag {tag:#x} from peer {peer} "
+                                f"failed: {type(e).__name__}: {e}") from e
+        return _UcxRequest(req, peer, tag, "recv", self.rank, buf)
+
+    def describe(self) -> str:
+        cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
+        return json.dumps({"transport": "ucx", "rank": self.rank, "tls": self.tls,
+                           "cuda_support": cuda, "peers": self._peers})
