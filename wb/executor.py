@@ -122,7 +122,7 @@ def _check_buffers(plan: Plan, rank: int, buffers: Mapping[str, Any], layout: La
             dt = canonical_dtype(a.dtype)
         except Exception:  # noqa: BLE001 - an unknown dtype is simply a mismatch
             dt = str(a.dtype)
-        if dt != spec.dtype:
+        if dt != spec.dtype and not _raw_bits_ok(xp, a.dtype, spec.dtype):
             raise TransferError(f"rank {rank}: buffer `{name}` is {dt}, the plan needs "
                                 f"{spec.dtype}; refusing before any byte moves")
         if not a.flags.c_contiguous:
@@ -130,6 +130,18 @@ def _check_buffers(plan: Plan, rank: int, buffers: Mapping[str, Any], layout: La
         flat[name] = a.reshape(-1)
         xps.add(xp)
     return flat, (xps.pop() if len(xps) == 1 else np)
+
+
+_NO_NATIVE = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _raw_bits_ok(xp, dtype, want: str) -> bool:
+    """CUDA arrays of bf16/fp8 travel as same-width integers (CuPy has no such dtypes, and torch's
+    ``__cuda_array_interface__`` refuses them): accept exactly that case, nothing else."""
+    from wb.dtypes import dtype_info
+
+    return (xp is not np and want in _NO_NATIVE and np.dtype(dtype).kind in "ui"
+            and np.dtype(dtype).itemsize == dtype_info(want).itemsize)
 
 
 def _contiguous(na, nb, fa, fb) -> bool:
@@ -232,6 +244,9 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             a, f0 = flat[slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
         return a[f0:f0 + n].view(xp.uint8)
 
+    # UCX reads and writes device memory outside our CUDA stream: finish kernels first
+    sync = (lambda: xp.cuda.get_current_stream().synchronize()) if xp is not np else (lambda: None)
+
     def pack(msg: _Msg):
         buf = xp.empty(msg.nbytes, dtype=xp.uint8)
         o = 0
@@ -240,6 +255,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             n = v.size * v.itemsize
             buf[o:o + n].view(v.dtype).reshape(v.shape)[...] = v
             o += n
+        sync()
         return buf
 
     def unpack(msg: _Msg, buf):
@@ -249,6 +265,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             n = v.size * v.itemsize
             v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
             o += n
+        sync()
 
     recv_budget = send_budget = max(staging_bytes // 2, 1)
     staged = {"recv": 0, "send": 0}
@@ -301,6 +318,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
                 if g.local:
                     for t in g.ts:
                         dst_view(t)[...] = src_view(t)
+                    sync()
                     stats["local"] += g.nbytes
                     complete(m)
                 else:

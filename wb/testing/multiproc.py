@@ -19,39 +19,48 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["weight_bits", "buffers_for", "Fault", "run_ranks", "child_main"]
+__all__ = ["weight_bits", "buffers_for", "Fault", "run_ranks", "child_main", "raw_throughput"]
 
 
-def weight_bits(ids: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Deterministic, finite weight values of checkpoint ids (-1 -> 0), as ``dtype``.
+def weight_bits(ids, dtype: np.dtype, xp=np):
+    """Deterministic, finite weight values of checkpoint ids (ids >= 0), as ``dtype``.
 
-    Bits are a hash of the id with the exponent field kept away from inf/nan.
+    Bits are a hash of the id with the exponent field kept away from inf/nan. ``xp`` is numpy or
+    CuPy (values are made where the buffer lives).
     """
     item = np.dtype(dtype).itemsize
-    h = (ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(17)
+    u = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[item]
+    h = (ids.astype(xp.uint64) * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
+    mask = {1: 0x3F, 2: 0x3FFF, 4: 0x3FFFFFFF, 8: 0x3FFFFFFFFFFFFFFF}[item]
+    bits = (h & xp.uint64(mask)).astype(u)
     if item == 2:
-        bits = (h & np.uint64(0x3FFF)).astype(np.uint16) | np.uint16(0x3C00)
-        out = bits.view(dtype)
-    elif item == 4:
-        bits = (h & np.uint64(0x3FFFFFFF)).astype(np.uint32)
-        out = bits.view(dtype)
-    elif item == 1:
-        out = (h & np.uint64(0x3F)).astype(np.uint8).view(dtype)
-    else:
-        out = (h & np.uint64(0x3FFFFFFFFFFFFFFF)).astype(np.uint64).view(dtype)
-    return np.where(ids >= 0, out, np.zeros((), dtype))
+        bits |= xp.uint16(0x3C00)
+    return bits
 
 
-def buffers_for(plan, rank: int, *, fill: bool) -> dict[str, np.ndarray]:
-    """This rank's buffers: trainer weights (``fill``) or zeros, in the layouts' dtypes."""
+def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
+    """This rank's buffers, made on the host (numpy) or the device (CuPy): trainer weights
+    (``fill``, element by element from the source map's blocks, one block at a time) or zeros."""
     from wb.dtypes import dtype_info
 
     lay = next(lay for lay in (*plan.trainers, *plan.rollouts) if lay.worker.rank == rank)
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
-        out[name] = (weight_bits(b.sourcemap.to_indices(), dt) if fill
-                     else np.zeros(b.shape, dt))
+        raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
+        arr = xp.zeros(b.shape, dtype=raw)
+        if fill:
+            rows, cols = b.sourcemap.view2d
+            v = arr.reshape(rows, cols)
+            bl = b.sourcemap.blocks
+            for k in range(bl.count):
+                i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
+                j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
+                ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
+                r0, c0 = int(bl.r0[k]), int(bl.c0[k])
+                v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
+        # CuPy has no bfloat16/float8: device buffers of those stay raw integer bits
+        out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
     return out
 
 
@@ -109,21 +118,32 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     try:
         plan = Plan.load(fault.other_plan or plan_path)
         trainer = any(lay.worker.rank == rank for lay in plan.trainers)
-        bufs = buffers_for(plan, rank, fill=trainer)
+        cuda = options.get("cuda_device")
+        xp = np
+        if cuda is not None:
+            import cupy as xp
+
+            xp.cuda.Device(cuda).use()
+        bufs = buffers_for(plan, rank, fill=trainer, xp=xp)
         if fault.bad_buffer:
             bufs[fault.bad_buffer] = np.zeros(3, bufs[fault.bad_buffer].dtype)
         transport = UcxTransport(rank, DirectoryStore(store_dir), tls=options.get("tls"),
-                                 timeout=options.get("timeout", 60.0))
+                                 timeout=options.get("timeout", 60.0), cuda_device=cuda)
         if fault.die_after is not None or fault.hang_after is not None:
             transport = _FaultyTransport(transport, fault)
+        if options.get("barrier"):  # start together: EWTT then measures the transfer alone
+            store = DirectoryStore(store_dir)
+            store.set(f"go/{rank}", b"1")
+            for lay in (*plan.trainers, *plan.rollouts):
+                store.get(f"go/{lay.worker.rank}", options.get("timeout", 60.0))
         t0 = time.time()
         stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
                         staging_bytes=options.get("staging_bytes", 256 << 20))
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)
         if not trainer:
-            want = buffers_for(plan, rank, fill=True)
-            result["bit_identical"] = all(
-                np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8)) for k in bufs)
+            want = buffers_for(plan, rank, fill=True, xp=xp)
+            result["bit_identical"] = bool(all(
+                xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8)) for k in bufs))
     except TransferError as e:
         result.update(ok=False, error=str(e), kind="TransferError")
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -168,3 +188,56 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
         f = result_dir / f"{r}.json"
         results[r] = json.loads(f.read_text()) if f.exists() else None
     return Run(results, {r: p.exitcode for r, p in procs.items()}, time.time() - t0)
+
+
+def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, result_dir: str,
+               tls: str | None, cuda_device: int | None = None) -> None:
+    """Raw UCX: rank 2k sends ``reps`` messages of ``nbytes`` to rank 2k+1 (no packing)."""
+    from wb.rendezvous import DirectoryStore
+    from wb.transport.ucx import UcxTransport
+
+    xp = np
+    if cuda_device is not None:
+        import cupy as xp
+
+        xp.cuda.Device(cuda_device).use()
+    store = DirectoryStore(store_dir)
+    peer = rank ^ 1
+    t = UcxTransport(rank, store, tls=tls, session="raw", cuda_device=cuda_device)
+    t.connect([peer])
+    buf = xp.ones(nbytes, xp.uint8) if rank % 2 == 0 else xp.zeros(nbytes, xp.uint8)
+    warm = (t.send if rank % 2 == 0 else t.recv)(peer, buf[:4096], 1 << 40)
+    while not warm.done():
+        time.sleep(1e-4)
+    store.set(f"go/{rank}", b"1")
+    for r in range(2 * pairs):
+        store.get(f"go/{r}", 60)
+    t0 = time.time()
+    for k in range(reps):
+        req = (t.send if rank % 2 == 0 else t.recv)(peer, buf, k)
+        while not req.done():
+            time.sleep(1e-4)
+    t1 = time.time()
+    t.close()
+    Path(result_dir, f"raw{rank}.json").write_text(json.dumps({"start": t0, "end": t1}))
+
+
+def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str | None = None,
+                   cuda_device: int | None = None) -> dict:
+    """Bytes/s of ``pairs`` concurrent sender -> receiver process pairs over UCX (one direction
+    each): per pair and in aggregate, measured from a common start."""
+    ctx = mp.get_context("spawn")
+    store_dir, result_dir = Path(workdir, "rawstore"), Path(workdir, "rawres")
+    store_dir.mkdir(parents=True, exist_ok=True)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    procs = [ctx.Process(target=_pair_main, args=(r, pairs, nbytes, reps, str(store_dir),
+                                                  str(result_dir), tls, cuda_device), daemon=True)
+             for r in range(2 * pairs)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    res = [json.loads(Path(result_dir, f"raw{r}.json").read_text()) for r in range(1, 2 * pairs, 2)]
+    start, end = min(r["start"] for r in res), max(r["end"] for r in res)
+    per_pair = [nbytes * reps / (r["end"] - r["start"]) for r in res]
+    return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}

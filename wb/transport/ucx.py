@@ -12,7 +12,8 @@ allowed is ``tls`` (UCX's ``UCX_TLS``):
 
 - default on a machine without GPUs: ``tcp,posix,sysv,self``. UCX's own default also tries
   ``cma`` (cross-memory attach), which hangs inside containers that forbid ``process_vm_readv``.
-- default on a machine with GPUs: ``cuda_ipc,cuda_copy,rc,tcp,posix,sysv,self``.
+- default on a machine with GPUs: ``cuda_ipc,cuda_copy,tcp,posix,sysv,self``, plus ``rc`` (RDMA)
+  when the system's UCX is used (``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``: PyPI's has no verbs).
 - ``UCX_TLS`` in the environment, or the ``tls`` argument, overrides both.
 
 PyPI's ``libucx`` wheels are built without InfiniBand verbs. On an InfiniBand cluster, use the
@@ -39,14 +40,17 @@ __all__ = ["UcxTransport", "default_tls"]
 log = logging.getLogger(__name__)
 
 _CPU_TLS = "tcp,posix,sysv,self"
-_GPU_TLS = "cuda_ipc,cuda_copy,rc,tcp,posix,sysv,self"
+_GPU_TLS = "cuda_ipc,cuda_copy,tcp,posix,sysv,self"
 
 
 def default_tls() -> str:
     """The UCX transports used when neither ``tls=`` nor ``UCX_TLS`` says otherwise."""
     if os.environ.get("UCX_TLS"):
         return os.environ["UCX_TLS"]
-    return _GPU_TLS if glob.glob("/dev/nvidia[0-9]*") else _CPU_TLS
+    tls = _GPU_TLS if glob.glob("/dev/nvidia[0-9]*") else _CPU_TLS
+    if os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "").lower() in ("1", "true", "yes"):
+        tls = "rc," + tls  # the system's UCX: built with verbs on an InfiniBand cluster
+    return tls
 
 
 class _UcxRequest:
@@ -76,11 +80,14 @@ class UcxTransport:
         tls: UCX transports (``UCX_TLS``); default :func:`default_tls`.
         session: a name that keeps the keys of concurrent sessions in one store apart.
         timeout: seconds to wait for peers' addresses and for the closing barrier.
+        cuda_device: the CUDA device whose buffers this worker sends (gives UCX's progress
+            thread a context on it); ``None`` for host buffers.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, cuda_device: int | None = None):
         self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
+        self.cuda_device = cuda_device
         self.tls = tls or default_tls()
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
@@ -98,6 +105,14 @@ class UcxTransport:
         self._ctx = ucx_api.UCXContext(config_dict={"TLS": self.tls},
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
+        if self.cuda_device is not None:
+            # UCX's progress thread touches device memory (CUDA IPC, cuda_copy): it needs the
+            # same CUDA context as this thread
+            from ucxx._cuda_context import ensure_cuda_context
+
+            ensure_cuda_context(self.cuda_device)
+            self._worker.set_progress_thread_start_callback(ensure_cuda_context,
+                                                            cb_args=(self.cuda_device,))
         self._worker.start_progress_thread(polling_mode=False)
         addr = self._worker.address.tobytes()
         self.store.set(f"{self.session}/addr/{self.rank}", addr)

@@ -1,0 +1,144 @@
+"""Executor EWTT over UCX against the raw UCX throughput measured in the same run.
+
+A qwen3_moe-style model scaled to fit (``--hidden``, ``--layers``, ``--experts``) is held by
+Megatron-style trainers (TP2 EP2, 2 DP replicas = 4 processes) and needed by vLLM-style rollouts
+(``--replicas`` nodes x TP2/EP2 = 2 processes each). Every process is spawned on this host and runs
+its part of the plan (``wb.executor.execute``) over ``UcxTransport``; EWTT is from the common start
+(a barrier) to the last rollout buffer complete, median of ``--repeat`` runs. Rollout buffers are
+checked bit for bit after every run.
+
+Raw throughput is measured in the same run with plain UCX sends of 64 MiB (no packing): one
+sender->receiver pair, and as many concurrent pairs as the plan has concurrently busy links.
+Two ideals follow:
+
+- per link: the plan's busiest link (the most bytes one process sends or receives) / one pair's
+  throughput: the physical bound when every process has its own NIC;
+- per host: all bytes the plan moves between processes / the concurrent pairs' aggregate
+  throughput: the bound when, as here, every "link" is the same few cores and memory.
+
+``ideal`` is the larger; ``ewtt_over_ideal`` is what the executor adds (packing, forwarding,
+messages, progress threads).
+
+    python bench/bench_transfer.py [--quick] [--json] [--tls tcp,posix,sysv,self]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def model(hidden: int, layers: int, experts: int) -> dict:
+    from wb.presets import TINY
+
+    return dict(TINY, name="bench-moe", vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
+                first_k_dense_replace=1, intermediate_size=4 * hidden, num_experts=experts,
+                moe_intermediate_size=hidden // 2, num_attention_heads=16, num_key_value_heads=4,
+                head_dim=hidden // 16)
+
+
+def build(cfg: dict, replicas: int, shape: str = "tp2"):
+    from wb.deployments import megatron_trainer, vllm_rollout
+
+    if shape == "single":  # one link: the executor's own overhead against raw UCX
+        trainers = megatron_trainer(cfg, tp=1, pp=1, ep=1, nodes=["trainer0"], gpus_per_node=1)
+        rollouts = vllm_rollout(cfg, tp=1, ep=1, replicas=1, nodes_per_replica=1,
+                                gpus_per_replica=1, gpus_per_node=1, first_rank=1)
+        return trainers, rollouts
+    trainers = megatron_trainer(cfg, tp=2, pp=1, ep=2, nodes=["trainer0"], gpus_per_node=4)
+    rollouts = vllm_rollout(cfg, tp=2, ep=2, replicas=replicas, nodes_per_replica=1,
+                            gpus_per_replica=2, gpus_per_node=2, first_rank=len(trainers))
+    return trainers, rollouts
+
+
+def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
+        staging=256 << 20, cuda_device=None, shape="tp2") -> dict:
+    import wb
+    from wb.simulate import _loads  # per-process loads of the plan
+    from wb.testing.multiproc import raw_throughput, run_ranks
+
+    cfg = model(hidden, layers, experts)
+    trainers, rollouts = build(cfg, replicas, shape)
+    p = wb.plan(trainers, rollouts, chunk_bytes=chunk)
+    work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    p.save(work / "plan.npz")
+    ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
+    M = p.messages
+    between = M.src_rank != M.dst_rank
+    nbytes = M.nbytes[between].astype(np.float64)
+    out_b = np.bincount(M.src_rank[between], weights=nbytes, minlength=len(ranks))
+    in_b = np.bincount(M.dst_rank[between], weights=nbytes, minlength=len(ranks))
+    busiest = float(max(out_b.max(), in_b.max()))
+    total = float(nbytes.sum())
+    senders = int((out_b > 0).sum())
+    del _loads
+    big = 256 << 20 if cuda_device is not None else 64 << 20
+    raw1 = raw_throughput(1, big, 6, str(work / "raw1"), tls=tls, cuda_device=cuda_device)
+    rawk = raw_throughput(min(senders, len(ranks) // 2), big, 4, str(work / "rawk"), tls=tls,
+                          cuda_device=cuda_device)
+    runs = []
+    for k in range(repeat):
+        r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
+                      options={"timeout": 120, "barrier": True, "tls": tls,
+                               "staging_bytes": staging, "cuda_device": cuda_device},
+                      join_timeout=600)
+        res = r.results
+        bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
+        if bad:
+            raise RuntimeError(f"ranks {bad} failed: {[res[x] for x in bad][:2]}")
+        if not all(res[x]["bit_identical"] for x in ranks if x >= len(trainers)):
+            raise RuntimeError("a rollout buffer is not bit-identical")
+        runs.append(max(res[x]["end_s"] for x in ranks) - min(res[x]["start_s"] for x in ranks))
+    ewtt = statistics.median(runs)
+    p2p_bps, agg_bps = raw1["aggregate_Bps"], rawk["aggregate_Bps"]
+    if rawk["pairs"] == 1:  # two samples of the same single pair: the faster is the bound
+        p2p_bps = agg_bps = max(p2p_bps, agg_bps)
+    ideal_link, ideal_host = busiest / p2p_bps, total / agg_bps
+    ideal = max(ideal_link, ideal_host)
+    return {"model_bytes": int(wb.lower_bound(trainers, rollouts).trainer_total),
+            "device": "cuda" if cuda_device is not None else "cpu",
+            "processes": len(ranks), "replicas": replicas, "bytes_between_processes": int(total),
+            "busiest_link_bytes": int(busiest), "raw_p2p_GBps": p2p_bps / 1e9,
+            "raw_concurrent_pairs": rawk["pairs"], "raw_aggregate_GBps": agg_bps / 1e9,
+            "ewtt_s": ewtt, "ewtt_runs_s": runs, "ideal_link_s": ideal_link,
+            "ideal_host_s": ideal_host, "ideal_s": ideal, "ewtt_over_ideal": ewtt / ideal,
+            "shape": shape, "tls": tls or "default", "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller model, one run")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tls", default=None)
+    ap.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
+                    help="buffers on this CUDA device (all processes share it: CUDA IPC)")
+    ap.add_argument("--shape", choices=("tp2", "single"), default="tp2",
+                    help="single: one trainer process -> one rollout process (one link)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.quick:
+        a.hidden, a.layers, a.experts, a.repeat = 512, 2, 8, 1
+    rep = run(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
+              repeat=a.repeat, tls=a.tls, cuda_device=a.cuda, shape=a.shape)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=1))
+    if a.json:
+        print(json.dumps(rep))
+        return
+    for k, v in rep.items():
+        print(f"{k:>26}: {v:.4g}" if isinstance(v, float) else f"{k:>26}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One call on the H200 device machine (see README "Benchmarks"): the GPU correctness test, then the
+# executor benchmark with several processes sharing the GPU through UCX CUDA IPC. Needs the ucxx
+# wheels for Python 3.12 in .whl/ (carried); writes JSON results to $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c "import ucxx, cupy, numpy; print('ucxx', ucxx.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -5 | tee "$OUT/gpu_test.txt"
+for shape in single tp2; do
+  python3 bench/bench_transfer.py --cuda 0 --shape $shape --hidden 2048 --layers 8 --experts 64 \
+    --repeat 3 --out "$OUT/h200_$shape.json" 2>&1 | grep -v "UCX  WARN\|flush.c\|endpoint.cpp"
+done
