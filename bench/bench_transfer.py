@@ -108,7 +108,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "raw_concurrent_pairs": rawk["pairs"], "raw_aggregate_GBps": agg_bps / 1e9,
             "ewtt_s": ewtt, "ewtt_runs_s": runs, "ideal_link_s": ideal_link,
             "ideal_host_s": ideal_host, "ideal_s": ideal, "ewtt_over_ideal": ewtt / ideal,
-            "shape": shape, "tls": tls or "default", "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
+            "shape": shape, "chunk_bytes": chunk, "messages": int(between.sum()),
+            "tls": tls or "default", "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def main() -> None:
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--chunk-mb", type=float, default=8.0, help="plan piece size (MiB)")
     ap.add_argument("--tls", default=None)
     ap.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
                     help="buffers on this CUDA device (all processes share it: CUDA IPC)")
@@ -130,7 +132,8 @@ def main() -> None:
     if a.quick:
         a.hidden, a.layers, a.experts, a.repeat = 512, 2, 8, 1
     rep = run(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
-              repeat=a.repeat, tls=a.tls, cuda_device=a.cuda, shape=a.shape)
+              repeat=a.repeat, tls=a.tls, cuda_device=a.cuda, shape=a.shape,
+              chunk=int(a.chunk_mb * 2**20))
     if a.out:
         Path(a.out).write_text(json.dumps(rep, indent=1))
     if a.json:

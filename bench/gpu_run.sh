@@ -8,8 +8,11 @@ export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import ucxx, cupy, numpy; print('ucxx', ucxx.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
-python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -5 | tee "$OUT/gpu_test.txt"
-for shape in single tp2; do
-  python3 bench/bench_transfer.py --cuda 0 --shape $shape --hidden 2048 --layers 8 --experts 64 \
-    --repeat 3 --out "$OUT/h200_$shape.json" 2>&1 | grep -v "UCX  WARN\|flush.c\|endpoint.cpp"
+python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -3 | tee "$OUT/gpu_test.txt"
+for chunk in ${CHUNKS:-8 64}; do
+  for shape in single tp2; do
+    python3 bench/bench_transfer.py --cuda 0 --shape $shape --hidden 2048 --layers 8 --experts 64 \
+      --repeat 3 --chunk-mb $chunk --json --out "$OUT/h200_${shape}_${chunk}mb.json" 2>/dev/null | tail -1 |
+      python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: (round(v,4) if isinstance(v,float) else v) for k,v in r.items() if k not in ('ewtt_runs_s','time')})"
+  done
 done

@@ -144,10 +144,6 @@ def _raw_bits_ok(xp, dtype, want: str) -> bool:
             and np.dtype(dtype).itemsize == dtype_info(want).itemsize)
 
 
-def _contiguous(na, nb, fa, fb) -> bool:
-    return (nb == 1 or fb == 1) and (na == 1 or fa == nb)
-
-
 def _region(xp, flat, f0, na, nb, fa, fb):
     """A strided (na, nb) view of the flat buffer, element (i, j) at flat[f0 + i*fa + j*fb]."""
     item = flat.itemsize
@@ -157,14 +153,29 @@ def _region(xp, flat, f0, na, nb, fa, fb):
 
 
 class _Msg:
-    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zero_copy", "out", "local")
+    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
+                 "local")
 
-    def __init__(self, m, stage, peer, nbytes, ts, parent, zero_copy, out, local):
+    def __init__(self, m, stage, peer, nbytes, ts, parent, zc_src, zc_dst, out, local):
         self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
-        self.parent, self.zero_copy, self.out, self.local = parent, zero_copy, out, local
+        self.parent, self.zc_src, self.zc_dst, self.out, self.local = (parent, zc_src, zc_dst,
+                                                                      out, local)
 
     def label(self) -> str:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
+
+
+def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
+    """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
+    buffer: then the message is that range of the buffer itself, no packing."""
+    t0 = ts[0]
+    if (slot[ts] != slot[t0]).any():
+        return False
+    n = na * nb
+    each = ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+    if not each.all():
+        return False
+    return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
 
 
 def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
@@ -214,13 +225,12 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         ts = np.arange(f, f + c)
         out = int(M.src_rank[m]) == rank
         local = out and int(M.dst_rank[m]) == rank
-        t0 = ts[0]
-        zc = c == 1 and _contiguous(P.na[T.piece[t0]], P.nb[T.piece[t0]], T.src_fa[t0],
-                                    T.src_fb[t0]) and _contiguous(
-            P.na[T.piece[t0]], P.nb[T.piece[t0]], T.dst_fa[t0], T.dst_fb[t0])
+        na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+        zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts], na, nb)
+        zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts], na, nb)
         peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
-        msgs[m] = _Msg(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts, int(M.parent[m]), zc, out,
-                       local)
+        msgs[m] = _Msg(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts, int(M.parent[m]), zc_src,
+                       zc_dst, out, local)
         if out and M.parent[m] >= 0:
             children.setdefault(int(M.parent[m]), []).append(m)
     del slot_rank
@@ -235,14 +245,14 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         return _region(xp, flat[slot_buf[T.dst_slot[t]]], T.dst_f0[t], P.na[p], P.nb[p],
                        T.dst_fa[t], T.dst_fb[t])
 
-    def contiguous_bytes(t, side):
-        p = T.piece[t]
-        n = int(P.na[p] * P.nb[p])
+    def contiguous_bytes(g: _Msg, side):
+        """The message as one range of a buffer (zero-copy), as bytes."""
+        t = g.ts[0]
         if side == "src":
             a, f0 = flat[slot_buf[T.src_slot[t]]], int(T.src_f0[t])
         else:
             a, f0 = flat[slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
-        return a[f0:f0 + n].view(xp.uint8)
+        return a[f0:f0 + g.nbytes // a.itemsize].view(xp.uint8)
 
     # UCX reads and writes device memory outside our CUDA stream: finish kernels first
     sync = (lambda: xp.cuda.get_current_stream().synchronize()) if xp is not np else (lambda: None)
@@ -277,17 +287,18 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
     # zero-copy receives cost no staging: post them all now
     for m in order_in:
         g = msgs[m]
-        if g.zero_copy:
-            inflight.append((transport.recv(g.peer, contiguous_bytes(g.ts[0], "dst"),
-                                            tag_base + m), g, None))
-    staged_in = [m for m in order_in if not msgs[m].zero_copy]
-    pooled_out = [m for m in order_out if not msgs[m].zero_copy and not msgs[m].local]
-    free_out = [m for m in order_out if msgs[m].zero_copy or msgs[m].local]
+        if g.zc_dst:
+            inflight.append((transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g,
+                             None))
+    staged_in = [m for m in order_in if not msgs[m].zc_dst]
+    pooled_out = [m for m in order_out if not msgs[m].zc_src and not msgs[m].local]
+    free_out = [m for m in order_out if msgs[m].zc_src or msgs[m].local]
     next_in = next_out = 0
     free_waiting = set(free_out)
     stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
     start = time.time()
     last = time.monotonic()
+    idle = 0  # polls without progress: yield at first, then back off (2-core hosts, many ranks)
 
     def ready(g: _Msg) -> bool:
         return g.parent < 0 or g.parent in done
@@ -322,7 +333,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
                     stats["local"] += g.nbytes
                     complete(m)
                 else:
-                    inflight.append((transport.send(g.peer, contiguous_bytes(g.ts[0], "src"),
+                    inflight.append((transport.send(g.peer, contiguous_bytes(g, "src"),
                                                     tag_base + m), g, None))
             # packed sends: strictly in plan order, within budget
             while next_out < len(pooled_out):
@@ -360,12 +371,13 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
                 break
             now = time.monotonic()
             if progressed:
-                last = now
+                last, idle = now, 0
             elif now - last > timeout:
                 raise TransferError(_stalled(rank, timeout, inflight, msgs, pooled_out, next_out,
                                              free_waiting))
             else:
-                time.sleep(0.0002)
+                idle += 1
+                time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
     except BaseException:
         _abort(transport)
         raise

@@ -304,7 +304,10 @@ def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes
     i0, j0 = pieces.i0[piece], pieces.j0[piece]
     nbytes = pieces.nbytes[piece]
     src_rank, dst_rank = tab.rank[src_slot], tab.rank[dst_slot]
-    # Messages, level by level (a forwarded message needs its parent's id).
+    dst_f0 = corr.inc_f0[dst_inc] + i0 * corr.inc_fa[dst_inc] + j0 * corr.inc_fb[dst_inc]
+    # Messages, level by level (a forwarded message needs its parent's id). Within one pair of
+    # ranks, pieces go in destination-buffer order: consecutive pieces then often form one
+    # contiguous range of the buffer, which the executor receives without staging.
     n_t = r.size
     message = np.full(n_t, -1, np.int64)
     m_parent: list[np.ndarray] = []
@@ -314,22 +317,27 @@ def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes
     for lv in range(int(level.max(initial=-1)) + 1):
         at = np.flatnonzero(level == lv)
         if lv == 0:
-            key_order = np.lexsort((k[at], r[at], dst_rank[at], src_rank[at]))
+            key_order = np.lexsort((dst_f0[at], dst_slot[at], dst_rank[at], src_rank[at]))
             at = at[key_order]
             pair = src_rank[at] * (int(dst_rank.max(initial=0)) + 1) + dst_rank[at]
-            new_pair = np.r_[True, pair[1:] != pair[:-1]]
-            csum = np.cumsum(nbytes[at]) - nbytes[at]
-            base = np.maximum.accumulate(np.where(new_pair, csum, 0))
-            bucket = (csum - base) // chunk_bytes
-            new = new_pair | np.r_[True, bucket[1:] != bucket[:-1]]
+            cut = np.r_[True, pair[1:] != pair[:-1]]
             parent = np.full(at.size, -1, np.int64)
         else:
             pm = message[after[at]]
-            key_order = np.lexsort((k[at], r[at], dst_rank[at], pm))
+            key_order = np.lexsort((dst_f0[at], dst_slot[at], dst_rank[at], pm))
             at = at[key_order]
             pm = pm[key_order]
-            new = np.r_[True, (pm[1:] != pm[:-1]) | (dst_rank[at][1:] != dst_rank[at][:-1])]
+            cut = np.r_[True, (pm[1:] != pm[:-1]) | (dst_rank[at][1:] != dst_rank[at][:-1])]
             parent = pm
+        # A message also ends where the destination stops being one contiguous range (another
+        # buffer, or a gap): then every message is received in place, without staging.
+        n_el = (pieces.na * pieces.nb)[piece[at]]
+        cut[1:] |= (dst_slot[at][1:] != dst_slot[at][:-1]) | (
+            dst_f0[at][1:] != dst_f0[at][:-1] + n_el[:-1])
+        csum = np.cumsum(nbytes[at]) - nbytes[at]
+        base = np.maximum.accumulate(np.where(cut, csum, 0))
+        bucket = (csum - base) // chunk_bytes
+        new = cut | np.r_[True, bucket[1:] != bucket[:-1]]
         mid = next_id + np.cumsum(new) - 1
         message[at] = mid
         m_parent.append(parent[new])
@@ -345,7 +353,7 @@ def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes
         stage[order], piece[order],
         src_slot[order], (corr.inc_f0[src_inc] + i0 * corr.inc_fa[src_inc] + j0 * corr.inc_fb[src_inc])[order],
         corr.inc_fa[src_inc][order], corr.inc_fb[src_inc][order],
-        dst_slot[order], (corr.inc_f0[dst_inc] + i0 * corr.inc_fa[dst_inc] + j0 * corr.inc_fb[dst_inc])[order],
+        dst_slot[order], dst_f0[order],
         corr.inc_fa[dst_inc][order], corr.inc_fb[dst_inc][order],
         after_o, msg_o, src_inc[order], dst_inc[order])
     n_m = next_id
