@@ -7,8 +7,9 @@ its part of the plan (``wb.executor.execute``) over ``UcxTransport``; EWTT is fr
 (a barrier) to the last rollout buffer complete, median of ``--repeat`` runs. Rollout buffers are
 checked bit for bit after every run.
 
-Raw throughput is measured in the same run with plain UCX sends of 64 MiB (no packing): one
-sender->receiver pair, and as many concurrent pairs as the plan has concurrently busy links.
+Raw throughput is measured in the same run with plain UCX sends of 64 MiB (256 MiB on a GPU; no
+packing; 4 messages in flight, as the executor keeps several): one sender->receiver pair, and as
+many concurrent pairs as the plan has concurrently busy links.
 Two ideals follow:
 
 - per link: the plan's busiest link (the most bytes one process sends or receives) / one pair's
@@ -79,8 +80,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     senders = int((out_b > 0).sum())
     del _loads
     big = 256 << 20 if cuda_device is not None else 64 << 20
-    raw1 = raw_throughput(1, big, 6, str(work / "raw1"), tls=tls, cuda_device=cuda_device)
-    rawk = raw_throughput(min(senders, len(ranks) // 2), big, 4, str(work / "rawk"), tls=tls,
+    raw1 = raw_throughput(1, big, 12, str(work / "raw1"), tls=tls, cuda_device=cuda_device)
+    rawk = raw_throughput(min(senders, len(ranks) // 2), big, 8, str(work / "rawk"), tls=tls,
                           cuda_device=cuda_device)
     runs = []
     for k in range(repeat):

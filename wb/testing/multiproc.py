@@ -48,7 +48,7 @@ def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
         raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
-        arr = xp.zeros(b.shape, dtype=raw)
+        arr = xp.full(b.shape, 0, dtype=raw)  # resident, as live weights are (not lazy zero pages)
         if fill:
             rows, cols = b.sourcemap.view2d
             v = arr.reshape(rows, cols)
@@ -205,7 +205,10 @@ def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, re
     peer = rank ^ 1
     t = UcxTransport(rank, store, tls=tls, session="raw", cuda_device=cuda_device)
     t.connect([peer])
-    buf = xp.ones(nbytes, xp.uint8) if rank % 2 == 0 else xp.zeros(nbytes, xp.uint8)
+    window = 4  # messages in flight, like the executor: measures bandwidth, not latency
+    # xp.full writes every page: untouched (lazy) pages would measure page faults, not UCX
+    bufs = [xp.full(nbytes, 1 if rank % 2 == 0 else 0, xp.uint8) for _ in range(window)]
+    buf = bufs[0]
     warm = (t.send if rank % 2 == 0 else t.recv)(peer, buf[:4096], 1 << 40)
     while not warm.done():
         time.sleep(1e-4)
@@ -213,10 +216,14 @@ def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, re
     for r in range(2 * pairs):
         store.get(f"go/{r}", 60)
     t0 = time.time()
+    post = t.send if rank % 2 == 0 else t.recv
+    pending = []
     for k in range(reps):
-        req = (t.send if rank % 2 == 0 else t.recv)(peer, buf, k)
-        while not req.done():
-            time.sleep(1e-4)
+        pending.append(post(peer, bufs[k % window], k))
+        while len(pending) >= window or (k == reps - 1 and pending):
+            pending = [q for q in pending if not q.done()]
+            if len(pending) >= window or (k == reps - 1 and pending):
+                time.sleep(1e-5)
     t1 = time.time()
     t.close()
     Path(result_dir, f"raw{rank}.json").write_text(json.dumps({"start": t0, "end": t1}))
