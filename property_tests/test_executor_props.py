@@ -1,5 +1,5 @@
-"""Property: the executor delivers every plan bit-exactly, whatever its staging and window bounds
-(no deadlock), with every rank a thread over the in-process transport."""
+"""Property: the executor delivers every plan bit-exactly, whatever its staging bound (no
+deadlock), with every rank a thread over the in-process transport."""
 
 import threading
 
@@ -15,8 +15,8 @@ from wb.transport.local import LocalHub, LocalTransport
 
 
 @settings(max_examples=25, deadline=None)
-@given(wbst.layouts(), st.integers(8, 512), st.integers(1, 3), st.integers(1, 600))
-def test_execute_is_exact_under_any_bounds(case, chunk, window, staging):
+@given(wbst.layouts(), st.integers(8, 512), st.integers(1, 600))
+def test_execute_is_exact_under_any_bounds(case, chunk, staging):
     p = wb.plan(case.trainers, case.rollouts, chunk_bytes=chunk)
     hub = LocalHub()
     bufs = {lay.worker.rank: buffers_for(p, lay.worker.rank, fill=True) for lay in case.trainers}
@@ -26,7 +26,7 @@ def test_execute_is_exact_under_any_bounds(case, chunk, window, staging):
 
     def run(rank):
         try:
-            execute(p, rank, bufs[rank], LocalTransport(rank, hub, timeout=20), window=window,
+            execute(p, rank, bufs[rank], LocalTransport(rank, hub, timeout=20),
                     staging_bytes=staging, timeout=20)
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append((rank, e))

@@ -7,10 +7,11 @@ packed into contiguous staging on the sender (strided views, no index arrays) an
 receiver. A message whose source and destination are the same rank is a local copy. A forwarded
 message (stage 2 or 3) leaves as soon as the message that brought its data has landed.
 
-Staging is bounded (``staging_bytes``, split between receives and sends), and so are the requests
-in flight (``window`` each way). Receives and sends are both issued strictly in plan order, which
-is topological: the lowest unfinished message of the whole plan always has its parent done, its
-receive posted and room at its sender, so every plan makes progress whatever the bounds.
+Staging is bounded (``staging_bytes``, split between receives and sends). Receives and packed
+sends are issued in plan order, which is topological: the lowest unfinished message of the whole
+plan always has its parent done, its receive posted and staging free at its sender, so every plan
+makes progress whatever the budget. Zero-copy messages and local copies use no staging and go as
+soon as they are ready.
 
 A peer that dies or hangs stops completions: after ``timeout`` seconds without any progress the
 worker raises :class:`wb.TransferError` naming the peers and plan steps it is still waiting for.
@@ -179,8 +180,7 @@ def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
 
 def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-            timeout: float = 60.0, tag_base: int = 0, close: bool = True,
-            window: int = 64) -> ExecStats:
+            timeout: float = 60.0, tag_base: int = 0, close: bool = True) -> ExecStats:
     """Runs ``rank``'s part of ``plan``: its sends, receives, local copies and forwards.
 
     Args:
@@ -193,7 +193,6 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
         timeout: seconds without any progress before raising :class:`wb.TransferError`.
         tag_base: added to every tag (keeps updates of different versions apart).
-        window: most receives, and most sends, in flight at once (bounds polling work).
         close: close the transport (with a barrier) when done.
 
     Returns:
@@ -280,13 +279,22 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
 
     recv_budget = send_budget = max(staging_bytes // 2, 1)
     staged = {"recv": 0, "send": 0}
-    active = {"recv": 0, "send": 0}  # requests in flight, each side at most `window`
     peak = 0
     done: set[int] = set()
     inflight: list[tuple[Any, _Msg, Any]] = []
     order_in = sorted(m for m, g in msgs.items() if not g.out)
     order_out = sorted(m for m, g in msgs.items() if g.out)
+    # zero-copy receives cost no staging: post them all now
+    for m in order_in:
+        g = msgs[m]
+        if g.zc_dst:
+            inflight.append((transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g,
+                             None))
+    staged_in = [m for m in order_in if not msgs[m].zc_dst]
+    pooled_out = [m for m in order_out if not msgs[m].zc_src and not msgs[m].local]
+    free_out = [m for m in order_out if msgs[m].zc_src or msgs[m].local]
     next_in = next_out = 0
+    free_waiting = set(free_out)
     stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
     start = time.time()
     last = time.monotonic()
@@ -295,48 +303,46 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
     def ready(g: _Msg) -> bool:
         return g.parent < 0 or g.parent in done
 
+    def complete(m: int):
+        done.add(m)
+
     try:
         while True:
             progressed = False
-            # receives, strictly in plan order: in place when the destination is one range
-            while next_in < len(order_in) and active["recv"] < window:
-                g = msgs[order_in[next_in]]
-                if g.zc_dst:
-                    inflight.append((transport.recv(g.peer, contiguous_bytes(g, "dst"),
-                                                    tag_base + g.m), g, None))
-                else:
-                    if staged["recv"] and staged["recv"] + g.nbytes > recv_budget:
-                        break
-                    buf = xp.empty(g.nbytes, dtype=xp.uint8)
-                    inflight.append((transport.recv(g.peer, buf, tag_base + g.m), g, buf))
-                    staged["recv"] += g.nbytes
-                active["recv"] += 1
+            # receives into staging, in plan order, within budget
+            while next_in < len(staged_in):
+                g = msgs[staged_in[next_in]]
+                if staged["recv"] and staged["recv"] + g.nbytes > recv_budget:
+                    break
+                buf = xp.empty(g.nbytes, dtype=xp.uint8)
+                inflight.append((transport.recv(g.peer, buf, tag_base + g.m), g, buf))
+                staged["recv"] += g.nbytes
                 next_in += 1
                 progressed = True
-            # sends and local copies, strictly in plan order, once their data is here
-            while next_out < len(order_out):
-                g = msgs[order_out[next_out]]
+            # local copies and zero-copy sends: as soon as their data is here
+            for m in sorted(free_waiting):
+                g = msgs[m]
                 if not ready(g):
-                    break
+                    continue
+                free_waiting.discard(m)
+                progressed = True
                 if g.local:
                     for t in g.ts:
                         dst_view(t)[...] = src_view(t)
                     sync()
                     stats["local"] += g.nbytes
-                    done.add(g.m)
-                elif active["send"] >= window:
-                    break
-                elif g.zc_src:
-                    inflight.append((transport.send(g.peer, contiguous_bytes(g, "src"),
-                                                    tag_base + g.m), g, None))
-                    active["send"] += 1
+                    complete(m)
                 else:
-                    if staged["send"] and staged["send"] + g.nbytes > send_budget:
-                        break
-                    buf = pack(g)
-                    inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
-                    staged["send"] += g.nbytes
-                    active["send"] += 1
+                    inflight.append((transport.send(g.peer, contiguous_bytes(g, "src"),
+                                                    tag_base + m), g, None))
+            # packed sends: strictly in plan order, within budget
+            while next_out < len(pooled_out):
+                g = msgs[pooled_out[next_out]]
+                if not ready(g) or (staged["send"] and staged["send"] + g.nbytes > send_budget):
+                    break
+                buf = pack(g)
+                inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
+                staged["send"] += g.nbytes
                 next_out += 1
                 progressed = True
             peak = max(peak, staged["recv"] + staged["send"])
@@ -348,7 +354,6 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
                     if g.out:
                         stats["sent"] += g.nbytes
                         stats["msent"] += 1
-                        active["send"] -= 1
                         if buf is not None:
                             staged["send"] -= g.nbytes
                     else:
@@ -357,18 +362,19 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
                             staged["recv"] -= g.nbytes
                         stats["received"] += g.nbytes
                         stats["mrecv"] += 1
-                        active["recv"] -= 1
-                        done.add(g.m)
+                        complete(g.m)
                 else:
                     still.append((req, g, buf))
             inflight = still
-            if not inflight and next_in == len(order_in) and next_out == len(order_out):
+            if (not inflight and next_in == len(staged_in) and next_out == len(pooled_out)
+                    and not free_waiting):
                 break
             now = time.monotonic()
             if progressed:
                 last, idle = now, 0
             elif now - last > timeout:
-                raise TransferError(_stalled(rank, timeout, inflight, msgs, order_out, next_out))
+                raise TransferError(_stalled(rank, timeout, inflight, msgs, pooled_out, next_out,
+                                             free_waiting))
             else:
                 idle += 1
                 time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
@@ -389,11 +395,13 @@ def _abort(transport) -> None:
         log.exception("closing the transport after a failure")
 
 
-def _stalled(rank, timeout, inflight, msgs, order_out, next_out) -> str:
+def _stalled(rank, timeout, inflight, msgs, pooled_out, next_out, free_waiting) -> str:
     waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}" for _, g, _ in inflight[:4]]
-    if next_out < len(order_out):
-        g = msgs[order_out[next_out]]
+    if next_out < len(pooled_out):
+        g = msgs[pooled_out[next_out]]
         waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
+    for m in sorted(free_waiting)[:2]:
+        waiting.append(f"forwarding {msgs[m].label()} once message {msgs[m].parent} arrives")
     peers = sorted({g.peer for _, g, _ in inflight})
     return (f"rank {rank}: no progress for {timeout:.1f} s; peers {peers} are dead or hung? "
             f"Waiting for: " + "; ".join(waiting))
