@@ -82,12 +82,18 @@ class UcxTransport:
         timeout: seconds to wait for peers' addresses and for the closing barrier.
         cuda_device: the CUDA device whose buffers this worker sends (gives UCX's progress
             thread a context on it); ``None`` for host buffers.
+        polling: progress thread busy-polls (default: with ``cuda_device``) instead of waiting on
+            events.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
-                 timeout: float = 60.0, cuda_device: int | None = None):
+                 timeout: float = 60.0, cuda_device: int | None = None,
+                 polling: bool | None = None):
         self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
         self.cuda_device = cuda_device
+        # A polling progress thread reacts at once but keeps a core busy: worth it on GPU hosts
+        # (many cores, per-message latency matters), not on small CPU hosts with many ranks.
+        self.polling = cuda_device is not None if polling is None else bool(polling)
         self.tls = tls or default_tls()
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
@@ -113,11 +119,12 @@ class UcxTransport:
             ensure_cuda_context(self.cuda_device)
             self._worker.set_progress_thread_start_callback(ensure_cuda_context,
                                                             cb_args=(self.cuda_device,))
-        self._worker.start_progress_thread(polling_mode=False)
+        self._worker.start_progress_thread(polling_mode=self.polling)
         addr = self._worker.address.tobytes()
         self.store.set(f"{self.session}/addr/{self.rank}", addr)
         self.store.set(f"{self.session}/hello/{self.rank}", hello)
-        log.info("rank %d: UCX %s, TLS=%s", self.rank, self._api.get_ucx_version(), self.tls)
+        log.info("rank %d: UCX %s, TLS=%s, progress %s", self.rank, self._api.get_ucx_version(),
+                 self.tls, "polling" if self.polling else "blocking")
         # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
         # plan) before any endpoint exists.
         self._peers = sorted(set(int(p) for p in peers) - {self.rank})
@@ -196,4 +203,5 @@ class UcxTransport:
     def describe(self) -> str:
         cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
         return json.dumps({"transport": "ucx", "rank": self.rank, "tls": self.tls,
+                           "progress": "polling" if self.polling else "blocking",
                            "cuda_support": cuda, "peers": self._peers})
