@@ -61,7 +61,6 @@ def build(cfg: dict, replicas: int, shape: str = "tp2"):
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2") -> dict:
     import wb
-    from wb.simulate import _loads  # per-process loads of the plan
     from wb.testing.multiproc import raw_throughput, run_ranks
 
     cfg = model(hidden, layers, experts)
@@ -78,7 +77,6 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     busiest = float(max(out_b.max(), in_b.max()))
     total = float(nbytes.sum())
     senders = int((out_b > 0).sum())
-    del _loads
     big = 256 << 20 if cuda_device is not None else 64 << 20
     raw1 = raw_throughput(1, big, 12, str(work / "raw1"), tls=tls, cuda_device=cuda_device)
     rawk = raw_throughput(min(senders, len(ranks) // 2), big, 8, str(work / "rawk"), tls=tls,

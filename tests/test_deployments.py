@@ -103,7 +103,7 @@ def megatron_oracle(cfg, spec, *, tp, pp, ep, etp, world):
                 b[P + "self_attention.linear_kv_up_proj.layer_norm_weight"] = I(a + "kv_a_layernorm.weight")
                 b[P + "self_attention.linear_kv_up_proj.weight"] = part(I(a + "kv_b_proj.weight"), t, tp)
             else:
-                nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+                kv = cfg["num_key_value_heads"]
                 q = I(a + "q_proj.weight").reshape(kv, -1, h)  # [group, q heads of the group * hd, h]
                 kk = I(a + "k_proj.weight").reshape(kv, -1, h)
                 vv = I(a + "v_proj.weight").reshape(kv, -1, h)
@@ -318,7 +318,6 @@ def test_jax_mesh_must_fill_the_nodes():
 def vllm_oracle(cfg, spec, *, tp, ep, G):
     I = spec.ids
     L, n_dense, E, mla = dims(cfg)
-    h = cfg["hidden_size"]
     Vp = round_up(cfg["vocab_size"], 64)
     out = []
     for g in range(G):

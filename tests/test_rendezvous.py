@@ -8,7 +8,7 @@ import time
 import pytest
 
 import wb
-from wb.rendezvous import DirectoryStore, JaxStore, MemoryStore, Store, TorchStore
+from wb.rendezvous import DirectoryStore, MemoryStore, Store, TorchStore
 
 
 def _exercise(store, other=None):

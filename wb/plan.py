@@ -14,7 +14,6 @@ on a shared GPU); 2 between rollout nodes (NIC); 3 inside a rollout node (NVLink
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -314,7 +313,6 @@ def _fail(what: str, t: int | None = None, plan: Plan | None = None) -> PlanErro
 def _verify(plan: Plan) -> None:
     corr, P, T, M = plan.corr, plan.pieces, plan.transfers, plan.messages
     tab, _ = plan._table()
-    n_slots = len(corr.slots)
     n_t = T.piece.size
     # Pieces tile their cells exactly: in bounds, and areas add up to each needed cell's area.
     ca, cb = corr.cell_na[P.cell], corr.cell_nb[P.cell]
@@ -475,9 +473,3 @@ def run_local(plan: Plan, trainer_buffers: Mapping[int, Mapping[str, np.ndarray]
         src = bufs[T.src_slot[t]][T.src_f0[t] + i * T.src_fa[t] + j * T.src_fb[t]]
         bufs[T.dst_slot[t]][T.dst_f0[t] + i * T.dst_fa[t] + j * T.dst_fb[t]] = src
     return {int(r): dict(b) for r, b in rollout_buffers.items()}
-
-
-def _save_bytes(plan: Plan) -> bytes:  # for tests: a plan's on-disk form
-    f = io.BytesIO()
-    plan.save(f)
-    return f.getvalue()

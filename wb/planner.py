@@ -311,7 +311,6 @@ def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes
     n_t = r.size
     message = np.full(n_t, -1, np.int64)
     m_parent: list[np.ndarray] = []
-    m_first_t: list[np.ndarray] = []
     next_id = 0
     order_chunks = []
     for lv in range(int(level.max(initial=-1)) + 1):

@@ -179,26 +179,22 @@ class UcxTransport:
         return ep
 
     def send(self, peer: int, buf, tag: int) -> _UcxRequest:
-        from ucxx._lib.arr import Array
-
-        ep = self._ep(peer)
-        try:
-            req = ep.tag_send(Array(buf), self._api.UCXXTag(int(tag)))
-        except Exception as e:  # noqa: BLE001
-            raise TransferError(f"rank {self.rank}: UCX send of tag {tag:#x} to peer {peer} "
-                                f"failed: {type(e).__name__}: {e}") from e
-        return _UcxRequest(req, peer, tag, "send", self.rank, buf)
+        return self._post("send", peer, buf, tag)
 
     def recv(self, peer: int, buf, tag: int) -> _UcxRequest:
+        return self._post("recv", peer, buf, tag)
+
+    def _post(self, what: str, peer: int, buf, tag: int) -> _UcxRequest:
         from ucxx._lib.arr import Array
 
         ep = self._ep(peer)
+        post = ep.tag_send if what == "send" else ep.tag_recv
         try:
-            req = ep.tag_recv(Array(buf), self._api.UCXXTag(int(tag)))
-        except Exception as e:  # noqa: BLE001
-            raise TransferError(f"rank {self.rank}: UCX receive of tag {tag:#x} from peer {peer} "
+            req = post(Array(buf), self._api.UCXXTag(int(tag)))
+        except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
+            raise TransferError(f"rank {self.rank}: UCX {what} of tag {tag:#x} with peer {peer} "
                                 f"failed: {type(e).__name__}: {e}") from e
-        return _UcxRequest(req, peer, tag, "recv", self.rank, buf)
+        return _UcxRequest(req, peer, tag, what, self.rank, buf)
 
     def describe(self) -> str:
         cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
