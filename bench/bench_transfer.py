@@ -79,12 +79,15 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     senders = int((out_b > 0).sum())
     big = 256 << 20 if cuda_device is not None else 64 << 20
     pairs = min(senders, len(ranks) // 2)
+    # raw pairs: sender on the trainers' device, receiver on the rollouts'
+    raw_dev = ((cuda_device["trainer"], cuda_device["rollout"]) if isinstance(cuda_device, dict)
+               else cuda_device)
     rows = []
     for k in range(repeat):
         # raw throughput and the executor run back to back, so each ratio compares like with like
-        raw1 = raw_throughput(1, big, 12, str(work / f"raw1_{k}"), tls=tls, cuda_device=cuda_device)
+        raw1 = raw_throughput(1, big, 12, str(work / f"raw1_{k}"), tls=tls, cuda_device=raw_dev)
         rawk = raw_throughput(pairs, big, 8, str(work / f"rawk_{k}"), tls=tls,
-                              cuda_device=cuda_device)
+                              cuda_device=raw_dev)
         r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
                       options={"timeout": 120, "barrier": True, "tls": tls,
                                "staging_bytes": staging, "cuda_device": cuda_device},
@@ -105,7 +108,10 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
                      "ideal_s": ideal, "ratio": ewtt / ideal})
     mid = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]  # the run with the median ratio
     return {"model_bytes": int(wb.lower_bound(trainers, rollouts).trainer_total),
-            "device": "cuda" if cuda_device is not None else "cpu",
+            "device": ("cuda: trainers GPU %d, rollouts GPU %d" % (cuda_device["trainer"],
+                                                                 cuda_device["rollout"])
+                       if isinstance(cuda_device, dict) else
+                       "cuda" if cuda_device is not None else "cpu"),
             "processes": len(ranks), "replicas": replicas, "bytes_between_processes": int(total),
             "busiest_link_bytes": int(busiest), "raw_p2p_GBps": mid["raw_p2p_GBps"],
             "raw_concurrent_pairs": pairs, "raw_aggregate_GBps": mid["raw_aggregate_GBps"],
@@ -128,6 +134,8 @@ def main() -> None:
     ap.add_argument("--tls", default=None)
     ap.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
                     help="buffers on this CUDA device (all processes share it: CUDA IPC)")
+    ap.add_argument("--cuda-split", action="store_true",
+                    help="trainers on GPU 0, rollouts on GPU 1 (bytes cross NVLink)")
     ap.add_argument("--shape", choices=("tp2", "single"), default="tp2",
                     help="single: one trainer process -> one rollout process (one link)")
     ap.add_argument("--json", action="store_true")
@@ -135,8 +143,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.experts, a.repeat = 512, 2, 8, 1
+    dev = {"trainer": 0, "rollout": 1} if a.cuda_split else a.cuda
     rep = run(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
-              repeat=a.repeat, tls=a.tls, cuda_device=a.cuda, shape=a.shape,
+              repeat=a.repeat, tls=a.tls, cuda_device=dev, shape=a.shape,
               chunk=int(a.chunk_mb * 2**20))
     if a.out:
         Path(a.out).write_text(json.dumps(rep, indent=1))

@@ -119,6 +119,8 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         plan = Plan.load(fault.other_plan or plan_path)
         trainer = any(lay.worker.rank == rank for lay in plan.trainers)
         cuda = options.get("cuda_device")
+        if isinstance(cuda, dict):  # per role: {"trainer": 0, "rollout": 1} puts them apart
+            cuda = cuda["trainer" if trainer else "rollout"]
         xp = np
         if cuda is not None:
             import cupy as xp
@@ -197,6 +199,8 @@ def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, re
     from wb.transport.ucx import UcxTransport
 
     xp = np
+    if isinstance(cuda_device, (tuple, list)):  # (sender's device, receiver's device)
+        cuda_device = cuda_device[rank % 2]
     if cuda_device is not None:
         import cupy as xp
 
