@@ -14,6 +14,7 @@ on a shared GPU); 2 between rollout nodes (NIC); 3 inside a rollout node (NVLink
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -139,8 +140,13 @@ class Plan:
     def slots(self) -> tuple[Slot, ...]:
         return self.corr.slots
 
-    def _table(self) -> tuple[_SlotTable, list[str]]:
+    @functools.cached_property
+    def table(self) -> tuple[_SlotTable, list[str]]:
+        """Per-slot arrays and node names (computed once: a plan never changes)."""
         return slot_table(self.corr.slots, self.trainers, self.rollouts)
+
+    def _table(self) -> tuple[_SlotTable, list[str]]:
+        return self.table
 
     def traffic(self) -> Traffic:
         """Bytes moved over each kind of link (local copies on one GPU count nowhere)."""

@@ -437,7 +437,7 @@ def _sum(keys, values):
 
 def traffic_ratio(plan: Plan) -> float:
     """The largest of trainer bytes / M and node_in[v] / M_v over all v (1.0 is the bound)."""
-    tab, nodes = slot_table(plan.corr.slots, plan.trainers, plan.rollouts)
+    tab, nodes = plan.table
     b = bound_parts(plan.corr, tab, nodes)
     t = plan.traffic()
     M = int((b["sends"] * b["cell_bytes"]).sum())

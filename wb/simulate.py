@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from wb.layout import Cluster
-from wb.plan import Plan, slot_table
+from wb.plan import Plan
 from wb.planner import bound_parts
 
 __all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p"]
@@ -42,7 +42,7 @@ class Simulation(NamedTuple):
 
 
 def _gpu_info(plan: Plan, cluster: Cluster):
-    tab, nodes = slot_table(plan.corr.slots, plan.trainers, plan.rollouts)
+    tab, nodes = plan.table
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
     node_of = np.zeros(n_gpus, np.int64)
     node_of[tab.gpu] = tab.node
