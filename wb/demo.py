@@ -174,7 +174,10 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     rt, rtot = _worker_table(f"{rollout} rollouts: buffers needed (per worker)", rollouts)
     console.print(tt)
     console.print(rt)
-    needed = _needed_bytes(corr, rollouts)
+    from wb.planner import bound_parts
+
+    bound = bound_parts(p.corr, *p.table)  # M and each node's M_v, from the plan's cells
+    needed = {"M": int((bound["sends"] * bound["cell_bytes"]).sum()), "nodes": bound["node_in"]}
     ov = corr.overlaps()
     elements = ttot["elements"] + rtot["elements"]
     entries = ttot["nnz"] + rtot["nnz"]
@@ -220,22 +223,3 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def _needed_bytes(corr: wb.Correspondence, rollouts: Sequence[Layout]) -> dict:
-    """M (distinct needed bytes) and M_v per rollout node, from the cells."""
-    need = corr.slot_role[corr.inc_slot] == 1
-    size = {}
-    for s in set(corr.inc_slot[need].tolist()):
-        slot = corr.slots[s]
-        size[s] = rollouts[slot.layout].buffers[slot.buffer].itemsize
-    item = np.array([size.get(s, 0) for s in range(len(corr.slots))], np.int64)
-    cell_bytes = corr.cell_numel * 0
-    np.maximum.at(cell_bytes, corr.inc_cell[need], item[corr.inc_slot[need]])
-    cell_bytes *= corr.cell_numel
-    nodes = {}
-    node_of = np.array([rollouts[s.layout].worker.node if s.role == "rollout" else ""
-                        for s in corr.slots])
-    for node in sorted(set(node_of[corr.inc_slot[need]].tolist())):
-        mine = need & (node_of[corr.inc_slot] == node)
-        cells = np.unique(corr.inc_cell[mine])
-        nodes[node] = int(cell_bytes[cells].sum())
-    return {"M": int(cell_bytes.sum()), "nodes": nodes}

@@ -145,12 +145,9 @@ class Plan:
         """Per-slot arrays and node names (computed once: a plan never changes)."""
         return slot_table(self.corr.slots, self.trainers, self.rollouts)
 
-    def _table(self) -> tuple[_SlotTable, list[str]]:
-        return self.table
-
     def traffic(self) -> Traffic:
         """Bytes moved over each kind of link (local copies on one GPU count nowhere)."""
-        tab, nodes = self._table()
+        tab, nodes = self.table
         t = self.transfers
         b = self.pieces.nbytes[t.piece]
         sg, dg = tab.gpu[t.src_slot], tab.gpu[t.dst_slot]
@@ -318,7 +315,7 @@ def _fail(what: str, t: int | None = None, plan: Plan | None = None) -> PlanErro
 
 def _verify(plan: Plan) -> None:
     corr, P, T, M = plan.corr, plan.pieces, plan.transfers, plan.messages
-    tab, _ = plan._table()
+    tab, _ = plan.table
     n_t = T.piece.size
     # Pieces tile their cells exactly: in bounds, and areas add up to each needed cell's area.
     ca, cb = corr.cell_na[P.cell], corr.cell_nb[P.cell]

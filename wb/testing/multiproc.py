@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -159,7 +159,6 @@ class Run:
     results: dict[int, dict]
     exitcodes: dict[int, int | None]
     wall_s: float
-    extra: dict = field(default_factory=dict)
 
 
 def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict | None = None,
