@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+import numpy as np
+
 from wb.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
 from wb.sourcemap import MAX_ID, SourceMap
 
-__all__ = ["Role", "Worker", "BufferSpec", "Layout", "Cluster"]
+__all__ = [
+    "BufferSpec",
+    "Cluster",
+    "Layout",
+    "Role",
+    "Worker",
+    "layouts_from_arrays",
+    "layouts_from_bytes",
+    "layouts_to_arrays",
+    "layouts_to_bytes",
+]
 
 
 class Role(StrEnum):
@@ -117,3 +131,49 @@ class Cluster:
 
     def __reduce__(self):
         return (Cluster, (self.nic_gbps, self.nvlink_GBps, dict(self.nodes)))
+
+
+def layouts_to_arrays(layouts) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Layouts as (JSON-able descriptions, ``{key: array}`` of their source maps; shared maps once).
+
+    The inverse is :func:`layouts_from_arrays`; no pickle either way (plans and layouts travel
+    between processes through rendezvous stores as these bytes).
+    """
+    maps: dict[int, SourceMap] = {}
+    described = []
+    for lay in layouts:
+        bufs = {}
+        for name, b in lay.buffers.items():
+            maps.setdefault(id(b.sourcemap), b.sourcemap)
+            bufs[name] = [list(maps).index(id(b.sourcemap)), b.dtype]
+        w = lay.worker
+        described.append({"rank": w.rank, "node": w.node, "role": w.role.value,
+                          "local_rank": w.local_rank, "buffers": bufs})
+    arrays = {f"map{i}.{k}": v for i, sm in enumerate(maps.values())
+              for k, v in sm.to_arrays().items()}
+    return described, arrays
+
+
+def layouts_from_arrays(described: list[dict], arrays: Mapping[str, np.ndarray]) -> list[Layout]:
+    """The layouts :func:`layouts_to_arrays` described."""
+    n_maps = 1 + max((i for L in described for i, _ in L["buffers"].values()), default=-1)
+    maps = [SourceMap.from_arrays({k.split(".", 1)[1]: v for k, v in arrays.items()
+                                   if k.startswith(f"map{i}.")}) for i in range(n_maps)]
+    return [Layout(Worker(L["rank"], L["node"], L["role"], L["local_rank"]),
+                   {n: BufferSpec(maps[i], dt) for n, (i, dt) in L["buffers"].items()})
+            for L in described]
+
+
+def layouts_to_bytes(layouts) -> bytes:
+    """Layouts as ``.npz`` bytes (numpy arrays and a JSON header; no pickle)."""
+    described, arrays = layouts_to_arrays(layouts)
+    f = io.BytesIO()
+    np.savez(f, header=np.frombuffer(json.dumps(described).encode(), np.uint8), **arrays)
+    return f.getvalue()
+
+
+def layouts_from_bytes(data: bytes) -> list[Layout]:
+    """The layouts :func:`layouts_to_bytes` wrote (``allow_pickle=False``)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return layouts_from_arrays(json.loads(bytes(arrays.pop("header")).decode()), arrays)

@@ -24,10 +24,15 @@ import numpy as np
 
 from wb.correspond import Correspondence, Slot, correspond
 from wb.errors import PlanError
-from wb.layout import BufferSpec, Cluster, Layout, Role, Worker
-from wb.sourcemap import SourceMap
+from wb.layout import (
+    Cluster,
+    Layout,
+    Role,
+    layouts_from_arrays,
+    layouts_to_arrays,
+)
 
-__all__ = ["Plan", "Pieces", "Transfers", "Messages", "Traffic", "run_local"]
+__all__ = ["Messages", "Pieces", "Plan", "Traffic", "Transfers", "run_local"]
 
 
 class Pieces(NamedTuple):
@@ -207,20 +212,9 @@ class Plan:
             for k, v in nt._asdict().items():
                 if isinstance(v, np.ndarray):
                     arrays[f"{group}.{k}"] = v
-        maps: dict[int, SourceMap] = {}
-        layouts = []
-        for lay in (*self.trainers, *self.rollouts):
-            bufs = {}
-            for name, b in lay.buffers.items():
-                maps.setdefault(id(b.sourcemap), b.sourcemap)
-                bufs[name] = [list(maps).index(id(b.sourcemap)), b.dtype]
-            w = lay.worker
-            layouts.append({"rank": w.rank, "node": w.node, "role": w.role.value,
-                            "local_rank": w.local_rank, "buffers": bufs})
-        for i, sm in enumerate(maps.values()):
-            for k, v in sm.to_arrays().items():
-                arrays[f"map{i}.{k}"] = v
-        header = {"version": 1, "chunk_bytes": self.chunk_bytes, "n_maps": len(maps),
+        layouts, map_arrays = layouts_to_arrays((*self.trainers, *self.rollouts))
+        arrays.update(map_arrays)
+        header = {"version": 1, "chunk_bytes": self.chunk_bytes,
                   "cluster": {"nic_gbps": self.cluster.nic_gbps,
                               "nvlink_GBps": self.cluster.nvlink_GBps,
                               "nodes": dict(self.cluster.nodes)},
@@ -235,14 +229,9 @@ class Plan:
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
         header = json.loads(bytes(data.pop("header")).decode())
-        maps = [SourceMap.from_arrays({k.split(".", 1)[1]: v for k, v in data.items()
-                                       if k.startswith(f"map{i}.")})
-                for i in range(header["n_maps"])]
         trainers, rollouts = [], []
-        for L in header["layouts"]:
-            lay = Layout(Worker(L["rank"], L["node"], L["role"], L["local_rank"]),
-                         {n: BufferSpec(maps[i], dt) for n, (i, dt) in L["buffers"].items()})
-            (trainers if L["role"] == "trainer" else rollouts).append(lay)
+        for lay in layouts_from_arrays(header["layouts"], data):
+            (trainers if lay.worker.role == Role.TRAINER else rollouts).append(lay)
         slots = tuple(Slot(Role(r), li, rank, b) for r, li, rank, b in header["slots"])
 
         def group(nt, name, **extra):

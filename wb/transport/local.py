@@ -39,7 +39,7 @@ class LocalHub:
         self._lock = threading.Lock()
         self._sends: dict[tuple[int, int, int], tuple[np.ndarray, _LocalRequest]] = {}
         self._recvs: dict[tuple[int, int, int], tuple[np.ndarray, _LocalRequest]] = {}
-        self._hello: dict[int, bytes] = {}
+        self._hello: dict[tuple[int, int], bytes] = {}  # (round, rank) -> hello
         self._cv = threading.Condition(self._lock)
         self._done: set[int] = set()
 
@@ -70,17 +70,21 @@ class LocalTransport:
 
     def __init__(self, rank: int, hub: LocalHub, *, timeout: float = 60.0):
         self.rank, self.hub, self.timeout = int(rank), hub, timeout
+        self._round = -1
 
     def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
+        """Publishes ``hello`` and returns each peer's; every call is a new round (as UCX's)."""
         peers = sorted(set(int(p) for p in peers) - {self.rank})
+        self._round += 1
+        r = self._round
         with self.hub._cv:
-            self.hub._hello[self.rank] = hello
+            self.hub._hello[(r, self.rank)] = hello
             self.hub._cv.notify_all()
-            if not self.hub._cv.wait_for(lambda: all(p in self.hub._hello for p in peers),
+            if not self.hub._cv.wait_for(lambda: all((r, p) in self.hub._hello for p in peers),
                                          self.timeout):
-                missing = [p for p in peers if p not in self.hub._hello]
+                missing = [p for p in peers if (r, p) not in self.hub._hello]
                 raise TransferError(f"rank {self.rank}: peers {missing} never connected")
-            return {p: self.hub._hello[p] for p in peers}
+            return {p: self.hub._hello[(r, p)] for p in peers}
 
     def send(self, peer: int, buf, tag: int) -> _LocalRequest:
         req = _LocalRequest(peer, tag)

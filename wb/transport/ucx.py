@@ -98,9 +98,26 @@ class UcxTransport:
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
         self._peers: list[int] = []
+        self._round = 0
 
     # --- lifetime ------------------------------------------------------------------------------
     def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
+        """Connects to ``peers`` (creating the UCX context and worker the first time); publishes
+        ``hello`` and returns each peer's. Every later call is a new *round* on the same worker and
+        endpoints (one per update of a :class:`wb.Sender`): UCX state, CUDA IPC mappings included,
+        is kept across updates. Every rank must call ``connect`` the same number of times."""
+        if self._worker is None:
+            self._start()
+        else:
+            self._round += 1
+        self.store.set(f"{self.session}/hello/{self._round}/{self.rank}", hello)
+        # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
+        # plan) before any endpoint exists.
+        self._peers = sorted(set(self._peers) | (set(int(p) for p in peers) - {self.rank}))
+        return {p: self._get(f"hello/{self._round}/{p}", p)
+                for p in sorted(set(int(p) for p in peers) - {self.rank})}
+
+    def _start(self) -> None:
         try:
             import ucxx._lib.libucxx as ucx_api
         except ImportError as e:
@@ -120,15 +137,10 @@ class UcxTransport:
             self._worker.set_progress_thread_start_callback(ensure_cuda_context,
                                                             cb_args=(self.cuda_device,))
         self._worker.start_progress_thread(polling_mode=self.polling)
-        addr = self._worker.address.tobytes()
-        self.store.set(f"{self.session}/addr/{self.rank}", addr)
-        self.store.set(f"{self.session}/hello/{self.rank}", hello)
+        self._round = 0
+        self.store.set(f"{self.session}/addr/{self.rank}", self._worker.address.tobytes())
         log.info("rank %d: UCX %s, TLS=%s, progress %s", self.rank, self._api.get_ucx_version(),
                  self.tls, "polling" if self.polling else "blocking")
-        # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
-        # plan) before any endpoint exists.
-        self._peers = sorted(set(int(p) for p in peers) - {self.rank})
-        return {p: self._get(f"hello/{p}", p) for p in self._peers}
 
     def _get(self, key: str, peer: int) -> bytes:
         try:

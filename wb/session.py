@@ -1,0 +1,110 @@
+"""An in-process session: every worker of a plan as a thread, over the local transport.
+
+For notebooks and tests: the same :class:`wb.Sender` / :class:`wb.Receiver` / executor code as a
+multi-process run, with bytes copied by numpy between threads (no UCX, no processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from wb.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, summarize
+from wb.errors import TransferError
+from wb.plan import Plan
+from wb.rendezvous import MemoryStore
+from wb.transport.local import LocalHub, LocalTransport
+
+__all__ = ["LocalSession"]
+
+
+class LocalSession:
+    """Senders and receivers of one plan as threads of this process.
+
+    Args:
+        plan: the plan.
+        trainer_buffers: ``{rank: {name: array}}`` of every trainer (read at each update).
+        rollout_buffers: ``{rank: {name: array}}`` of every rollout (written in place).
+        mode: one of :data:`wb.coordinator.MODES` (``"sync"``, ``"sender"``, ``"receiver"``,
+            ``"both"``): which sides stage.
+        timeout: seconds without progress before a transfer fails.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> sm = wb.SourceMap.from_indices(np.arange(8))
+        >>> t = wb.Layout(wb.Worker(0, "t", "trainer", 0), {"w": wb.BufferSpec(sm, "float32")})
+        >>> r = wb.Layout(wb.Worker(1, "r", "rollout", 0), {"w": wb.BufferSpec(sm, "float32")})
+        >>> src, dst = np.arange(8, dtype=np.float32), np.zeros(8, np.float32)
+        >>> with wb.LocalSession(wb.plan([t], [r]), {0: {"w": src}}, {1: {"w": dst}}) as s:
+        ...     s.update().versions
+        1
+        >>> bool((dst == src).all())
+        True
+    """
+
+    def __init__(self, plan: Plan, trainer_buffers: Mapping[int, Mapping[str, Any]],
+                 rollout_buffers: Mapping[int, Mapping[str, Any]], *, mode: str = "both",
+                 timeout: float = 60.0):
+        if mode not in MODES:
+            raise TransferError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        t_ranks = [lay.worker.rank for lay in plan.trainers]
+        r_ranks = [lay.worker.rank for lay in plan.rollouts]
+        for what, given, want in (("trainer_buffers", trainer_buffers, t_ranks),
+                                  ("rollout_buffers", rollout_buffers, r_ranks)):
+            if sorted(given) != sorted(want):
+                raise TransferError(f"{what} has ranks {sorted(given)}, the plan's are "
+                                    f"{sorted(want)}; give one buffer dict per rank")
+        send_staging, recv_staging = MODES[mode]
+        self.mode = mode
+        hub, store = LocalHub(), MemoryStore()
+
+        def kw(r):
+            return dict(transport=LocalTransport(r, hub, timeout=timeout), store=store,
+                        timeout=timeout, wait_timeout=timeout)
+        self.senders = {r: Sender(plan, r, trainer_buffers[r], staging=send_staging, **kw(r))
+                        for r in t_ranks}
+        self.receivers = {r: Receiver(plan, r, rollout_buffers[r], staging=recv_staging, **kw(r))
+                          for r in r_ranks}
+        self._pool = ThreadPoolExecutor(max_workers=len(t_ranks) + len(r_ranks),
+                                        thread_name_prefix="wb-session")
+
+    def push(self) -> int:
+        """Every trainer pushes its current weights (without sender staging this returns once the
+        rollouts have received them, so call :meth:`update` instead); returns the version."""
+        versions = list(self._pool.map(lambda s: s.push(), self.senders.values()))
+        return versions[0]
+
+    def update(self) -> Summary:
+        """One full update: trainers push, rollouts apply, all concurrently; returns its summary.
+
+        Raises:
+            TransferError: any worker failed (the first error is raised).
+        """
+        futs = [self._pool.submit(s.push) for s in self.senders.values()]
+        futs += [self._pool.submit(r.apply) for r in self.receivers.values()]
+        versions = {f.result() for f in futs}
+        for s in self.senders.values():
+            s.wait()
+        (v,) = versions
+        return summarize(x for x in self.stats() if x.version == v)
+
+    def stats(self) -> list[UpdateStats]:
+        """Every worker's records so far."""
+        out = [x for s in self.senders.values() for x in s.stats]
+        return out + [x for r in self.receivers.values() for x in r.stats]
+
+    def summary(self) -> Summary:
+        """EWTT and AGST over every update so far."""
+        return summarize(self.stats())
+
+    def close(self) -> None:
+        list(self._pool.map(lambda w: w.close(),
+                            [*self.senders.values(), *self.receivers.values()]))
+        self._pool.shutdown()
+
+    def __enter__(self) -> LocalSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
