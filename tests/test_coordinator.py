@@ -3,6 +3,8 @@ staging never exposes half a version; a failed update leaves the previous one an
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import pytest
@@ -72,6 +74,8 @@ def test_every_mode_delivers_every_version(mode):
             for lay in p.rollouts:
                 assert _same(rb[lay.worker.rank], lay, v), (mode, v, lay.worker.rank)
             assert all(r.version == v for r in s.receivers.values())
+        with pytest.raises(wb.TransferError, match="versions must increase"):
+            s.senders[0].push(version=3)
         stats = s.stats()
     assert len(stats) == 3 * (len(p.trainers) + len(p.rollouts))
     assert {x.version for x in stats} == {1, 2, 3}
@@ -120,18 +124,24 @@ class _Held:
         return self.req.done()
 
 
-def _senders_receivers(p, *, gate, free, timeout=20, send_staging=True):
+def _make_all(*makers):
+    """Workers connect to their peers when made (a set-up round): make them concurrently."""
+    with ThreadPoolExecutor(len(makers)) as pool:
+        return [f.result() for f in [pool.submit(m) for m in makers]]
+
+
+def _senders_receivers(p, *, gate, free, timeout=20, send_staging=True, recv_staging=True):
     hub, store = LocalHub(), MemoryStore()
     tb = {lay.worker.rank: _values(lay, 1) for lay in p.trainers}
     rb = {lay.worker.rank: _values(lay, 0) for lay in p.rollouts}  # live: version 0
-    senders = [wb.Sender(p, r, tb[r], staging=send_staging, store=store, timeout=timeout,
-                         transport=_GatedTransport(LocalTransport(r, hub, timeout=timeout), gate,
-                                                   free))
-               for r in tb]
-    receivers = [wb.Receiver(p, r, rb[r], staging=True, store=store, timeout=timeout,
-                             wait_timeout=timeout,
-                             transport=LocalTransport(r, hub, timeout=timeout)) for r in rb]
-    return tb, rb, senders, receivers
+    made = _make_all(
+        *[partial(wb.Sender, p, r, tb[r], staging=send_staging, store=store, timeout=timeout,
+                  transport=_GatedTransport(LocalTransport(r, hub, timeout=timeout), gate, free))
+          for r in tb],
+        *[partial(wb.Receiver, p, r, rb[r], staging=recv_staging, store=store, timeout=timeout,
+                  wait_timeout=timeout, transport=LocalTransport(r, hub, timeout=timeout))
+          for r in rb])
+    return tb, rb, made[:len(tb)], made[len(tb):]
 
 
 def test_receiver_staging_never_exposes_half_a_version():
@@ -204,13 +214,9 @@ def test_failed_update_keeps_previous_version_and_raises_on_apply():
 
 def test_sync_receiver_ready_follows_the_trainers_announcement():
     p = _case()
-    hub, store = LocalHub(), MemoryStore()
-    tb = {lay.worker.rank: _values(lay, 1) for lay in p.trainers}
-    rb = {lay.worker.rank: _values(lay, 0) for lay in p.rollouts}
-    senders = [wb.Sender(p, r, tb[r], staging=True, store=store,
-                         transport=LocalTransport(r, hub)) for r in tb]
-    receivers = [wb.Receiver(p, r, rb[r], staging=False, store=store,
-                             transport=LocalTransport(r, hub)) for r in rb]
+    gate = threading.Event()
+    gate.set()
+    tb, rb, senders, receivers = _senders_receivers(p, gate=gate, free=0, recv_staging=False)
     assert not any(rx.ready() for rx in receivers)
     senders[0].push()
     assert not any(rx.ready() for rx in receivers)  # trainer 1 has not pushed yet
@@ -236,11 +242,6 @@ def test_bad_input_is_refused_at_setup():
     wrong = dict(good, a=np.zeros((3, 3), good["a"].dtype))
     with pytest.raises(wb.TransferError, match="shape"):
         wb.Sender(p, lay.worker.rank, wrong, store=store, transport=LocalTransport(0, hub))
-    s = wb.Sender(p, lay.worker.rank, good, store=store, transport=LocalTransport(0, hub),
-                  staging=True)
-    s.version = 5
-    with pytest.raises(wb.TransferError, match="versions must increase"):
-        s.push(version=3)
     with pytest.raises(wb.TransferError, match="mode must be one of"):
         wb.LocalSession(p, {}, {}, mode="fast")
 
@@ -256,3 +257,23 @@ def test_summary_is_computed_from_records():
     assert s.agst_s == pytest.approx((0.3 + 0.1) / 2)
     assert s.trainer_stall_s == pytest.approx(0.1) and s.rollout_stall_s == pytest.approx(0.3)
     assert wb.UpdateStats.from_json(recs[0].to_json()) == recs[0]
+
+
+def test_sync_receiver_is_not_ready_before_each_new_announcement():
+    p = _case()
+    gate = threading.Event()
+    gate.set()
+    tb, rb, senders, receivers = _senders_receivers(p, gate=gate, free=0, recv_staging=False)
+    for v in (1, 2):
+        assert not any(rx.ready() for rx in receivers)  # version v not announced yet
+        for s in senders:
+            s.push()
+        assert all(rx.ready() for rx in receivers)
+        threads = [threading.Thread(target=rx.apply) for rx in receivers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        for s in senders:
+            s.wait()
+        assert all(rx.version == v for rx in receivers)

@@ -24,13 +24,22 @@ def test_demo_json_last_line(args):
     assert set(report["node_needed_bytes"].values()) == {nbytes}
     assert report["map_entries"] * 20 < report["elements"]
     assert report["weights_bit_identical"] is True and report["traffic_ratio"] == 1.0
+    # between processes over UCX, in all four sync modes, every buffer checked after every update
+    assert report["transfers_verified"] is True and report["traffic_ratio_processes"] == 1.0
+    assert set(report["modes"]) == {"sync", "sender", "receiver", "both"}
+    for m in report["modes"].values():
+        assert m["verified"] and m["mismatches"] == 0 and m["updates"] == 3
+        assert m["rollout_records"] == 3 * report["process_rollout_workers"] and m["checks"] > 0
+    # the library's own stall records: staging on both sides stalls less than fully synchronous
+    assert report["modes"]["both"]["agst_s"] < report["modes"]["sync"]["agst_s"]
+    assert report["agst_sync_over_both"] > 1
 
 
 def test_demo_check_fails_when_no_bytes_move(monkeypatch):
     import wb
     import wb.demo
     monkeypatch.setattr(wb, "run_local", lambda plan, t, r: r)  # a transfer that moves nothing
-    report = wb.demo.run_demo(quiet=True)
+    report = wb.demo.run_demo(quiet=True, processes=False)
     assert report["correspondence_exact"] is True
     assert report["weights_bit_identical"] is False and report["verified"] is False
 
@@ -39,3 +48,15 @@ def test_demo_refuses_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "wb", "demo", "--replicas", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--replicas" in out.stderr
+
+
+def test_demo_process_check_fails_on_wrong_weights():
+    """The rollouts' check is real: expecting the weights of another step fails it."""
+    from rich.console import Console
+
+    import wb.demo
+    out = wb.demo._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"], steps=1,
+                                 train_s=0.0, gen_s=0.01, console=Console(quiet=True),
+                                 expect_offset=1)
+    assert out["transfers_verified"] is False
+    assert out["modes"]["both"]["mismatches"] > 0

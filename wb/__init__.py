@@ -1,7 +1,7 @@
 """WeightBridge: move model weights from RL trainers to rollout workers at the network's lower bound."""
 
 from wb import dtypes
-from wb.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, summarize
+from wb.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, agree_plan, summarize
 from wb.correspond import Correspondence, Overlaps, correspond
 from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
 from wb.layout import BufferSpec, Cluster, Layout, Role, Worker
@@ -18,6 +18,7 @@ __all__ = [
     "Worker", "BufferSpec", "Layout", "Role", "Cluster",
     "plan", "Plan", "Traffic", "lower_bound", "run_local", "simulate", "Simulation",
     "Sender", "Receiver", "LocalSession", "UpdateStats", "Summary", "summarize", "MODES",
+    "agree_plan",
     "correspond", "Correspondence", "Overlaps",
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError",
     "dtypes",

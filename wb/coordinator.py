@@ -32,11 +32,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from wb.errors import TransferError
-from wb.executor import DEFAULT_STAGING_BYTES, ExecStats, _as_array, _check_buffers, execute
+from wb.executor import (DEFAULT_STAGING_BYTES, ExecStats, _abort, _as_array, _check_buffers,
+                         execute, plan_fingerprint)
 from wb.layout import Layout, Role
 from wb.plan import Plan
 
-__all__ = ["Sender", "Receiver", "UpdateStats", "Summary", "summarize", "MODES"]
+__all__ = ["Sender", "Receiver", "UpdateStats", "Summary", "summarize", "MODES", "aligned_empty",
+           "agree_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +153,30 @@ class _Worker:
         self.version = 0
         self.stats: list[UpdateStats] = []
         self._closed = False
+        # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
+        # for it, and refuse peers that run another plan before any update.
+        fp = plan_fingerprint(plan).encode()
+        hellos = transport.connect(self.peers, hello=fp)
+        wrong = sorted(p for p, h in hellos.items() if h != fp)
+        if wrong:
+            _abort(transport)
+            raise TransferError(f"rank {rank}: peers {wrong} were given a different plan "
+                                f"(fingerprint mismatch); give every worker the same plan")
+        prepare = getattr(transport, "prepare", None)
+        if prepare is not None:
+            prepare(self.peers)
 
     def _mine(self, plan):
         return plan.trainers if self.role == Role.TRAINER else plan.rollouts
 
     def _staging_copy(self) -> dict[str, Any]:
-        return {n: xp.empty_like(a) for n, (xp, a) in self.live.items()}
+        """A copy of the live buffers: a transfer writes only the elements the plan maps, and the
+        others (padding, elements no checkpoint id reaches) must keep their live values."""
+        out = {}
+        for n, (xp, a) in self.live.items():
+            out[n] = xp.empty_like(a)
+            _copy(xp, out[n], a)
+        return out
 
     def _key(self, *parts) -> str:
         return "/".join((self.name, *map(str, parts)))
@@ -202,6 +222,18 @@ class _Cancelled(Exception):
     pass
 
 
+def aligned_empty(shape, dtype: str, *, align: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data starts on an ``align``-byte boundary (XLA's CPU
+    client aliases such arrays instead of copying them)."""
+    from wb.dtypes import dtype_info
+
+    dt = np.dtype(dtype_info(dtype).numpy)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dt).reshape(shape)
+
+
 class Sender(_Worker):
     """A trainer worker's end: ``push()`` once per training step.
 
@@ -238,8 +270,11 @@ class Sender(_Worker):
         self._pending: tuple | None = None  # (version, stall) of the send in the background
         self._result: dict[str, Any] = {}
 
-    def push(self, version: int | None = None) -> int:
+    def push(self, version: int | None = None, *, buffers: Mapping[str, Any] | None = None) -> int:
         """Sends the live weights as ``version`` (default: the last one + 1); returns it.
+
+        ``buffers`` replaces the live weights from now on (frameworks whose arrays are immutable,
+        like JAX, make new ones every step); they are checked as at set-up.
 
         Without staging this blocks until this worker's bytes are sent (and its rollout peers
         joined); with staging it blocks for the previous background send, if still running, and
@@ -252,6 +287,9 @@ class Sender(_Worker):
         if self._closed:
             raise TransferError(f"rank {self.rank}: push() after close()")
         self._finish()
+        if buffers is not None:
+            _check_buffers(self.plan, self.rank, buffers, None)
+            self.live = {n: _as_array(n, buffers[n], self.rank) for n in self.live}
         v = self.version + 1 if version is None else int(version)
         if v <= self.version:
             raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
@@ -319,6 +357,11 @@ class Receiver(_Worker):
     Args: as :class:`Sender`; ``buffers`` are the live weights the rollout reads (written in
         place: their addresses never change). With ``staging`` the next version is received in
         the background into a staging copy as soon as the previous one is applied (or at once).
+        handoff: for frameworks whose arrays are immutable (JAX): ``buffers`` may be ``None``;
+            every version lands in new buffers made by ``allocate(shape, dtype name)`` (default:
+            64-byte aligned host arrays, which JAX wraps without copying), and after ``apply()``
+            :attr:`buffers` are the newest version's, handed over, never written again.
+        allocate: see ``handoff``.
 
     Examples:
         See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
@@ -329,7 +372,15 @@ class Receiver(_Worker):
     def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any], *, transport, store,
                  staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
-                 wait_timeout: float = 600.0, layout: Layout | None = None):
+                 wait_timeout: float = 600.0, layout: Layout | None = None,
+                 handoff: bool = False, allocate=None):
+        self.handoff = bool(handoff)
+        self._allocate = allocate or aligned_empty
+        if buffers is None:
+            if not self.handoff:
+                raise TransferError(f"rank {rank}: Receiver needs the live buffers (or "
+                                    f"handoff=True to receive into new ones every version)")
+            buffers = self._fresh(plan, rank)
         super().__init__(plan, rank, buffers, transport=transport, store=store, staging=staging,
                          name=name, staging_bytes=staging_bytes, timeout=timeout,
                          wait_timeout=wait_timeout, layout=layout)
@@ -339,9 +390,33 @@ class Receiver(_Worker):
         self._cancel = threading.Event()
         self._result: dict[str, Any] = {}
         self._error: BaseException | None = None
-        self._announced: set[int] = set()
+        self._announced: set[tuple[int, int]] = set()  # (version, trainer rank) seen
         if self.staging:
             self.pull()
+
+    @property
+    def buffers(self) -> dict[str, Any]:
+        """The live buffers (with ``handoff``: the newest applied version's)."""
+        return self._live_arrays()
+
+    def _fresh(self, plan=None, rank=None) -> dict[str, Any]:
+        """New buffers (handoff), holding the live values where they exist (see _staging_copy),
+        zeros at first."""
+        plan, rank = plan or self.plan, self.rank if rank is None else rank
+        lay = next(x for x in plan.rollouts if x.worker.rank == rank)
+        live = getattr(self, "live", None)
+        out = {}
+        for n, b in lay.buffers.items():
+            out[n] = self._allocate(b.shape, b.dtype)
+            xp, a = _as_array(n, out[n], rank)
+            if live is None:
+                a[...] = 0
+            else:
+                _copy(xp, a, live[n][1])
+        return out
+
+    def _staging_copy(self) -> dict[str, Any]:
+        return self._fresh() if self.handoff else super()._staging_copy()
 
     # --- the rollout's calls -------------------------------------------------------------------
     def ready(self) -> bool:
@@ -356,12 +431,12 @@ class Receiver(_Worker):
             return self._landed.is_set()
         v = self.version + 1
         for r in self._trainer_ranks():
-            if r not in self._announced:
+            if (v, r) not in self._announced:
                 try:
                     self.store.get(self._key("version", v, r), 0.001)
                 except TransferError:
                     return False
-                self._announced.add(r)
+                self._announced.add((v, r))
         return True
 
     def pull(self) -> None:
@@ -399,7 +474,10 @@ class Receiver(_Worker):
             try:
                 self._wait_announced(v)
                 joined = self._join(v)
-                ex = self._run(v, self._live_arrays())
+                target = self._fresh() if self.handoff else self._live_arrays()
+                ex = self._run(v, target)
+                if self.handoff:
+                    self.live = {n: _as_array(n, a, self.rank) for n, a in target.items()}
             except BaseException as e:
                 self._fail(v, e, live_intact=False)
                 raise self._error from e
@@ -422,8 +500,12 @@ class Receiver(_Worker):
         if "error" in self._result:
             self._fail(v, self._result["error"], live_intact=True)
             raise self._error from self._result["error"]
-        for n, (xp, a) in self.live.items():
-            _copy(xp, a, self._stage[n])
+        if self.handoff:  # the staging buffers become the live ones; new staging next time
+            self.live = {n: _as_array(n, a, self.rank) for n, a in self._stage.items()}
+            self._stage = self._staging_copy()
+        else:
+            for n, (xp, a) in self.live.items():
+                _copy(xp, a, self._stage[n])
         self.version = v
         joined, ex = self._result["stats"]
         self._record(v, time.perf_counter() - t0, joined, ex)
@@ -484,3 +566,43 @@ class Receiver(_Worker):
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
+               **plan_kwargs) -> Plan:
+    """Every process publishes its workers' layouts; the one holding rank 0 plans; all get the plan.
+
+    Layouts and the plan travel through ``store`` as ``.npz`` bytes (no pickle). Ranks must be
+    ``0 .. world - 1`` across all processes.
+
+    Args:
+        store: the rendezvous store every process shares.
+        layouts: this process's workers' layouts (as each probed its own load path).
+        world: the number of workers (trainers + rollouts) of the plan.
+        name: keeps the keys of concurrent sessions apart.
+        timeout: seconds to wait for the other processes.
+        plan_kwargs: passed to :func:`wb.plan` (``cluster=``, ``chunk_bytes=``).
+
+    Returns:
+        The :class:`wb.Plan`, the same in every process.
+    """
+    import io
+
+    from wb.layout import layouts_from_bytes, layouts_to_bytes
+    from wb.planner import plan as make_plan
+
+    layouts = list(layouts)
+    for lay in layouts:
+        if not 0 <= lay.worker.rank < world:
+            raise TransferError(f"rank {lay.worker.rank} is outside 0..{world - 1} (world={world})")
+        store.set(f"{name}/layout/{lay.worker.rank}", layouts_to_bytes([lay]))
+    if any(lay.worker.rank == 0 for lay in layouts):
+        everyone = [layouts_from_bytes(store.get(f"{name}/layout/{r}", timeout))[0]
+                    for r in range(world)]
+        p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
+                      [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+        f = io.BytesIO()
+        p.save(f)
+        store.set(f"{name}/plan", f.getvalue())
+        return p
+    return Plan.load(io.BytesIO(store.get(f"{name}/plan", timeout)))

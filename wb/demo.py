@@ -7,7 +7,9 @@ rollout parameter is computed on blocks and checked element by element against a
 oracle. A plan then moves the trainer's real weights in this process (``wb.run_local``) into the
 rollouts' own parameters, which must come out bit-identical to what the rollouts' own loader makes
 of the same checkpoint. ``--trainer torch --rollout jax`` swaps the sides. Transfers between
-processes (UCX) and the sync modes come with later milestones.
+processes then do it for real: spawned trainer and rollout processes probe their own load
+paths, agree on a plan, and run a few training steps in each of the four sync modes over UCX,
+checking every rollout buffer after every update (see :mod:`wb.demo_workers`).
 
 The frameworks are imported only when the demo runs: ``import wb`` never imports torch or jax.
 """
@@ -102,7 +104,7 @@ def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt
                          first_rank=first_rank, node_prefix=prefix, ckpt=ckpt)
 
 
-def _random_checkpoint(seed: int = 0) -> dict[str, np.ndarray]:
+def random_checkpoint(seed: int = 0) -> dict[str, np.ndarray]:
     spec = spec_from_config(TINY)
     rng = np.random.default_rng(seed)
     return {n: rng.standard_normal(spec.shape(n), dtype=np.float32).astype(
@@ -128,7 +130,8 @@ def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
 
 
 def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2, tp: int = 2,
-             quiet: bool = False) -> dict:
+             quiet: bool = False, modes: Sequence[str] | None = None, steps: int = 3,
+             train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True) -> dict:
     """Runs the demo and returns its report (what ``--json`` prints).
 
     Args:
@@ -137,11 +140,21 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         replicas: rollout replicas, one node each.
         tp: TP degree of a PyTorch side.
         quiet: print nothing (the report is still returned).
+        modes: sync modes to run between processes (default all four, :data:`wb.MODES`).
+        steps: training steps (updates) per mode.
+        train_s: emulated compute of a training step, seconds.
+        gen_s: emulated compute of a rollout decode step, seconds.
+        processes: run the multi-process part (UCX); ``False`` runs only the in-process checks.
     """
     if replicas < 1 or tp < 1:
         raise wb.SpecError(f"--replicas and --tp must be >= 1, got {replicas} and {tp}")
+    modes = list(wb.MODES) if modes is None else list(modes)
+    bad = [m for m in modes if m not in wb.MODES]
+    if bad or steps < 1:
+        raise wb.SpecError(f"modes must be among {list(wb.MODES)} and steps >= 1; got {modes}, "
+                           f"{steps}")
     console = Console(quiet=quiet)
-    ckpt = _random_checkpoint()
+    ckpt = random_checkpoint()
     t0 = time.perf_counter()
     with console.status(f"probing the {trainer} trainer's load function..."):
         trainers, weights, _ = _side(trainer, "trainer", replicas=replicas, tp=tp, first_rank=0,
@@ -203,9 +216,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     summary.add_row("probe / correspondence / plan time",
                     f"{probe_s:.2f} s / {correspond_s * 1e3:.1f} ms / {plan_s * 1e3:.1f} ms")
     console.print(summary)
-    console.print("The transfer ran in this process (wb.run_local); the UCX data plane between "
-                  "processes and the sync modes are not built yet: see README.")
-    return {
+    report = {
         "verified": bool(verified), "trainer": trainer, "rollout": rollout,
         "trainer_workers": len(trainers), "rollout_workers": len(rollouts),
         "elements": int(elements), "map_entries": int(entries),
@@ -214,8 +225,142 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         "node_needed_bytes": needed["nodes"], "probe_s": round(probe_s, 3),
         "correspond_s": round(correspond_s, 4), "correspondence_exact": bool(exact),
         "weights_bit_identical": bool(identical), "traffic_ratio": ratio,
-        "plan_s": round(plan_s, 4), "transfer": "in-process (wb.run_local); UCX not built yet",
+        "plan_s": round(plan_s, 4), "transfer": "in-process (wb.run_local)",
     }
+    if processes:
+        report.update(_run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
+                                     steps=steps, train_s=train_s, gen_s=gen_s, console=console))
+        report["verified"] = bool(verified and report["transfers_verified"])
+    return report
+
+
+def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
+    jobs = []
+    if trainer == "jax":
+        jobs.append(dict(common, name="trainer", role="trainer", kind="jax", dp=2, tp=2))
+    else:
+        jobs += [dict(common, name=f"trainer-tp{r}", role="trainer", kind="torch", tp=tp,
+                      local_rank=r) for r in range(tp)]
+    for c in range(replicas):
+        if rollout == "torch":
+            jobs += [dict(common, name=f"rollout{c}-tp{r}", role="rollout", kind="torch", tp=tp,
+                          local_rank=r, first_rank=c * tp + r, node=f"rollout{c}")
+                     for r in range(tp)]
+        else:
+            jobs.append(dict(common, name=f"rollout{c}", role="rollout", kind="jax", tp=tp,
+                             first_rank=c * tp, node=f"rollout{c}"))
+    return jobs
+
+
+def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen_s,
+                   console, timeout: float = 900.0, expect_offset: int = 0) -> dict:
+    """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
+    UCX; returns what they measured and checked. ``expect_offset`` makes the rollouts expect the
+    weights of another step (tests use it to see the check fail)."""
+    import glob
+    import json
+    import multiprocessing as mp
+    import tempfile
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from wb.demo_workers import worker_main
+    from wb.planner import traffic_ratio
+
+    with tempfile.TemporaryDirectory(prefix="wb-demo-") as tmp:
+        work = Path(tmp)
+        (work / "results").mkdir()
+        common = dict(cfg=TINY, store_dir=str(work / "store"), result_dir=str(work / "results"),
+                      modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
+                      rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
+                      expect_offset=expect_offset)
+        jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
+        n_roll = sum(j["role"] == "rollout" for j in jobs)
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker_main, args=(j,), name=j["name"]) for j in jobs]
+        t0 = time.perf_counter()
+        for pr in procs:
+            pr.start()
+        total = len(modes) * steps * n_roll
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"{len(procs)} processes over UCX: {trainer} trainer -> "
+                                f"{rollout} rollouts, {len(modes)} sync modes", total=total)
+            while any(pr.is_alive() for pr in procs) and time.perf_counter() - t0 < timeout:
+                bar.update(task, completed=len(glob.glob(str(work / "store" /
+                                                             "demo%progress%*"))))
+                time.sleep(0.1)
+        for pr in procs:
+            pr.join(1)
+            if pr.is_alive():
+                pr.kill()
+        wall = time.perf_counter() - t0
+        results = []
+        for j in jobs:
+            f = work / "results" / f"{j['name']}.json"
+            results.append(json.loads(f.read_text()) if f.exists()
+                           else {"name": j["name"], "ok": False, "error": "no result (killed "
+                                 "or timed out)", "modes": {}})
+        p = wb.Plan.load(common["plan_path"]) if Path(common["plan_path"]).exists() else None
+    errors = {r["name"]: r["error"] for r in results if not r["ok"]}
+    per_mode, all_ok = {}, not errors
+    workers = replicas * tp
+    for mode in modes:
+        stats = [wb.UpdateStats.from_json(x) for r in results
+                 for x in r["modes"].get(mode, {}).get("stats", [])]
+        checks = sum(r["modes"].get(mode, {}).get("checks", 0) for r in results)
+        bad = sum(r["modes"].get(mode, {}).get("bad", 0) for r in results)
+        updates = {s.version for s in stats if s.role == "rollout"}
+        rollout_records = sum(s.role == "rollout" for s in stats)
+        ok = (not errors and bad == 0 and checks > 0 and updates == set(range(1, steps + 1))
+              and rollout_records == steps * workers)
+        all_ok &= ok
+        if stats:
+            sm = wb.summarize(stats)
+            per_mode[mode] = {"sender_staging": wb.MODES[mode][0],
+                              "receiver_staging": wb.MODES[mode][1],
+                              "ewtt_s": round(sm.ewtt_s, 4), "agst_s": round(sm.agst_s, 4),
+                              "trainer_stall_s": round(sm.trainer_stall_s, 4),
+                              "rollout_stall_s": round(sm.rollout_stall_s, 4),
+                              "updates": len(updates), "rollout_records": rollout_records,
+                              "checks": checks, "mismatches": int(bad), "verified": ok}
+        else:
+            per_mode[mode] = {"verified": False}
+    table = Table(title=f"{steps} updates per sync mode between {len(jobs)} processes over UCX "
+                        f"(emulated step: train {train_s:g} s, decode {gen_s:g} s)")
+    for col in ("mode", "send staging", "recv staging", "EWTT", "AGST", "trainer stall",
+                "rollout stall", "bit-identical"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, m in per_mode.items():
+        if "ewtt_s" not in m:
+            table.add_row(mode, *[""] * 6, "[red]FAILED[/red]")
+            continue
+        table.add_row(mode, "on" if m["sender_staging"] else "off",
+                      "on" if m["receiver_staging"] else "off", f"{m['ewtt_s'] * 1e3:.1f} ms",
+                      f"{m['agst_s'] * 1e3:.1f} ms", f"{m['trainer_stall_s'] * 1e3:.1f} ms",
+                      f"{m['rollout_stall_s'] * 1e3:.1f} ms",
+                      f"[green]yes[/green] ({m['checks']})" if m["verified"]
+                      else "[red]NO[/red]")
+    console.print(table)
+    out = {"transfer": "UCX between spawned processes", "processes": len(jobs),
+           "process_rollout_workers": workers,
+           "processes_s": round(wall, 2), "modes": per_mode, "transfers_verified": bool(all_ok)}
+    done = [m for m in per_mode.values() if "ewtt_s" in m]
+    if done:
+        out["ewtt_s"] = round(float(np.median([m["ewtt_s"] for m in done])), 4)
+    if "sync" in per_mode and "both" in per_mode and per_mode["both"].get("agst_s"):
+        r = per_mode["sync"]["agst_s"] / per_mode["both"]["agst_s"]
+        out["agst_sync_over_both"] = round(r, 2)
+        console.print(f"Staging on both sides stalled the workers {r:.1f}x less than the fully "
+                      f"synchronous mode (AGST {per_mode['both']['agst_s'] * 1e3:.1f} ms vs "
+                      f"{per_mode['sync']['agst_s'] * 1e3:.1f} ms per update).")
+    if p is not None:
+        out["traffic_ratio_processes"] = traffic_ratio(p)
+    for name, err in errors.items():
+        console.print(f"[red]{name} failed:[/red] {err}")
+    if errors:
+        out["errors"] = errors
+    return out
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

@@ -62,12 +62,15 @@ class LocalSession:
         def kw(r):
             return dict(transport=LocalTransport(r, hub, timeout=timeout), store=store,
                         timeout=timeout, wait_timeout=timeout)
-        self.senders = {r: Sender(plan, r, trainer_buffers[r], staging=send_staging, **kw(r))
-                        for r in t_ranks}
-        self.receivers = {r: Receiver(plan, r, rollout_buffers[r], staging=recv_staging, **kw(r))
-                          for r in r_ranks}
         self._pool = ThreadPoolExecutor(max_workers=len(t_ranks) + len(r_ranks),
                                         thread_name_prefix="wb-session")
+        # every worker connects to its peers when made: make them all at once
+        s_futs = {r: self._pool.submit(Sender, plan, r, trainer_buffers[r], staging=send_staging,
+                                       **kw(r)) for r in t_ranks}
+        r_futs = {r: self._pool.submit(Receiver, plan, r, rollout_buffers[r],
+                                       staging=recv_staging, **kw(r)) for r in r_ranks}
+        self.senders = {r: f.result() for r, f in s_futs.items()}
+        self.receivers = {r: f.result() for r, f in r_futs.items()}
 
     def push(self) -> int:
         """Every trainer pushes its current weights (without sender staging this returns once the

@@ -190,6 +190,11 @@ class UcxTransport:
             self._eps[peer] = ep
         return ep
 
+    def prepare(self, peers: Iterable[int]) -> None:
+        """Creates the endpoints to ``peers`` now (connected peers only) rather than at first use."""
+        for p in peers:
+            self._ep(int(p))
+
     def send(self, peer: int, buf, tag: int) -> _UcxRequest:
         return self._post("send", peer, buf, tag)
 

@@ -1,0 +1,232 @@
+"""The processes of ``python -m wb demo`` (spawned; importable so ``multiprocessing`` can start them).
+
+Each process probes its own load path, publishes its layouts, gets the plan (:func:`wb.agree_plan`)
+and then, for each sync mode, runs a small RL loop over UCX: the trainer "trains" (an emulated
+compute step, then a real update of every weight: ``w <- -2 w``, exact in any float dtype) and
+pushes; the rollouts "generate" (emulated decode steps), apply each new version between steps, and
+check every buffer bit for bit against what their *own* loader makes of the trainer's checkpoint at
+that step (``(-2)**step * checkpoint``). Every call's stall is recorded by wb itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["worker_main", "expected_checkpoint"]
+
+
+def expected_checkpoint(ckpt: dict, step: int) -> dict:
+    """The trainer's weights after ``step`` updates, as checkpoint tensors (numpy, exact)."""
+    f = (-2.0) ** step
+    return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
+
+
+def _ucx(rank, store, mode):
+    from wb.transport.ucx import UcxTransport
+
+    return UcxTransport(rank, store, session=f"demo/{mode}/ucx", timeout=120)
+
+
+def _trainers_key(store, k=None):
+    if k is not None:
+        store.set("demo/trainers", str(k).encode())
+        return k
+    return int(store.get("demo/trainers", 300))
+
+
+def worker_main(job: dict) -> None:
+    """One demo process: ``job`` says its side, framework, ranks and the loop's parameters."""
+    out = Path(job["result_dir"]) / f"{job['name']}.json"
+    result = {"name": job["name"], "ok": False, "modes": {}}
+    try:
+        from wb.presets import spec_from_config
+        from wb.rendezvous import DirectoryStore
+
+        store = DirectoryStore(job["store_dir"])
+        spec = spec_from_config(job["cfg"])
+        from wb.demo import random_checkpoint
+
+        ckpt = random_checkpoint(0)
+        fn = {("trainer", "jax"): _jax_trainer, ("trainer", "torch"): _torch_trainer,
+              ("rollout", "jax"): _jax_rollout, ("rollout", "torch"): _torch_rollout}
+        fn[(job["role"], job["kind"])](job, store, spec, ckpt, result)
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the demo
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out)
+
+
+def _progress(store, mode, v, rank):
+    store.set(f"demo/progress/{mode}/{v}/{rank}", b"1")
+
+
+# --- trainers ------------------------------------------------------------------------------------
+def _jax_trainer(job, store, spec, ckpt, result):
+    import wb_jax
+
+    wb_jax.use_cpu_devices(job["dp"] * job["tp"])
+    import jax
+    import jax.numpy as jnp
+
+    import wb
+    from wb_jax.testing import make_load_fn, make_mesh
+
+    mesh = make_mesh(job["dp"], job["tp"])
+    load = make_load_fn(job["cfg"], mesh)
+    maps = wb_jax.probe(load, spec)
+    params = load(ckpt)
+    devices = list(mesh.devices.flat)
+    trial = wb_jax.layouts(params, maps, ranks={d: i for i, d in enumerate(devices)},
+                           node="trainer0", role="trainer")
+    holders = [d for d, lay in zip(devices, trial) if lay.buffers]  # replica 0's devices
+    ranks = {d: i for i, d in enumerate(holders)}
+    layouts = wb_jax.layouts(params, maps, ranks=ranks, node="trainer0", role="trainer")
+    world = _trainers_key(store, len(layouts)) + job["rollout_workers"]
+    plan = wb.agree_plan(store, layouts, world=world, name="demo/plan")
+    if job.get("plan_path"):
+        plan.save(job["plan_path"])
+    step_fn = jax.jit(lambda p: jax.tree.map(lambda x: x * jnp.asarray(-2, x.dtype), p))
+    step = 0
+    for mode in job["modes"]:
+        staging = wb.MODES[mode][0]
+        sender = wb_jax.Sender(params, plan, ranks, store=store, staging=staging,
+                               name=f"demo/{mode}", timeout=60, wait_timeout=300,
+                               transports={r: _ucx(r, store, mode) for r in ranks.values()})
+        for _ in range(job["steps"]):
+            time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
+            params = step_fn(params)
+            step += 1
+            sender.push(params)
+        sender.wait()
+        result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
+                                 "bad": 0}
+        sender.close()
+
+
+def _torch_trainer(job, store, spec, ckpt, result):
+    import torch
+
+    import wb
+    import wb_torch
+    from wb_torch.testing import TinyRollout
+
+    tp, r = job["tp"], job["local_rank"]
+    torch.manual_seed(0)
+    model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
+    lay = wb_torch.layout(model, spec, wb.Worker(rank=r, node="trainer0", role="trainer",
+                                                 local_rank=r))
+    model.load_weights((n, wb_torch.from_numpy(a)) for n, a in ckpt.items())
+    if r == 0:
+        _trainers_key(store, tp)
+    plan = wb.agree_plan(store, [lay], world=tp + job["rollout_workers"], name="demo/plan")
+    if r == 0 and job.get("plan_path"):
+        plan.save(job["plan_path"])
+    for mode in job["modes"]:
+        sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
+                                 name=f"demo/{mode}", timeout=60, wait_timeout=300,
+                                 transport=_ucx(r, store, mode), layout=lay)
+        for _ in range(job["steps"]):
+            time.sleep(job["train_s"])
+            with torch.no_grad():  # the optimizer's in-place update
+                for p in model.parameters():
+                    p.mul_(-2)
+            sender.push()
+        sender.wait()
+        result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
+                                 "bad": 0}
+        sender.close()
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+def _torch_rollout(job, store, spec, ckpt, result):
+    import wb
+    import wb_torch
+    from wb_torch.testing import TinyRollout
+
+    tp, r = job["tp"], job["local_rank"]
+    first = _trainers_key(store)
+    rank = first + job["first_rank"]
+    model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
+    lay = wb_torch.layout(model, spec, wb.Worker(rank=rank, node=job["node"], role="rollout",
+                                                 local_rank=r))
+    plan = wb.agree_plan(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
+    params = dict(model.named_parameters())
+    ptrs = {n: params[n].data_ptr() for n in lay.buffers}
+    step = 0
+    for mode in job["modes"]:
+        rx = wb_torch.Receiver(model, plan, rank, store=store, staging=wb.MODES[mode][1],
+                               name=f"demo/{mode}", timeout=60, wait_timeout=300,
+                               transport=_ucx(rank, store, mode), layout=lay)
+        checks = bad = 0
+        while rx.version < job["steps"]:
+            time.sleep(job["gen_s"])  # a decode step (emulated); reads the live weights
+            if rx.ready():
+                v = rx.apply()
+                step += 1
+                ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
+                ref.load_weights((n, wb_torch.from_numpy(a))
+                                 for n, a in expected_checkpoint(ckpt, step + job["expect_offset"]).items())
+                want = dict(ref.named_parameters())
+                for n in lay.buffers:
+                    checks += 1
+                    same = (wb_torch.to_numpy(params[n]).tobytes()
+                            == wb_torch.to_numpy(want[n]).tobytes())
+                    bad += (not same) or params[n].data_ptr() != ptrs[n]
+                _progress(store, mode, v, rank)
+        result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
+                                 "bad": int(bad)}
+        rx.close()
+
+
+def _jax_rollout(job, store, spec, ckpt, result):
+    import wb_jax
+
+    wb_jax.use_cpu_devices(job["tp"])
+    import wb
+    from wb_jax.testing import make_load_fn, make_mesh
+
+    mesh = make_mesh(1, job["tp"])
+    load = make_load_fn(job["cfg"], mesh)
+    maps = wb_jax.probe(load, spec)
+    template = load({n: np.zeros_like(a) for n, a in ckpt.items()})
+    first = _trainers_key(store)
+    base = first + job["first_rank"]
+    ranks = {d: base + i for i, d in enumerate(mesh.devices.flat)}
+    layouts = wb_jax.layouts(template, maps, ranks=ranks, node=job["node"], role="rollout")
+    plan = wb.agree_plan(store, layouts, world=first + job["rollout_workers"], name="demo/plan")
+    step = 0
+    for mode in job["modes"]:
+        rx = wb_jax.Receiver(template, plan, ranks, store=store, staging=wb.MODES[mode][1],
+                             name=f"demo/{mode}", timeout=60, wait_timeout=300,
+                             transports={r: _ucx(r, store, mode) for r in ranks.values()})
+        checks = bad = 0
+        while rx.version < job["steps"]:
+            time.sleep(job["gen_s"])
+            if rx.ready():
+                params = rx.apply()
+                step += 1
+                want = wb_jax._leaves(load(expected_checkpoint(ckpt, step + job["expect_offset"])))
+                got = wb_jax._leaves(params)
+                names = {k for lay in layouts for k in lay.buffers}
+                for k in names:
+                    checks += 1
+                    bad += np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()
+                # zero-copy: the new arrays are the received buffers themselves
+                k = sorted(names)[0]
+                for shard in got[k].addressable_shards:
+                    buf = rx.workers[ranks[shard.device]].buffers[k]
+                    bad += shard.data.unsafe_buffer_pointer() != buf.ctypes.data
+                _progress(store, mode, rx.version, base)
+        result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
+                                 "bad": int(bad)}
+        rx.close()
