@@ -21,10 +21,10 @@ from wb.testing.multiproc import run_ranks  # noqa: E402
 def layouts():
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 emulated JAX devices")
-    from wb.demo import _random_checkpoint, jax_layouts, torch_layouts
+    from wb.demo import jax_layouts, random_checkpoint, torch_layouts
     from wb.presets import TINY
 
-    ckpt = _random_checkpoint()
+    ckpt = random_checkpoint()
     trainers, _, _ = jax_layouts(TINY, role="trainer", dp=2, tp=2, copies=1, first_rank=0,
                                  node_prefix="trainer", ckpt=ckpt)
     rollouts, _, _ = torch_layouts(TINY, role="rollout", tp=2, copies=2, first_rank=4,
@@ -134,3 +134,45 @@ def test_wrong_dtype_refused_in_process():
     with pytest.raises(wb.TransferError, match="different layouts"):
         execute(p, 1, {"w": np.zeros((8, 8), np.float32)}, LocalTransport(1, LocalHub()),
                 layout=wb.Layout(r.worker, {"w": wb.BufferSpec(wb.SourceMap.from_indices(w.T), "float32")}))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["both", "sync"])
+def test_versions_through_sender_and_receiver_over_ucx(plan_file, tmp_path, mode):
+    from wb.testing.multiproc import coord_child_main
+
+    send, recv = wb.MODES[mode]
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 3, "sender_staging": send, "receiver_staging": recv,
+                             "timeout": 60}, join_timeout=200)
+    for r in RANKS:
+        res = run.results[r]
+        assert res is not None and res["ok"], (r, res)
+        if r >= 4:
+            assert res["applied"] == [1, 2, 3] and res["checks"] == [True] * 3, res
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_trainer_leaves_the_previous_version_and_apply_raises(plan_file, tmp_path):
+    from wb.testing.multiproc import coord_child_main
+
+    t0 = time.time()
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 3, "timeout": 5},
+                    faults={0: {"die_after": 1, "in_version": 2}}, join_timeout=200)
+    assert run.exitcodes[0] == 17  # the trainer died mid-transfer of version 2
+    failed_in_2 = 0
+    for r in range(4, 8):
+        res = run.results[r]
+        assert res is not None and res["ok"], (r, res)
+        assert res["applied"] in ([1], [1, 2]) and all(res["checks"]), res
+        # a rollout whose bytes of version 2 had all landed has it whole; the others fail in 2,
+        # and every one fails at the next version it cannot get, keeping the last one it had
+        last = res["applied"][-1]
+        assert (f"receiving version {last + 1} failed" in res["error"]
+                and f"still hold version {last}" in res["error"]
+                or f"version {last + 1} did not arrive" in res["error"]), res
+        assert res["intact"] is True and res["version_after_error"] == last
+        failed_in_2 += last == 1
+    assert failed_in_2 >= 1
+    assert time.time() - t0 < 150

@@ -73,18 +73,22 @@ class Fault:
     hang_after: int | None = None
     other_plan: str | None = None  # path of another plan file
     bad_buffer: str | None = None  # name of a buffer to give the wrong shape
+    in_version: int | None = None  # count sends only from this update on (coordinator runs)
 
 
 class _FaultyTransport:
     def __init__(self, inner, fault: Fault):
         self.inner, self.fault, self.sends = inner, fault, 0
         self.rank = inner.rank
+        self.armed = fault.in_version is None
 
     def connect(self, peers, *, hello=b""):
         return self.inner.connect(peers, hello=hello)
 
     def send(self, peer, buf, tag):
         f = self.fault
+        if not self.armed:
+            return self.inner.send(peer, buf, tag)
         if f.die_after is not None and self.sends >= f.die_after:
             os._exit(17)  # a crash: no goodbye to anyone
         if f.hang_after is not None and self.sends >= f.hang_after:
@@ -162,8 +166,10 @@ class Run:
 
 
 def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict | None = None,
-              faults: dict[int, dict] | None = None, join_timeout: float = 120.0) -> Run:
-    """Spawns one process per rank, waits (killing any still alive after ``join_timeout``)."""
+              faults: dict[int, dict] | None = None, join_timeout: float = 120.0,
+              target=None) -> Run:
+    """Spawns one process per rank, waits (killing any still alive after ``join_timeout``).
+    ``target`` is the child's function (default :func:`child_main`; :func:`coord_child_main`)."""
     ctx = mp.get_context("spawn")
     store_dir, result_dir = Path(workdir, "store"), Path(workdir, "results")
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -174,7 +180,7 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
         opts = dict(options or {})
         if faults and r in faults:
             opts["fault"] = faults[r]
-        procs[r] = ctx.Process(target=child_main, args=(r, plan_path, str(store_dir),
+        procs[r] = ctx.Process(target=target or child_main, args=(r, plan_path, str(store_dir),
                                                         str(result_dir), opts), daemon=True)
         procs[r].start()
     deadline = t0 + join_timeout
@@ -251,3 +257,78 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     start, end = min(r["start"] for r in res), max(r["end"] for r in res)
     per_pair = [nbytes * reps / (r["end"] - r["start"]) for r in res]
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
+
+
+def version_bits(base: dict, version: int, mapped: dict) -> dict:
+    """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
+    mapped (``mapped[name]``: bool array), unchanged elsewhere (bitwise distinct per version;
+    nothing interprets them as numbers)."""
+    out = {}
+    for k, a in base.items():
+        u = a.view(f"u{a.dtype.itemsize}")
+        out[k] = np.where(mapped[k], u + np.asarray(version, u.dtype), u).view(a.dtype)
+    return out
+
+
+def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
+                     options: dict) -> None:
+    """One worker of a multi-version run through wb.Sender / wb.Receiver (spawned): trainers push
+    ``versions`` updates; rollouts apply each and check it; a fault may kill a trainer in one."""
+    import wb
+    from wb.errors import TransferError
+    from wb.plan import Plan
+    from wb.rendezvous import DirectoryStore
+    from wb.transport.ucx import UcxTransport
+
+    fault = Fault(**options.get("fault", {}))
+    result: dict = {"rank": rank, "applied": [], "checks": []}
+    try:
+        plan = Plan.load(plan_path)
+        trainer = any(lay.worker.rank == rank for lay in plan.trainers)
+        store = DirectoryStore(store_dir)
+        timeout = options.get("timeout", 60.0)
+        transport = UcxTransport(rank, store, timeout=timeout)
+        if fault.die_after is not None:
+            transport = _FaultyTransport(transport, fault)
+        base = buffers_for(plan, rank, fill=True)
+        lay = next(x for x in (*plan.trainers, *plan.rollouts) if x.worker.rank == rank)
+        mapped = {k: b.sourcemap.to_indices() >= 0 for k, b in lay.buffers.items()}
+        kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
+        if trainer:
+            bufs = {k: v.copy() for k, v in base.items()}
+            tx = wb.Sender(plan, rank, bufs, staging=options.get("sender_staging", True), **kw)
+            for v in range(1, options["versions"] + 1):
+                for k, a in version_bits(base, v, mapped).items():
+                    bufs[k][...] = a  # the training step
+                if fault.in_version == v:
+                    tx.wait()  # the previous version is out; break this one
+                    transport.armed = True
+                tx.push()
+            tx.close()
+        else:
+            bufs = {k: np.zeros_like(v) for k, v in base.items()}
+            rx = wb.Receiver(plan, rank, bufs, staging=options.get("receiver_staging", True), **kw)
+            for _ in range(options["versions"]):
+                try:
+                    v = rx.apply()
+                except TransferError as e:
+                    result["error"] = str(e)
+                    want = version_bits(base, rx.version, mapped)
+                    result["intact"] = bool(all(np.array_equal(bufs[k].view(np.uint8),
+                                                               want[k].view(np.uint8))
+                                                for k in bufs))
+                    result["version_after_error"] = rx.version
+                    break
+                want = version_bits(base, v, mapped)
+                result["applied"].append(v)
+                result["checks"].append(bool(all(
+                    np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8))
+                    for k in bufs)))
+            try:
+                rx.close()
+            except TransferError as e:  # a peer died: the closing barrier says so
+                result["close_error"] = str(e)
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
