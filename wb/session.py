@@ -7,6 +7,7 @@ multi-process run, with bytes copied by numpy between threads (no UCX, no proces
 from __future__ import annotations
 
 from collections.abc import Mapping
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,19 +79,34 @@ class LocalSession:
         versions = list(self._pool.map(lambda s: s.push(), self.senders.values()))
         return versions[0]
 
-    def update(self) -> Summary:
+    def update(self, trainer_buffers: Mapping[int, Mapping[str, Any]] | None = None) -> Summary:
         """One full update: trainers push, rollouts apply, all concurrently; returns its summary.
+
+        Args:
+            trainer_buffers: new trainer buffers ``{rank: {name: array}}`` to push from now on
+                (JAX makes new arrays every step); default: the ones given so far.
 
         Raises:
             TransferError: any worker failed (the first error is raised).
         """
-        futs = [self._pool.submit(s.push) for s in self.senders.values()]
-        futs += [self._pool.submit(r.apply) for r in self.receivers.values()]
+        given = trainer_buffers or {}
+        futs = [self._pool.submit(s.push, buffers=given.get(r))
+                for r, s in self.senders.items()]
+        futs += [self._pool.submit(self._apply, r) for r in self.receivers.values()]
         versions = {f.result() for f in futs}
         for s in self.senders.values():
             s.wait()
         (v,) = versions
         return summarize(x for x in self.stats() if x.version == v)
+
+    def _apply(self, rx: Receiver) -> int:
+        # A staging receiver's rollout generates while bytes land and applies once ready (only
+        # the apply is a stall); a receiver without staging blocks for the whole transfer.
+        if rx.staging:
+            deadline = time.monotonic() + rx.wait_timeout
+            while not rx.ready() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+        return rx.apply()
 
     def stats(self) -> list[UpdateStats]:
         """Every worker's records so far."""
