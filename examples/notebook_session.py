@@ -17,14 +17,11 @@ import wb_jax
 
 wb_jax.use_cpu_devices(4)  # before JAX starts: a 2x2 mesh on this machine
 
-import jax.numpy as jnp  # noqa: E402
-import jax  # noqa: E402
-
 import wb  # noqa: E402
 import wb_torch  # noqa: E402
 from wb.demo import random_checkpoint  # noqa: E402
 from wb.presets import TINY, spec_from_config  # noqa: E402
-from wb_jax.testing import make_load_fn, make_mesh  # noqa: E402
+from wb_jax.testing import make_load_fn, make_mesh, train_step  # noqa: E402
 from wb_torch.testing import TinyRollout  # noqa: E402
 
 spec = spec_from_config(TINY)  # the checkpoint: names, shapes, dtypes
@@ -86,12 +83,11 @@ print(f"wrote {out_png}")
 # in place). Each step changes the trainer's weights, pushes, and applies on the rollouts.
 
 # %%
-step_fn = jax.jit(lambda p: jax.tree.map(lambda x: x * jnp.asarray(-2, x.dtype), p))
 live = {lay.worker.rank: wb_torch.buffers(models[lay.worker.rank], list(lay.buffers))
         for lay in rollouts}
 session = wb.LocalSession(plan, wb_jax.shard_buffers(params, t_ranks), live, mode="both")
 for step in range(1, 4):
-    params = step_fn(params)  # a training step: a new pytree
+    params = train_step(params)  # a training step (w <- -2 w): a new pytree
     summary = session.update(wb_jax.shard_buffers(params, t_ranks))
     print(f"step {step}: EWTT {summary.ewtt_s * 1e3:.2f} ms, AGST {summary.agst_s * 1e3:.2f} ms")
 session.close()

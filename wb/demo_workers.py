@@ -75,11 +75,8 @@ def _jax_trainer(job, store, spec, ckpt, result):
     import wb_jax
 
     wb_jax.use_cpu_devices(job["dp"] * job["tp"])
-    import jax
-    import jax.numpy as jnp
-
     import wb
-    from wb_jax.testing import make_load_fn, make_mesh
+    from wb_jax.testing import make_load_fn, make_mesh, train_step
 
     mesh = make_mesh(job["dp"], job["tp"])
     load = make_load_fn(job["cfg"], mesh)
@@ -95,7 +92,6 @@ def _jax_trainer(job, store, spec, ckpt, result):
     plan = wb.agree_plan(store, layouts, world=world, name="demo/plan")
     if job.get("plan_path"):
         plan.save(job["plan_path"])
-    step_fn = jax.jit(lambda p: jax.tree.map(lambda x: x * jnp.asarray(-2, x.dtype), p))
     step = 0
     for mode in job["modes"]:
         staging = wb.MODES[mode][0]
@@ -104,7 +100,7 @@ def _jax_trainer(job, store, spec, ckpt, result):
                                transports={r: _ucx(r, store, mode) for r in ranks.values()})
         for _ in range(job["steps"]):
             time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
-            params = step_fn(params)
+            params = train_step(params)
             step += 1
             sender.push(params)
         sender.wait()
@@ -114,14 +110,11 @@ def _jax_trainer(job, store, spec, ckpt, result):
 
 
 def _torch_trainer(job, store, spec, ckpt, result):
-    import torch
-
     import wb
     import wb_torch
-    from wb_torch.testing import TinyRollout
+    from wb_torch.testing import TinyRollout, train_step_
 
     tp, r = job["tp"], job["local_rank"]
-    torch.manual_seed(0)
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
     lay = wb_torch.layout(model, spec, wb.Worker(rank=r, node="trainer0", role="trainer",
                                                  local_rank=r))
@@ -137,9 +130,7 @@ def _torch_trainer(job, store, spec, ckpt, result):
                                  transport=_ucx(r, store, mode), layout=lay)
         for _ in range(job["steps"]):
             time.sleep(job["train_s"])
-            with torch.no_grad():  # the optimizer's in-place update
-                for p in model.parameters():
-                    p.mul_(-2)
+            train_step_(model)  # the optimizer's in-place update
             sender.push()
         sender.wait()
         result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,

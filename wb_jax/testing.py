@@ -36,6 +36,7 @@ multiple of ``8 * tp``)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -393,3 +394,10 @@ def checkpoint_arrays(spec: CheckpointSpec, seed: int = 0) -> dict[str, np.ndarr
         else:
             out[name] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     return out
+
+
+@functools.partial(jax.jit, static_argnames="factor")
+def train_step(params: Any, factor: float = -2.0) -> Any:
+    """The reference trainer's update, as a new pytree with the same shardings:
+    ``w <- factor * w`` (exact in any float dtype for a power of two)."""
+    return jax.tree.map(lambda x: x * jnp.asarray(factor, x.dtype), params)

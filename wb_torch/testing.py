@@ -446,3 +446,12 @@ def checkpoint_tensors(spec: CheckpointSpec, rng: np.random.Generator | None = N
     rng = np.random.default_rng(0) if rng is None else rng
     return {name: torch.from_numpy(rng.standard_normal(spec.shape(name), dtype=np.float32))
             .to(dtype) for name in spec.names}
+
+
+def train_step_(model: nn.Module, factor: float = -2.0) -> None:
+    """The reference trainer's update, in place like an optimizer's: ``w <- factor * w`` for every
+    parameter (exact in any float dtype for a power of two), so a receiver can predict the weights
+    of any step from the checkpoint alone."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)

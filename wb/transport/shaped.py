@@ -1,0 +1,119 @@
+"""A transport that emulates a cluster's links on one machine: per-GPU NICs and NVLink as rates.
+
+On one machine every process shares the same cores, memory and loopback, so a transfer's time says
+nothing about a cluster where each GPU has its own NIC. :class:`ShapedTransport` wraps a real
+transport and holds each message back as a link of the emulated cluster would:
+
+- *egress*: a send occupies this worker's NIC (peer on another node) or NVLink (same node) for
+  ``bytes / rate``; sends on one link go one after the other, and a send is handed to the real
+  transport when its last byte would have left;
+- *ingress*: a receive completes no earlier than the receiver's link of that kind, serving the
+  messages in the order they arrive at ``bytes / rate``, could have taken it in.
+
+A single flow therefore runs at the link rate, several flows into one GPU share its ingress, and
+several out of one GPU share its egress: the fluid model of :mod:`wb.simulate`. The real bytes
+still move over the real transport and are checked as always. Benchmarks use it to measure plans
+and baselines on the topology they are made for; it is never used unless asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+__all__ = ["ShapedTransport"]
+
+
+class _Link:
+    __slots__ = ("rate", "free_at", "lock")
+
+    def __init__(self, rate: float):
+        self.rate, self.free_at, self.lock = float(rate), 0.0, threading.Lock()
+
+    def book(self, nbytes: int, earliest: float) -> float:
+        """Occupies the link for ``nbytes`` from ``earliest`` or when it frees; returns the end."""
+        with self.lock:
+            start = max(earliest, self.free_at)
+            self.free_at = start + nbytes / self.rate
+            return self.free_at
+
+
+class _HeldSend:
+    __slots__ = ("t", "peer", "buf", "tag", "at", "req")
+
+    def __init__(self, t, peer, buf, tag, at):
+        self.t, self.peer, self.buf, self.tag, self.at, self.req = t, peer, buf, tag, at, None
+
+    def done(self) -> bool:
+        if self.req is None:
+            if time.monotonic() < self.at:
+                return False
+            self.req = self.t.inner.send(self.peer, self.buf, self.tag)
+        return self.req.done()
+
+
+class _ShapedRecv:
+    __slots__ = ("t", "req", "link", "nbytes", "at")
+
+    def __init__(self, t, req, link, nbytes):
+        self.t, self.req, self.link, self.nbytes, self.at = t, req, link, nbytes, None
+
+    def done(self) -> bool:
+        if self.at is None:
+            if not self.req.done():
+                return False
+            self.at = self.link.book(self.nbytes, time.monotonic() - self.nbytes / self.link.rate)
+        return time.monotonic() >= self.at
+
+
+class ShapedTransport:
+    """Wraps ``inner`` (any :class:`wb.transport.Transport`) with emulated link rates.
+
+    Args:
+        inner: the real transport of this rank.
+        node_of: ``{rank: node}`` of every rank it may talk to (and itself).
+        nic_Bps: each worker's NIC rate, bytes/s per direction (messages between nodes).
+        nvlink_Bps: each worker's NVLink rate, bytes/s per direction (messages within a node).
+    """
+
+    def __init__(self, inner, *, node_of: Mapping[int, str], nic_Bps: float, nvlink_Bps: float):
+        if nic_Bps <= 0 or nvlink_Bps <= 0:
+            raise ValueError(f"link rates must be positive, got {nic_Bps} and {nvlink_Bps}")
+        self.inner, self.rank = inner, inner.rank
+        self.node_of = dict(node_of)
+        self.nic_Bps, self.nvlink_Bps = float(nic_Bps), float(nvlink_Bps)
+        self._out = {"nic": _Link(nic_Bps), "nvlink": _Link(nvlink_Bps)}
+        self._in = {"nic": _Link(nic_Bps), "nvlink": _Link(nvlink_Bps)}
+
+    def _kind(self, peer: int) -> str:
+        return "nvlink" if self.node_of[int(peer)] == self.node_of[self.rank] else "nic"
+
+    def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
+        return self.inner.connect(peers, hello=hello)
+
+    def prepare(self, peers: Iterable[int]) -> None:
+        prepare = getattr(self.inner, "prepare", None)
+        if prepare is not None:
+            prepare(peers)
+
+    def send(self, peer: int, buf, tag: int):
+        n = int(buf.nbytes)
+        at = self._out[self._kind(peer)].book(n, time.monotonic())
+        return _HeldSend(self, peer, buf, tag, at)
+
+    def recv(self, peer: int, buf, tag: int):
+        return _ShapedRecv(self, self.inner.recv(peer, buf, tag), self._in[self._kind(peer)],
+                           int(buf.nbytes))
+
+    def describe(self) -> str:
+        d = json.loads(self.inner.describe())
+        d.update(shaped={"nic_Bps": self.nic_Bps, "nvlink_Bps": self.nvlink_Bps})
+        return json.dumps(d)
+
+    def close(self, **kw) -> None:
+        self.inner.close(**kw)
+
+    def abort(self) -> None:
+        getattr(self.inner, "abort", self.inner.close)()
