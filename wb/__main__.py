@@ -27,7 +27,27 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--plot", metavar="FILE.png", help="draw the load on every link")
     pl.add_argument("--no-verify", action="store_true", help="skip Plan.verify()")
     pl.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
+                                      "side between local processes over UCX")
+    be.add_argument("--quick", action="store_true", help="the small 'quick' profile (CI, smoke)")
+    be.add_argument("--profile", choices=("quick", "cpu", "gpu"), default=None,
+                    help="sizes and emulated link rates (default: cpu, or gpu with --cuda)")
+    be.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    be.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
+                    help="put every process's buffers on this CUDA device (CuPy)")
+    be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
+    be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from wb.bench import run_bench
+
+        profile = "quick" if args.quick else args.profile or ("gpu" if args.cuda is not None
+                                                              else "cpu")
+        report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
+                           quiet=args.json, out_dir=args.out)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["verified"] else 1
     if args.command == "plan":
         from wb.cli_plan import run_plan
 

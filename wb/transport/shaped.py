@@ -73,22 +73,28 @@ class ShapedTransport:
 
     Args:
         inner: the real transport of this rank.
-        node_of: ``{rank: node}`` of every rank it may talk to (and itself).
+        gpu_of: ``{rank: (node, local_rank)}`` of every rank it may talk to (and itself): ranks on
+            another node talk over NICs, on another GPU of the node over NVLink, on the same GPU
+            without limit (a device copy).
         nic_Bps: each worker's NIC rate, bytes/s per direction (messages between nodes).
         nvlink_Bps: each worker's NVLink rate, bytes/s per direction (messages within a node).
     """
 
-    def __init__(self, inner, *, node_of: Mapping[int, str], nic_Bps: float, nvlink_Bps: float):
+    def __init__(self, inner, *, gpu_of: Mapping[int, tuple[str, int]], nic_Bps: float,
+                 nvlink_Bps: float):
         if nic_Bps <= 0 or nvlink_Bps <= 0:
             raise ValueError(f"link rates must be positive, got {nic_Bps} and {nvlink_Bps}")
         self.inner, self.rank = inner, inner.rank
-        self.node_of = dict(node_of)
+        self.gpu_of = {int(r): (str(g[0]), int(g[1])) for r, g in gpu_of.items()}
         self.nic_Bps, self.nvlink_Bps = float(nic_Bps), float(nvlink_Bps)
         self._out = {"nic": _Link(nic_Bps), "nvlink": _Link(nvlink_Bps)}
         self._in = {"nic": _Link(nic_Bps), "nvlink": _Link(nvlink_Bps)}
 
-    def _kind(self, peer: int) -> str:
-        return "nvlink" if self.node_of[int(peer)] == self.node_of[self.rank] else "nic"
+    def _kind(self, peer: int) -> str | None:
+        mine, theirs = self.gpu_of[self.rank], self.gpu_of[int(peer)]
+        if mine == theirs:
+            return None
+        return "nvlink" if mine[0] == theirs[0] else "nic"
 
     def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:
         return self.inner.connect(peers, hello=hello)
@@ -99,13 +105,16 @@ class ShapedTransport:
             prepare(peers)
 
     def send(self, peer: int, buf, tag: int):
-        n = int(buf.nbytes)
-        at = self._out[self._kind(peer)].book(n, time.monotonic())
+        kind = self._kind(peer)
+        if kind is None:
+            return self.inner.send(peer, buf, tag)
+        at = self._out[kind].book(int(buf.nbytes), time.monotonic())
         return _HeldSend(self, peer, buf, tag, at)
 
     def recv(self, peer: int, buf, tag: int):
-        return _ShapedRecv(self, self.inner.recv(peer, buf, tag), self._in[self._kind(peer)],
-                           int(buf.nbytes))
+        kind = self._kind(peer)
+        req = self.inner.recv(peer, buf, tag)
+        return req if kind is None else _ShapedRecv(self, req, self._in[kind], int(buf.nbytes))
 
     def describe(self) -> str:
         d = json.loads(self.inner.describe())

@@ -1,0 +1,294 @@
+"""``python -m wb bench``: wb against the broadcast and naive-P2P baselines, measured in one run.
+
+A real model config (``qwen3-30b-a3b`` by default) is scaled to fit the machine (fewer layers,
+experts and vocabulary; the other shapes are the model's). A Megatron trainer on one node (TP2, EP
+over the node) feeds 1, 2 and 4 vLLM rollout replicas of one node each (TP and EP over the node).
+Every worker is its own spawned process over UCX, and all three methods run the same executor and
+transport, in one run, in a rotating order:
+
+- **wb**: :func:`wb.plan`.
+- **naive P2P**: :func:`wb.baselines.p2p_plan`.
+- **broadcast**: :func:`wb.baselines.broadcast_plans` (gather at one trainer rank, then whole
+  tensors to every rollout worker, which cuts its slices with its loader).
+
+One machine has no per-GPU NICs: every process shares the same cores and loopback. So the links
+of the cluster are emulated (:class:`wb.transport.shaped.ShapedTransport`): each worker's NIC and
+NVLink run at the given rates, chosen well below what the machine can carry in aggregate, and a
+probe in the same run measures them as the executor sees them. The ideal is the plan's lower
+bound over those measured rates. AGST is measured through :class:`wb.Sender` /
+:class:`wb.Receiver` in each sync mode; the baselines are synchronous (trainers and rollouts wait
+for the whole update), so their AGST is their EWTT.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import wb
+from wb.baselines import broadcast_plans, needed_tensors, p2p_plan
+from wb.deployments import megatron_trainer, vllm_rollout
+from wb.layout import Cluster
+from wb.planner import traffic_ratio
+from wb.presets import TINY, load_config, spec_from_config
+from wb.simulate import ideal_s, simulate
+
+__all__ = ["run_bench", "PROFILES"]
+
+#: Sizes of a run: ``quick`` for CI and smoke tests, ``cpu`` for the 2-core machine, ``gpu`` for an
+#: H200 (CUDA buffers, every process sharing the GPU through CUDA IPC).
+PROFILES: dict[str, dict] = {
+    "quick": dict(preset="tiny", gpus_per_node=2, scale={}, nic_MBps=20.0, nvlink_MBps=200.0,
+                  chunk_kib=16, repeats=1, steps=2, train_s=0.2, gen_s=0.01),
+    "cpu": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
+                scale=dict(num_hidden_layers=1, num_experts=8, vocab_size=4096),
+                nic_MBps=12.0, nvlink_MBps=120.0, chunk_kib=1024, repeats=3, steps=3,
+                train_s=6.0, gen_s=0.05),
+    "gpu": dict(preset="qwen3-30b-a3b", gpus_per_node=8,
+                scale=dict(num_hidden_layers=4, num_experts=32, vocab_size=32768),
+                nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=8192, repeats=3, steps=3,
+                train_s=2.0, gen_s=0.02),
+}
+
+
+def _config(preset: str, scale: dict) -> dict:
+    cfg = dict(TINY) if preset == "tiny" else dict(load_config(preset))
+    cfg.update(scale)
+    if scale:
+        cfg["name"] = f"{cfg['name']} (scaled: " + ", ".join(f"{k}={v}" for k, v in scale.items()) + ")"
+    return cfg
+
+
+def _deployment(cfg: dict, *, gpus: int, replicas: int):
+    trainers = megatron_trainer(cfg, tp=2, pp=1, ep=gpus, nodes=["trainer0"], gpus_per_node=gpus)
+    rollouts = vllm_rollout(cfg, tp=gpus, ep=gpus, replicas=replicas, gpus_per_node=gpus,
+                            first_rank=gpus + 1)
+    return trainers, rollouts
+
+
+def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = None,
+              modes=None, quiet: bool = False, out_dir: str | None = None,
+              timeout: float = 900.0, **overrides) -> dict:
+    """Runs the benchmark; returns its report (what ``--json`` prints last).
+
+    Args:
+        profile: a key of :data:`PROFILES` (sizes, link rates, repeats).
+        replicas: rollout replica counts to run (one node each).
+        cuda: CUDA device for every process's buffers (``None``: host memory).
+        modes: sync modes for AGST (default all four).
+        quiet: print nothing.
+        out_dir: also write ``bench.json`` (and ``bench.png`` with matplotlib) there.
+        timeout: seconds allowed per replica count.
+        overrides: any :data:`PROFILES` field.
+    """
+    if profile not in PROFILES:
+        raise wb.SpecError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    prof = dict(PROFILES[profile], **overrides)
+    modes = list(wb.MODES) if modes is None else list(modes)
+    console = Console(quiet=quiet)
+    cfg = _config(prof["preset"], prof["scale"])
+    spec = spec_from_config(cfg)
+    G = prof["gpus_per_node"]
+    cluster = Cluster(nic_gbps=prof["nic_MBps"] * 8e6 / 1e9, nvlink_GBps=prof["nvlink_MBps"] / 1e3)
+    report: dict = {"model": cfg["name"], "model_bytes": int(spec.nbytes), "profile": profile,
+                    "gpus_per_node": G, "emulated_nic_MBps": prof["nic_MBps"],
+                    "emulated_nvlink_MBps": prof["nvlink_MBps"], "device": "cuda" if cuda is not
+                    None else "host", "by_replicas": {}}
+    console.print(f"[bold]{cfg['name']}[/bold]: {spec.nbytes / 1e6:,.1f} MB; trainer 1 node x {G} "
+                  f"(Megatron TP2 EP{G}); rollout replicas of 1 node x {G} (vLLM TP{G} EP{G}); "
+                  f"emulated links: NIC {prof['nic_MBps']:g} MB/s, NVLink "
+                  f"{prof['nvlink_MBps']:g} MB/s per GPU")
+    for R in replicas:
+        report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
+                                             console, timeout)
+    last = report["by_replicas"][str(max(replicas))]
+    report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
+                                            "ewtt_over_ideal", "agst_s",
+                                            "agst_broadcast_over_both", "verified")})
+    report["verified"] = all(r["verified"] for r in report["by_replicas"].values())
+    _print(report, console)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "bench.json").write_text(json.dumps(report, indent=1))
+        _plot(report, Path(out_dir, "bench.png"))
+    return report
+
+
+def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
+    trainers, rollouts = _deployment(cfg, gpus=G, replicas=R)
+    chunk = prof["chunk_kib"] << 10
+    gather_rank = G
+    plans = {"wb": wb.plan(trainers, rollouts, cluster, chunk_bytes=chunk),
+             "p2p": p2p_plan(trainers, rollouts, cluster, chunk_bytes=chunk)}
+    plans["gather"], plans["bcast"] = broadcast_plans(spec, trainers, rollouts, cluster,
+                                                      gather_rank=gather_rank, chunk_bytes=chunk)
+    plans["wb"].verify()
+    ranks = [lay.worker.rank for lay in trainers] + [gather_rank] + [
+        lay.worker.rank for lay in rollouts]
+    gpu_of = {lay.worker.rank: (lay.worker.node, lay.worker.local_rank)
+              for lay in (*trainers, *rollouts)}
+    gpu_of[gather_rank] = gpu_of[trainers[0].worker.rank]
+    with tempfile.TemporaryDirectory(prefix="wb-bench-") as tmp:
+        work = Path(tmp)
+        (work / "results").mkdir()
+        paths = {}
+        for k, p in plans.items():
+            paths[k] = str(work / f"{k}.npz")
+            p.save(paths[k])
+        common = dict(cfg=cfg, store_dir=str(work / "store"), result_dir=str(work / "results"),
+                      plans=paths, all_ranks=ranks, gpu_of={str(r): g for r, g in gpu_of.items()},
+                      gather_rank=gather_rank, bcast_names=needed_tensors(spec, rollouts),
+                      nic_Bps=prof["nic_MBps"] * 1e6, nvlink_Bps=prof["nvlink_MBps"] * 1e6,
+                      repeats=prof["repeats"], steps=prof["steps"], train_s=prof["train_s"],
+                      gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
+                      timeout=max(60.0, timeout / 3), cuda=cuda,
+                      probe_pairs={"nic": (trainers[0].worker.rank, rollouts[0].worker.rank),
+                                   "nvlink": (rollouts[0].worker.rank, rollouts[1].worker.rank)},
+                      probe_bytes=chunk, probe_reps=max(8, int(prof["nic_MBps"] * 1e6 * 0.5
+                                                            // chunk)))
+        from wb.bench_workers import bench_main
+
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=bench_main, args=(dict(common, rank=r),), daemon=True)
+                 for r in ranks]
+        t0 = time.perf_counter()
+        for p in procs:
+            p.start()
+        n_steps = 3 * prof["repeats"] + len(modes) + 3
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
+            while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:
+                done = len(glob.glob(str(work / "store" / f"b%*%{ranks[-1]}")))
+                bar.update(task, completed=min(done // 2, n_steps))
+                time.sleep(0.2)
+        for p in procs:
+            p.join(1)
+            if p.is_alive():
+                p.kill()
+        res = {}
+        for r in ranks:
+            f = work / "results" / f"{r}.json"
+            res[r] = json.loads(f.read_text()) if f.exists() else {"ok": False, "error":
+                                                                    "no result (timed out)"}
+    return _summarize(plans, res, ranks, R, modes, prof)
+
+
+def _summarize(plans, res, ranks, R, modes, prof) -> dict:
+    errors = {r: x["error"] for r, x in res.items() if not x.get("ok")}
+    out: dict = {"replicas": R, "processes": len(ranks), "errors": errors}
+    if errors:
+        out["verified"] = False
+        return out
+    runs: dict[tuple[str, int], list] = {}
+    for x in res.values():
+        for run in x["runs"]:
+            runs.setdefault((run["method"], run["rep"]), []).append(run)
+    ewtt: dict[str, list[float]] = {}
+    verified = True
+    for (method, _), rs in runs.items():
+        ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
+        verified &= all(r["ok"] is not False for r in rs)
+    probe = {}
+    for x in res.values():
+        probe.update(x["probe"])
+    nic = probe["nic"]["Bps"]
+    nvl = probe["nvlink"]["Bps"]
+    measured = Cluster(nic_gbps=nic * 8 / 1e9, nvlink_GBps=nvl / 1e9)
+    ideal = ideal_s(plans["wb"], measured)
+    med = {m: float(np.median(v)) for m, v in ewtt.items()}
+    out.update(ewtt_s=med, ewtt_runs_s=ewtt, ideal_s=ideal, measured_nic_MBps=nic / 1e6,
+               measured_nvlink_MBps=nvl / 1e6,
+               speedup_vs_broadcast=med["broadcast"] / med["wb"],
+               speedup_vs_p2p=med["p2p"] / med["wb"], ewtt_over_ideal=med["wb"] / ideal,
+               traffic_ratio=traffic_ratio(plans["wb"]),
+               simulated={"wb": simulate(plans["wb"], measured).ewtt_s,
+                          "p2p": simulate(plans["p2p"], measured).ewtt_s})
+    agst, stalls = {}, {}
+    for mode in modes:
+        stats = [wb.UpdateStats.from_json(s) for x in res.values()
+                 for s in x["modes"].get(mode, {}).get("stats", [])]
+        verified &= all(x["modes"][mode]["ok"] for x in res.values() if mode in x["modes"])
+        sm = wb.summarize(stats)
+        agst[mode] = sm.agst_s
+        stalls[mode] = {"trainer_s": sm.trainer_stall_s, "rollout_s": sm.rollout_stall_s,
+                        "ewtt_s": sm.ewtt_s}
+    # the baselines block every worker for the whole update: their AGST is their EWTT
+    agst["broadcast (synchronous)"] = med["broadcast"]
+    agst["p2p (synchronous)"] = med["p2p"]
+    out.update(agst_s=agst, stalls=stalls, verified=bool(verified))
+    if "both" in agst and agst["both"] > 0:
+        out["agst_broadcast_over_both"] = med["broadcast"] / agst["both"]
+    return out
+
+
+def _print(report: dict, console: Console) -> None:
+    t = Table(title=f"EWTT, measured in one run: {report['model']} "
+                    f"({report['model_bytes'] / 1e6:,.1f} MB), {report['device']} buffers")
+    for col in ("replicas", "wb", "naive P2P", "broadcast", "ideal", "wb / ideal",
+                "vs broadcast", "vs P2P", "bit-identical"):
+        t.add_column(col, justify="right")
+    for R, r in report["by_replicas"].items():
+        if r.get("errors"):
+            t.add_row(R, *[""] * 7, "[red]FAILED[/red]")
+            continue
+        e = r["ewtt_s"]
+        t.add_row(R, f"{e['wb']:.3f} s", f"{e['p2p']:.3f} s", f"{e['broadcast']:.3f} s",
+                  f"{r['ideal_s']:.3f} s", f"{r['ewtt_over_ideal']:.2f}x",
+                  f"{r['speedup_vs_broadcast']:.1f}x", f"{r['speedup_vs_p2p']:.1f}x",
+                  "[green]yes[/green]" if r["verified"] else "[red]NO[/red]")
+    console.print(t)
+    last = report["by_replicas"][max(report["by_replicas"], key=int)]
+    if last.get("agst_s"):
+        a = Table(title=f"AGST with {last['replicas']} replicas (mean stall per worker per update)")
+        a.add_column("mode")
+        a.add_column("AGST", justify="right")
+        a.add_column("trainer / rollout stall", justify="right")
+        for mode, v in last["agst_s"].items():
+            st = last["stalls"].get(mode)
+            a.add_row(mode, f"{v * 1e3:.1f} ms", f"{st['trainer_s'] * 1e3:.1f} / "
+                      f"{st['rollout_s'] * 1e3:.1f} ms" if st else "whole update")
+        console.print(a)
+    for R, r in report["by_replicas"].items():
+        for rank, err in r.get("errors", {}).items():
+            console.print(f"[red]{R} replicas, rank {rank}:[/red] {err}")
+
+
+def _plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(int(R), r) for R, r in report["by_replicas"].items() if not r.get("errors")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    xs = [R for R, _ in rows]
+    for key, label in (("wb", "wb"), ("p2p", "naive P2P"), ("broadcast", "broadcast")):
+        ax[0].plot(xs, [r["ewtt_s"][key] for _, r in rows], "o-", label=label)
+    ax[0].plot(xs, [r["ideal_s"] for _, r in rows], "k--", label="ideal (lower bound)")
+    ax[0].set_xlabel("rollout replicas")
+    ax[0].set_ylabel("EWTT (s)")
+    ax[0].set_xticks(xs)
+    ax[0].legend()
+    last = rows[-1][1]
+    names = list(last["agst_s"])
+    ax[1].bar(range(len(names)), [last["agst_s"][n] for n in names])
+    ax[1].set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax[1].set_yscale("log")
+    ax[1].set_ylabel(f"AGST (s), {last['replicas']} replicas")
+    fig.suptitle(f"{report['model']}, {report['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

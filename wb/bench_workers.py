@@ -1,0 +1,233 @@
+"""One process of ``python -m wb bench`` (spawned; importable by ``multiprocessing``).
+
+Every worker of every method is its own process: trainers ``0 .. T-1``, the broadcast's gather rank
+``T`` (on trainer 0's GPU), rollouts after it. All run the same schedule, separated by barriers in
+the rendezvous store: a probe of the emulated links, then ``repeats`` rounds of wb, naive P2P and
+broadcast (in a rotating order), then wb's four sync modes through Sender/Receiver. Transports are
+connected before each barrier, so a measurement starts with every endpoint ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["bench_main"]
+
+
+def _barrier(store, key: str, ranks, rank: int, timeout: float) -> float:
+    store.set(f"{key}/{rank}", b"1")
+    for r in ranks:
+        store.get(f"{key}/{r}", timeout)
+    return time.time()
+
+
+class _Ctx:
+    def __init__(self, job):
+        from wb.plan import Plan
+        from wb.rendezvous import DirectoryStore
+
+        self.job, self.rank = job, job["rank"]
+        self.store = DirectoryStore(job["store_dir"])
+        self.plans = {k: Plan.load(v) for k, v in job["plans"].items()}
+        self.all_ranks = job["all_ranks"]
+        self.gpu_of = {int(r): tuple(g) for r, g in job["gpu_of"].items()}
+        self.timeout = job["timeout"]
+        self.xp = np
+        if job.get("cuda") is not None:
+            import cupy
+
+            cupy.cuda.Device(job["cuda"]).use()
+            self.xp = cupy
+
+    def barrier(self, key: str) -> float:
+        return _barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout)
+
+    def transport(self, session: str, plan):
+        """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
+        from wb.transport.shaped import ShapedTransport
+        from wb.transport.ucx import UcxTransport
+
+        M = plan.messages
+        mine = (M.src_rank == self.rank) | (M.dst_rank == self.rank)
+        if not mine.any():
+            return None
+        peers = sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist()))
+                       - {self.rank})
+        t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
+                         cuda_device=self.job.get("cuda"))
+        t.connect(peers)
+        t.prepare(peers)
+        job = self.job
+        return ShapedTransport(t, gpu_of=self.gpu_of, nic_Bps=job["nic_Bps"],
+                               nvlink_Bps=job["nvlink_Bps"])
+
+
+def bench_main(job: dict) -> None:
+    out = Path(job["result_dir"]) / f"{job['rank']}.json"
+    result: dict = {"rank": job["rank"], "runs": [], "probe": {}, "modes": {}}
+    try:
+        _run(_Ctx(job), result)
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    finally:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out)
+
+
+def _role(plan, rank):
+    for lay in plan.trainers:
+        if lay.worker.rank == rank:
+            return "trainer", lay
+    for lay in plan.rollouts:
+        if lay.worker.rank == rank:
+            return "rollout", lay
+    return None, None
+
+
+def _same(xp, bufs, want) -> bool:
+    return all(bool(xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8))) for k in want)
+
+
+def _run(c: _Ctx, result: dict) -> None:
+    from wb.baselines import FullArena
+    from wb.executor import execute
+    from wb.presets import spec_from_config
+    from wb.testing.multiproc import buffers_for
+
+    job, rank, xp = c.job, c.rank, c.xp
+    P = c.plans
+    role, lay = _role(P["wb"], rank)
+    spec = spec_from_config(job["cfg"])
+    weights = buffers_for(P["wb"], rank, fill=True, xp=xp) if role else {}
+    targets = ({k: xp.zeros_like(v) for k, v in weights.items()} if role == "rollout" else {})
+    is_gather = rank == job["gather_rank"]
+    arena = None
+    if is_gather or role == "rollout":
+        arena = FullArena(spec, job["bcast_names"], xp=xp)
+    kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"], close=False)
+
+    # --- the emulated links, measured: NIC (across nodes) and NVLink (within a node) ----------
+    c.barrier("probe-setup")
+    for kind, (a, b) in job["probe_pairs"].items():
+        if rank in (a, b):
+            result["probe"][kind] = _probe(c, kind, a, b)
+        c.barrier(f"probe-{kind}")
+
+    # --- EWTT: wb, naive P2P, broadcast (gather, broadcast, load), rotating order ---------------
+    methods = ["wb", "p2p", "broadcast"]
+    for rep in range(job["repeats"]):
+        for method in methods[rep % 3:] + methods[:rep % 3]:
+            key = f"{rep}/{method}"
+            for v in targets.values():
+                v[...] = 0
+            if method == "broadcast":
+                tg = c.transport(f"{key}/g", P["gather"])
+                tb = c.transport(f"{key}/b", P["bcast"])
+                t0 = c.barrier(key)
+                if tg is not None:
+                    execute(P["gather"], rank, weights if role == "trainer" else arena.views, tg,
+                            **kw)
+                if tb is not None:
+                    execute(P["bcast"], rank, arena.views, tb, **kw)
+                if role == "rollout":
+                    arena.load(lay, targets)
+                    _sync(xp)
+                closing = [t for t in (tg, tb) if t is not None]
+            else:
+                plan = P[method]
+                t = c.transport(key, plan)
+                t0 = c.barrier(key)
+                if t is not None:
+                    execute(plan, rank, weights if role == "trainer" else targets, t, **kw)
+                closing = [t] if t is not None else []
+            end = time.time()
+            ok = _same(xp, targets, weights) if role == "rollout" else None
+            result["runs"].append({"rep": rep, "method": method, "t0": t0, "end": end, "ok": ok})
+            for t in closing:
+                t.close()
+            c.barrier(f"{key}/closed")
+
+    # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
+    import wb
+    from wb.testing.multiproc import version_bits
+
+    mapped = ({k: b.sourcemap.to_indices() >= 0 for k, b in lay.buffers.items()}
+              if role else {})
+    base = {k: np.asarray(v.get() if xp is not np else v) for k, v in weights.items()}
+    for mode in job["modes"]:
+        send, recv = wb.MODES[mode]
+        t = c.transport(f"mode/{mode}", P["wb"])
+        c.barrier(f"mode/{mode}")
+        if role == "trainer":
+            bufs = {k: xp.asarray(v.copy()) for k, v in base.items()}
+            tx = wb.Sender(P["wb"], rank, bufs, transport=t, store=c.store, staging=send,
+                           name=f"agst/{mode}", timeout=c.timeout, wait_timeout=c.timeout)
+            for v in range(1, job["steps"] + 1):
+                time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
+                for k, a in version_bits(base, v, mapped).items():
+                    bufs[k][...] = xp.asarray(a)
+                _sync(xp)
+                tx.push()
+            tx.wait()
+            result["modes"][mode] = {"stats": [s.to_json() for s in tx.stats], "ok": True}
+            tx.close()
+        elif role == "rollout":
+            live = {k: xp.zeros_like(v) for k, v in weights.items()}
+            rx = wb.Receiver(P["wb"], rank, live, transport=t, store=c.store, staging=recv,
+                             name=f"agst/{mode}", timeout=c.timeout, wait_timeout=c.timeout)
+            good = True
+            while rx.version < job["steps"]:
+                time.sleep(job["gen_s"])  # a decode step (emulated)
+                if rx.ready():
+                    v = rx.apply()
+                    want = {k: xp.asarray(a) for k, a in version_bits(base, v, mapped).items()}
+                    good &= _same(xp, live, want)
+            result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "ok": good}
+            rx.close()
+        c.barrier(f"mode/{mode}/done")
+
+
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def _probe(c: _Ctx, kind: str, a: int, b: int) -> dict:
+    """Plain sends of ``probe_bytes`` from ``a`` to ``b`` through the shaped transport, 4 in
+    flight: the emulated link's rate as the executor sees it."""
+    from wb.transport.shaped import ShapedTransport
+    from wb.transport.ucx import UcxTransport
+
+    job, xp = c.job, c.xp
+    peer = b if c.rank == a else a
+    t = UcxTransport(c.rank, c.store, session=f"probe/{kind}", timeout=c.timeout,
+                     cuda_device=job.get("cuda"))
+    t.connect([peer])
+    t.prepare([peer])
+    st = ShapedTransport(t, gpu_of=c.gpu_of, nic_Bps=job["nic_Bps"], nvlink_Bps=job["nvlink_Bps"])
+    n, reps = job["probe_bytes"], job["probe_reps"]
+    bufs = [xp.ones(n, xp.uint8) for _ in range(4)]
+    _barrier(c.store, f"probe/{kind}/go", [a, b], c.rank, c.timeout)
+    t0 = time.perf_counter()
+    pending = []
+    for i in range(reps):
+        if len(pending) == 4:
+            while not pending[0].done():
+                time.sleep(1e-4)
+            pending.pop(0)
+        post = st.send if c.rank == a else st.recv
+        pending.append(post(peer, bufs[i % 4], 1000 + i))
+    for r in pending:
+        while not r.done():
+            time.sleep(1e-4)
+    dt = time.perf_counter() - t0
+    t.close()
+    return {"bytes": n * reps, "seconds": dt, "Bps": n * reps / dt}
