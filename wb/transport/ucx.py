@@ -127,7 +127,10 @@ class UcxTransport:
         self._api = ucx_api
         self._ctx = ucx_api.UCXContext(config_dict={"TLS": self.tls},
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-        self._worker = ucx_api.UCXWorker(self._ctx)
+        # With a blocking progress thread, a send posted from this thread while the progress
+        # thread sleeps in epoll could wait forever (seen with rate-shaped sends of 1 MiB):
+        # delayed submission hands every post to the progress thread and wakes it.
+        self._worker = ucx_api.UCXWorker(self._ctx, enable_delayed_submission=not self.polling)
         if self.cuda_device is not None:
             # UCX's progress thread touches device memory (CUDA IPC, cuda_copy): it needs the
             # same CUDA context as this thread
