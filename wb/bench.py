@@ -55,8 +55,8 @@ PROFILES: dict[str, dict] = {
                 train_s=6.0, gen_s=0.05),
     "gpu": dict(preset="qwen3-30b-a3b", gpus_per_node=8,
                 scale=dict(num_hidden_layers=4, num_experts=32, vocab_size=32768),
-                nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=8192, repeats=3, steps=3,
-                train_s=2.0, gen_s=0.02),
+                nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=4096, repeats=3, steps=3,
+                train_s=2.0, gen_s=0.02, polling=False),
 }
 
 
@@ -150,7 +150,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
                       nic_Bps=prof["nic_MBps"] * 1e6, nvlink_Bps=prof["nvlink_MBps"] * 1e6,
                       repeats=prof["repeats"], steps=prof["steps"], train_s=prof["train_s"],
                       gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
-                      timeout=max(60.0, timeout / 3), cuda=cuda,
+                      timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs={"nic": (trainers[0].worker.rank, rollouts[0].worker.rank),
                                    "nvlink": (rollouts[0].worker.rank, rollouts[1].worker.rank)},
                       probe_bytes=chunk, probe_reps=max(8, int(prof["nic_MBps"] * 1e6 * 0.5

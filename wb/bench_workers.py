@@ -60,7 +60,7 @@ class _Ctx:
         peers = sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist()))
                        - {self.rank})
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
-                         cuda_device=self.job.get("cuda"))
+                         cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
         t.connect(peers)
         t.prepare(peers)
         job = self.job
@@ -209,7 +209,7 @@ def _probe(c: _Ctx, kind: str, a: int, b: int) -> dict:
     job, xp = c.job, c.xp
     peer = b if c.rank == a else a
     t = UcxTransport(c.rank, c.store, session=f"probe/{kind}", timeout=c.timeout,
-                     cuda_device=job.get("cuda"))
+                     cuda_device=job.get("cuda"), polling=job.get("polling"))
     t.connect([peer])
     t.prepare([peer])
     st = ShapedTransport(t, gpu_of=c.gpu_of, nic_Bps=job["nic_Bps"], nvlink_Bps=job["nvlink_Bps"])

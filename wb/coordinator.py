@@ -319,8 +319,10 @@ class Sender(_Worker):
         except BaseException as e:  # noqa: BLE001 - handed to the caller by wait()/push()
             self._result["error"] = e
 
-    def _finish(self) -> float:
-        """Waits for the background send; returns the seconds waited; raises its error."""
+    def _finish(self, *, charge: bool = True) -> float:
+        """Waits for the background send; returns the seconds waited; raises its error. The wait
+        is a stall of the version that caused it when ``push`` waits (``charge``), not when the
+        caller asks to wait (``wait``/``close``: the end of training, not a training step)."""
         if self._thread is None:
             return 0.0
         t0 = time.perf_counter()
@@ -332,20 +334,20 @@ class Sender(_Worker):
             e = self._result["error"]
             raise TransferError(f"rank {self.rank}: sending version {v} failed: {e}") from e
         joined, ex = self._result["stats"]
-        # the wait is charged to the version that caused it
-        self._record(v, stall + waited, joined, ex)
+        self._record(v, stall + (waited if charge else 0.0), joined, ex)
         return waited
 
     def wait(self) -> None:
-        """Blocks until the last pushed version is sent (staging); raises if it failed."""
-        self._finish()
+        """Blocks until the last pushed version is sent (staging); raises if it failed. This wait
+        is not recorded as a stall (the caller chose to wait, e.g. at the end of training)."""
+        self._finish(charge=False)
 
     def close(self) -> None:
         """Waits for the last send, then closes the transport (a barrier with the peers)."""
         if self._closed:
             return
         try:
-            self._finish()
+            self._finish(charge=False)
         finally:
             self._closed = True
             self.transport.close()
