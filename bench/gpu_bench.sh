@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 device machine: the GPU tests (executor, wb_torch Sender/Receiver on CUDA
 # tensors), then `python -m wb bench` with every process's buffers on the GPU (CUDA IPC between
-# processes). Needs the ucxx wheels for Python 3.12 in .whl/ (carried); writes results to $OUT.
+# processes), one replica count at a time (4 first). Needs the ucxx wheels for Python 3.12 in .whl/
+# (carried); writes results to $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
@@ -11,6 +12,9 @@ python3 -c "import ucxx, cupy, numpy, torch; print('ucxx', ucxx.__version__, 'cu
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -3 | tee "$OUT/gpu_test.txt"
 fi
-python3 -m wb bench --cuda 0 --profile gpu --replicas ${REPLICAS:-1 2 4} --out "$OUT/bench_gpu" --json \
-  2> "$OUT/bench_gpu_stderr.txt" | grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR" > "$OUT/bench_gpu_stdout.txt"
-tail -c 2500 "$OUT/bench_gpu_stdout.txt"
+filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
+for R in ${REPLICAS:-4 1 2}; do
+  timeout ${PER_R_TIMEOUT:-300} python3 -m wb bench --cuda 0 --profile gpu --replicas $R \
+    --out "$OUT/bench_gpu_r$R" --json 2> >(filter > "$OUT/bench_gpu_r${R}_log.txt") | filter > "$OUT/bench_gpu_r${R}.json"
+  echo "== R=$R"; tail -c 1200 "$OUT/bench_gpu_r${R}_log.txt"
+done

@@ -67,13 +67,19 @@ def p2p_plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cl
                 transfers, messages)
 
 
-def full_layout(spec: CheckpointSpec, worker: Worker, names: Sequence[str] | None = None) -> Layout:
-    """A layout of whole checkpoint tensors (what a broadcast delivers to every worker)."""
-    bufs = {}
-    for n in (spec.names if names is None else names):
-        ids = spec.offset(n) + np.arange(int(np.prod(spec.shape(n))), dtype=np.int64)
-        bufs[n] = BufferSpec(SourceMap.from_indices(ids.reshape(spec.shape(n))), spec.dtype(n))
-    return Layout(worker, bufs)
+def full_layout(spec: CheckpointSpec, worker: Worker, names: Sequence[str] | None = None, *,
+                buffers: dict | None = None) -> Layout:
+    """A layout of whole checkpoint tensors (what a broadcast delivers to every worker).
+
+    The maps are built from one affine block per tensor (nothing of model size is allocated);
+    pass ``buffers`` of an earlier call to share its BufferSpecs between workers.
+    """
+    if buffers is None:
+        from wb.deployments import _buffer, _copy
+
+        buffers = {n: _buffer(spec.shape(n), _copy(spec, n), spec.dtype(n))
+                   for n in (spec.names if names is None else names)}
+    return Layout(worker, buffers)
 
 
 def broadcast_plans(spec: CheckpointSpec, trainers: Sequence[Layout], rollouts: Sequence[Layout],
@@ -90,10 +96,10 @@ def broadcast_plans(spec: CheckpointSpec, trainers: Sequence[Layout], rollouts: 
     t0 = trainers[0].worker
     needed = needed_tensors(spec, rollouts)
     g_worker = Worker(gather_rank, t0.node, "rollout", t0.local_rank)
-    gather = plan(trainers, [full_layout(spec, g_worker, needed)], cluster,
-                  chunk_bytes=chunk_bytes)
-    g_holder = full_layout(spec, Worker(gather_rank, t0.node, "trainer", t0.local_rank), needed)
-    full = [full_layout(spec, lay.worker, needed) for lay in rollouts]
+    bufs = dict(full_layout(spec, g_worker, needed).buffers)
+    gather = plan(trainers, [Layout(g_worker, bufs)], cluster, chunk_bytes=chunk_bytes)
+    g_holder = Layout(Worker(gather_rank, t0.node, "trainer", t0.local_rank), bufs)
+    full = [Layout(lay.worker, bufs) for lay in rollouts]
     return gather, plan([g_holder], full, cluster, chunk_bytes=chunk_bytes)
 
 
@@ -151,15 +157,26 @@ class FullArena:
         return self.base[k] + (ids - self.starts[k])
 
     def load(self, layout: Layout, buffers: dict) -> None:
-        """The rollout's loader after a broadcast: every element whose id is mapped takes its value
-        from the arena (an O(elements) gather, like ``load_weights`` cutting full tensors)."""
+        """The rollout's loader after a broadcast: each affine block of each buffer's map is one
+        strided slice copy out of the arena (what ``load_weights`` does with full tensors), on the
+        device for CuPy arenas."""
         xp = self.xp
+        item = self.flat.itemsize
         for n, b in layout.buffers.items():
-            ids = b.sourcemap.to_indices().reshape(-1)
-            mask = ids >= 0
-            pos = self.positions(ids[mask])
-            out = buffers[n].reshape(-1)
-            if xp is np:
-                out[mask] = self.flat[pos].view(out.dtype)
-            else:
-                out[xp.asarray(mask)] = self.flat[xp.asarray(pos)].view(out.dtype)
+            sm = b.sourcemap
+            rows, cols = sm.view2d
+            out = buffers[n].reshape(rows, cols)
+            if out.dtype != self.flat.dtype:
+                out = out.view(self.flat.dtype)
+            bl = sm.blocks
+            pos = self.positions(bl.id0)
+            for k in range(bl.count):
+                nr, nc = int(bl.nr[k]), int(bl.nc[k])
+                sr, sc = int(bl.sr[k]), int(bl.sc[k])
+                src = xp.lib.stride_tricks.as_strided(
+                    self.flat[int(pos[k]):], shape=(nr, nc),
+                    strides=(sr * item if nr > 1 else 0, sc * item if nc > 1 else 0))
+                r0, c0 = int(bl.r0[k]), int(bl.c0[k])
+                out[r0:r0 + nr, c0:c0 + nc] = src
+        if xp is not np:
+            xp.cuda.get_current_stream().synchronize()

@@ -94,7 +94,8 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         raise wb.SpecError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     prof = dict(PROFILES[profile], **overrides)
     modes = list(wb.MODES) if modes is None else list(modes)
-    console = Console(quiet=quiet)
+    # --json keeps stdout for the JSON line; the tables and progress then go to stderr
+    console = Console(stderr=True) if quiet else Console()
     cfg = _config(prof["preset"], prof["scale"])
     spec = spec_from_config(cfg)
     G = prof["gpus_per_node"]
@@ -108,6 +109,7 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
                   f"emulated links: NIC {prof['nic_MBps']:g} MB/s, NVLink "
                   f"{prof['nvlink_MBps']:g} MB/s per GPU")
     for R in replicas:
+        console.log(f"{R} replica(s): planning wb, naive P2P and broadcast")
         report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
                                              console, timeout)
     last = report["by_replicas"][str(max(replicas))]
@@ -132,6 +134,8 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
     plans["gather"], plans["bcast"] = broadcast_plans(spec, trainers, rollouts, cluster,
                                                       gather_rank=gather_rank, chunk_bytes=chunk)
     plans["wb"].verify()
+    console.log(f"plans ready: {plans['wb'].messages.nbytes.size:,} wb messages, "
+                f"{plans['bcast'].messages.nbytes.size:,} broadcast messages")
     ranks = [lay.worker.rank for lay in trainers] + [gather_rank] + [
         lay.worker.rank for lay in rollouts]
     gpu_of = {lay.worker.rank: (lay.worker.node, lay.worker.local_rank)
@@ -170,6 +174,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
                 done = len(glob.glob(str(work / "store" / f"b%*%{ranks[-1]}")))
                 bar.update(task, completed=min(done // 2, n_steps))
                 time.sleep(0.2)
+        console.log(f"processes done in {time.perf_counter() - t0:.1f} s")
         for p in procs:
             p.join(1)
             if p.is_alive():

@@ -159,21 +159,20 @@ def _run(c: _Ctx, result: dict) -> None:
     import wb
     from wb.testing.multiproc import version_bits
 
-    mapped = ({k: b.sourcemap.to_indices() >= 0 for k, b in lay.buffers.items()}
+    mapped = ({k: xp.asarray(b.sourcemap.to_indices() >= 0) for k, b in lay.buffers.items()}
               if role else {})
-    base = {k: np.asarray(v.get() if xp is not np else v) for k, v in weights.items()}
     for mode in job["modes"]:
         send, recv = wb.MODES[mode]
         t = c.transport(f"mode/{mode}", P["wb"])
         c.barrier(f"mode/{mode}")
         if role == "trainer":
-            bufs = {k: xp.asarray(v.copy()) for k, v in base.items()}
+            bufs = {k: v.copy() for k, v in weights.items()}
             tx = wb.Sender(P["wb"], rank, bufs, transport=t, store=c.store, staging=send,
                            name=f"agst/{mode}", timeout=c.timeout, wait_timeout=c.timeout)
             for v in range(1, job["steps"] + 1):
                 time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
-                for k, a in version_bits(base, v, mapped).items():
-                    bufs[k][...] = xp.asarray(a)
+                for k, a in version_bits(weights, v, mapped, xp).items():
+                    bufs[k][...] = a
                 _sync(xp)
                 tx.push()
             tx.wait()
@@ -188,7 +187,7 @@ def _run(c: _Ctx, result: dict) -> None:
                 time.sleep(job["gen_s"])  # a decode step (emulated)
                 if rx.ready():
                     v = rx.apply()
-                    want = {k: xp.asarray(a) for k, a in version_bits(base, v, mapped).items()}
+                    want = version_bits(weights, v, mapped, xp)
                     good &= _same(xp, live, want)
             result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "ok": good}
             rx.close()

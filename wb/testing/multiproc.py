@@ -259,14 +259,14 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
 
 
-def version_bits(base: dict, version: int, mapped: dict) -> dict:
+def version_bits(base: dict, version: int, mapped: dict, xp=np) -> dict:
     """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
     mapped (``mapped[name]``: bool array), unchanged elsewhere (bitwise distinct per version;
-    nothing interprets them as numbers)."""
+    nothing interprets them as numbers). ``xp``: numpy, or CuPy for device arrays."""
     out = {}
     for k, a in base.items():
         u = a.view(f"u{a.dtype.itemsize}")
-        out[k] = np.where(mapped[k], u + np.asarray(version, u.dtype), u).view(a.dtype)
+        out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
     return out
 
 
