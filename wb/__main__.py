@@ -30,11 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
                                       "side between local processes over UCX")
     be.add_argument("--quick", action="store_true", help="the small 'quick' profile (CI, smoke)")
-    be.add_argument("--profile", choices=("quick", "cpu", "gpu"), default=None,
+    be.add_argument("--profile", choices=("quick", "cpu", "gpu", "gpu-nvlink"), default=None,
                     help="sizes and emulated link rates (default: cpu, or gpu with --cuda)")
     be.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     be.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
                     help="put every process's buffers on this CUDA device (CuPy)")
+    be.add_argument("--devices", choices=("one", "spread", "role"), default="one",
+                    help="with --cuda: all processes on that device, spread over all devices, or "
+                         "trainers on device 0 and rollouts on device 1")
+    be.add_argument("--links", choices=("shaped", "real"), default="shaped",
+                    help="emulated per-GPU NIC/NVLink rates (default) or the machine's own links")
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = "quick" if args.quick else args.profile or ("gpu" if args.cuda is not None
                                                               else "cpu")
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
-                           quiet=args.json, out_dir=args.out)
+                           devices=args.devices, links=args.links, quiet=args.json,
+                           out_dir=args.out)
         if args.json:
             print(json.dumps(report))
         return 0 if report["verified"] else 1

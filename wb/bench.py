@@ -51,12 +51,18 @@ PROFILES: dict[str, dict] = {
                   chunk_kib=16, repeats=1, steps=2, train_s=0.2, gen_s=0.01),
     "cpu": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
                 scale=dict(num_hidden_layers=1, num_experts=8, vocab_size=4096),
-                nic_MBps=12.0, nvlink_MBps=120.0, chunk_kib=1024, repeats=3, steps=3,
+                nic_MBps=12.0, nvlink_MBps=120.0, chunk_kib=512, repeats=3, steps=3,
                 train_s=6.0, gen_s=0.05),
     "gpu": dict(preset="qwen3-30b-a3b", gpus_per_node=8,
                 scale=dict(num_hidden_layers=4, num_experts=32, vocab_size=32768),
                 nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=4096, repeats=3, steps=3,
                 train_s=2.0, gen_s=0.02, polling=False),
+    # real links on a machine with two GPUs (--devices role --links real): bigger pieces, fewer
+    # processes; the broadcast (a whole copy of the model per rollout GPU) does not fit there
+    "gpu-nvlink": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
+                       scale=dict(num_hidden_layers=8, num_experts=32, vocab_size=32768),
+                       nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=3,
+                       steps=2, train_s=1.0, gen_s=0.02, methods=("wb", "p2p")),
 }
 
 
@@ -76,20 +82,29 @@ def _deployment(cfg: dict, *, gpus: int, replicas: int):
 
 
 def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = None,
-              modes=None, quiet: bool = False, out_dir: str | None = None,
-              timeout: float = 900.0, **overrides) -> dict:
+              devices: str = "one", links: str = "shaped", modes=None, quiet: bool = False,
+              out_dir: str | None = None, timeout: float = 900.0, **overrides) -> dict:
     """Runs the benchmark; returns its report (what ``--json`` prints last).
 
     Args:
         profile: a key of :data:`PROFILES` (sizes, link rates, repeats).
         replicas: rollout replica counts to run (one node each).
         cuda: CUDA device for every process's buffers (``None``: host memory).
+        devices: with ``cuda``, where processes go: ``"one"`` (all on device ``cuda``),
+            ``"spread"`` (rank ``r`` on device ``r % n``: less contention, same emulated links)
+            or ``"role"`` (trainers and the gather rank on device 0, rollouts on device 1: the
+            trainer -> rollout bytes cross the real NVLink).
+        links: ``"shaped"`` (emulated per-GPU links) or ``"real"`` (whatever the machine has;
+            the ideal then comes from probes of the real links between and within devices).
         modes: sync modes for AGST (default all four).
         quiet: print nothing.
         out_dir: also write ``bench.json`` (and ``bench.png`` with matplotlib) there.
         timeout: seconds allowed per replica count.
         overrides: any :data:`PROFILES` field.
     """
+    if devices not in ("one", "spread", "role") or links not in ("shaped", "real"):
+        raise wb.SpecError(f"devices must be one/spread/role and links shaped/real, got "
+                           f"{devices!r}, {links!r}")
     if profile not in PROFILES:
         raise wb.SpecError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     prof = dict(PROFILES[profile], **overrides)
@@ -102,16 +117,17 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     cluster = Cluster(nic_gbps=prof["nic_MBps"] * 8e6 / 1e9, nvlink_GBps=prof["nvlink_MBps"] / 1e3)
     report: dict = {"model": cfg["name"], "model_bytes": int(spec.nbytes), "profile": profile,
                     "gpus_per_node": G, "emulated_nic_MBps": prof["nic_MBps"],
-                    "emulated_nvlink_MBps": prof["nvlink_MBps"], "device": "cuda" if cuda is not
-                    None else "host", "by_replicas": {}}
+                    "emulated_nvlink_MBps": prof["nvlink_MBps"], "links": links,
+                    "device": "host" if cuda is None else f"cuda ({devices})",
+                    "by_replicas": {}}
     console.print(f"[bold]{cfg['name']}[/bold]: {spec.nbytes / 1e6:,.1f} MB; trainer 1 node x {G} "
                   f"(Megatron TP2 EP{G}); rollout replicas of 1 node x {G} (vLLM TP{G} EP{G}); "
                   f"emulated links: NIC {prof['nic_MBps']:g} MB/s, NVLink "
                   f"{prof['nvlink_MBps']:g} MB/s per GPU")
     for R in replicas:
-        console.log(f"{R} replica(s): planning wb, naive P2P and broadcast")
+        console.log(f"{R} replica(s): planning")
         report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
-                                             console, timeout)
+                                             console, timeout, devices=devices, links=links)
     last = report["by_replicas"][str(max(replicas))]
     report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
                                             "ewtt_over_ideal", "agst_s",
@@ -125,7 +141,23 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     return report
 
 
-def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
+def _device_of(rank: int, role: str, cuda, devices: str):
+    if cuda is None:
+        return None
+    if devices == "one":
+        return cuda
+    import cupy
+
+    n = cupy.cuda.runtime.getDeviceCount()
+    if devices == "spread":
+        return rank % n
+    if n < 2:
+        raise wb.SpecError("devices='role' needs two CUDA devices")
+    return 0 if role == "trainer" else 1
+
+
+def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devices="one",
+         links="shaped") -> dict:
     trainers, rollouts = _deployment(cfg, gpus=G, replicas=R)
     chunk = prof["chunk_kib"] << 10
     gather_rank = G
@@ -152,18 +184,20 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
                       plans=paths, all_ranks=ranks, gpu_of={str(r): g for r, g in gpu_of.items()},
                       gather_rank=gather_rank, bcast_names=needed_tensors(spec, rollouts),
                       nic_Bps=prof["nic_MBps"] * 1e6, nvlink_Bps=prof["nvlink_MBps"] * 1e6,
+                      methods=list(prof.get("methods", ("wb", "p2p", "broadcast"))),
                       repeats=prof["repeats"], steps=prof["steps"], train_s=prof["train_s"],
                       gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
-                      probe_pairs={"nic": (trainers[0].worker.rank, rollouts[0].worker.rank),
-                                   "nvlink": (rollouts[0].worker.rank, rollouts[1].worker.rank)},
+                      probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
                       probe_bytes=chunk, probe_reps=max(8, int(prof["nic_MBps"] * 1e6 * 0.5
                                                             // chunk)))
         from wb.bench_workers import bench_main
 
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=bench_main, args=(dict(common, rank=r),), daemon=True)
-                 for r in ranks]
+        role = {r: "trainer" for r in ranks[:G + 1]}
+        procs = [ctx.Process(target=bench_main, daemon=True, args=(dict(
+            common, rank=r, cuda=_device_of(r, role.get(r, "rollout"), cuda, devices)),))
+            for r in ranks]
         t0 = time.perf_counter()
         for p in procs:
             p.start()
@@ -184,10 +218,31 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout) -> dict:
             f = work / "results" / f"{r}.json"
             res[r] = json.loads(f.read_text()) if f.exists() else {"ok": False, "error":
                                                                     "no result (timed out)"}
-    return _summarize(plans, res, ranks, R, modes, prof)
+    return _summarize(plans, res, ranks, R, modes, prof, links)
 
 
-def _summarize(plans, res, ranks, R, modes, prof) -> dict:
+def _probe_pairs(trainers, rollouts, links):
+    """Which pairs measure which link. Shaped: one pair per emulated link kind. Real (trainers
+    and rollouts on different devices): every trainer to a distinct rollout at once ("nic": the
+    bytes that cross devices) and rollout pairs of a node at once ("nvlink": within the
+    rollouts' device)."""
+    t = [lay.worker.rank for lay in trainers]
+    r = [lay.worker.rank for lay in rollouts]
+    if links == "shaped":
+        return {"nic": [(t[0], r[0])], "nvlink": [(r[0], r[1])]}
+    k = min(len(t), len(r))
+    half = len(r) // 2
+    return {"nic": list(zip(t[:k], r[:k])), "nvlink": list(zip(r[:half], r[half:2 * half]))}
+
+
+def _aggregate(res, kind) -> float:
+    """Bytes/s of all pairs of one probe kind together (senders' bytes over the common span)."""
+    recs = [x["probe"][kind] for x in res.values() if kind in x["probe"]]
+    sent = [p for p in recs if p["sender"]]
+    return sum(p["bytes"] for p in sent) / (max(p["t1"] for p in recs) - min(p["t0"] for p in recs))
+
+
+def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     errors = {r: x["error"] for r, x in res.items() if not x.get("ok")}
     out: dict = {"replicas": R, "processes": len(ranks), "errors": errors}
     if errors:
@@ -202,17 +257,21 @@ def _summarize(plans, res, ranks, R, modes, prof) -> dict:
     for (method, _), rs in runs.items():
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
-    probe = {}
-    for x in res.values():
-        probe.update(x["probe"])
-    nic = probe["nic"]["Bps"]
-    nvl = probe["nvlink"]["Bps"]
+    nic, nvl = _aggregate(res, "nic"), _aggregate(res, "nvlink")
     measured = Cluster(nic_gbps=nic * 8 / 1e9, nvlink_GBps=nvl / 1e9)
-    ideal = ideal_s(plans["wb"], measured)
+    if links == "shaped":
+        ideal = ideal_s(plans["wb"], measured)
+    else:
+        # real links: every trainer byte crosses from the trainers' device to the rollouts'
+        # (measured all pairs at once), and forwards stay within the rollouts' device
+        M = plans["wb"].messages
+        cross = int(M.nbytes[M.stage == 1].sum())
+        inside = int(M.nbytes[M.stage != 1].sum())
+        ideal = max(cross / nic, inside / nvl)
     med = {m: float(np.median(v)) for m, v in ewtt.items()}
     out.update(ewtt_s=med, ewtt_runs_s=ewtt, ideal_s=ideal, measured_nic_MBps=nic / 1e6,
                measured_nvlink_MBps=nvl / 1e6,
-               speedup_vs_broadcast=med["broadcast"] / med["wb"],
+               speedup_vs_broadcast=med["broadcast"] / med["wb"] if "broadcast" in med else None,
                speedup_vs_p2p=med["p2p"] / med["wb"], ewtt_over_ideal=med["wb"] / ideal,
                traffic_ratio=traffic_ratio(plans["wb"]),
                simulated={"wb": simulate(plans["wb"], measured).ewtt_s,
@@ -227,10 +286,11 @@ def _summarize(plans, res, ranks, R, modes, prof) -> dict:
         stalls[mode] = {"trainer_s": sm.trainer_stall_s, "rollout_s": sm.rollout_stall_s,
                         "ewtt_s": sm.ewtt_s}
     # the baselines block every worker for the whole update: their AGST is their EWTT
-    agst["broadcast (synchronous)"] = med["broadcast"]
+    if "broadcast" in med:
+        agst["broadcast (synchronous)"] = med["broadcast"]
     agst["p2p (synchronous)"] = med["p2p"]
     out.update(agst_s=agst, stalls=stalls, verified=bool(verified))
-    if "both" in agst and agst["both"] > 0:
+    if "both" in agst and agst["both"] > 0 and "broadcast" in med:
         out["agst_broadcast_over_both"] = med["broadcast"] / agst["both"]
     return out
 
@@ -246,9 +306,12 @@ def _print(report: dict, console: Console) -> None:
             t.add_row(R, *[""] * 7, "[red]FAILED[/red]")
             continue
         e = r["ewtt_s"]
-        t.add_row(R, f"{e['wb']:.3f} s", f"{e['p2p']:.3f} s", f"{e['broadcast']:.3f} s",
+        bc = "broadcast" in e
+        t.add_row(R, f"{e['wb']:.3f} s", f"{e['p2p']:.3f} s",
+                  f"{e['broadcast']:.3f} s" if bc else "not run",
                   f"{r['ideal_s']:.3f} s", f"{r['ewtt_over_ideal']:.2f}x",
-                  f"{r['speedup_vs_broadcast']:.1f}x", f"{r['speedup_vs_p2p']:.1f}x",
+                  f"{r['speedup_vs_broadcast']:.1f}x" if bc else "",
+                  f"{r['speedup_vs_p2p']:.1f}x",
                   "[green]yes[/green]" if r["verified"] else "[red]NO[/red]")
     console.print(t)
     last = report["by_replicas"][max(report["by_replicas"], key=int)]
@@ -281,6 +344,8 @@ def _plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     xs = [R for R, _ in rows]
     for key, label in (("wb", "wb"), ("p2p", "naive P2P"), ("broadcast", "broadcast")):
+        if key not in rows[0][1]["ewtt_s"]:
+            continue
         ax[0].plot(xs, [r["ewtt_s"][key] for _, r in rows], "o-", label=label)
     ax[0].plot(xs, [r["ideal_s"] for _, r in rows], "k--", label="ideal (lower bound)")
     ax[0].set_xlabel("rollout replicas")

@@ -64,6 +64,8 @@ class _Ctx:
         t.connect(peers)
         t.prepare(peers)
         job = self.job
+        if job["links"] == "real":
+            return t
         return ShapedTransport(t, gpu_of=self.gpu_of, nic_Bps=job["nic_Bps"],
                                nvlink_Bps=job["nvlink_Bps"])
 
@@ -110,21 +112,22 @@ def _run(c: _Ctx, result: dict) -> None:
     targets = ({k: xp.zeros_like(v) for k, v in weights.items()} if role == "rollout" else {})
     is_gather = rank == job["gather_rank"]
     arena = None
-    if is_gather or role == "rollout":
+    if "broadcast" in job["methods"] and (is_gather or role == "rollout"):
         arena = FullArena(spec, job["bcast_names"], xp=xp)
     kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"], close=False)
 
     # --- the emulated links, measured: NIC (across nodes) and NVLink (within a node) ----------
     c.barrier("probe-setup")
-    for kind, (a, b) in job["probe_pairs"].items():
-        if rank in (a, b):
-            result["probe"][kind] = _probe(c, kind, a, b)
+    for kind, pairs in job["probe_pairs"].items():  # concurrent pairs per kind
+        for a, b in pairs:
+            if rank in (a, b):
+                result["probe"][kind] = _probe(c, kind, a, b, [x for p in pairs for x in p])
         c.barrier(f"probe-{kind}")
 
     # --- EWTT: wb, naive P2P, broadcast (gather, broadcast, load), rotating order ---------------
-    methods = ["wb", "p2p", "broadcast"]
+    methods = list(job["methods"])
     for rep in range(job["repeats"]):
-        for method in methods[rep % 3:] + methods[:rep % 3]:
+        for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
             key = f"{rep}/{method}"
             for v in targets.values():
                 v[...] = 0
@@ -199,9 +202,9 @@ def _sync(xp):
         xp.cuda.get_current_stream().synchronize()
 
 
-def _probe(c: _Ctx, kind: str, a: int, b: int) -> dict:
-    """Plain sends of ``probe_bytes`` from ``a`` to ``b`` through the shaped transport, 4 in
-    flight: the emulated link's rate as the executor sees it."""
+def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int]) -> dict:
+    """Plain sends of ``probe_bytes`` from ``a`` to ``b`` through the benchmark's transport (shaped
+    or not), 4 in flight, all pairs of ``kind`` at once: a link's rate as the executor sees it."""
     from wb.transport.shaped import ShapedTransport
     from wb.transport.ucx import UcxTransport
 
@@ -211,22 +214,24 @@ def _probe(c: _Ctx, kind: str, a: int, b: int) -> dict:
                      cuda_device=job.get("cuda"), polling=job.get("polling"))
     t.connect([peer])
     t.prepare([peer])
-    st = ShapedTransport(t, gpu_of=c.gpu_of, nic_Bps=job["nic_Bps"], nvlink_Bps=job["nvlink_Bps"])
+    st = t if job["links"] == "real" else ShapedTransport(
+        t, gpu_of=c.gpu_of, nic_Bps=job["nic_Bps"], nvlink_Bps=job["nvlink_Bps"])
     n, reps = job["probe_bytes"], job["probe_reps"]
     bufs = [xp.ones(n, xp.uint8) for _ in range(4)]
-    _barrier(c.store, f"probe/{kind}/go", [a, b], c.rank, c.timeout)
-    t0 = time.perf_counter()
+    _barrier(c.store, f"probe/{kind}/go", everyone, c.rank, c.timeout)
+    t0 = time.time()
     pending = []
     for i in range(reps):
         if len(pending) == 4:
             while not pending[0].done():
-                time.sleep(1e-4)
+                time.sleep(1e-5)
             pending.pop(0)
         post = st.send if c.rank == a else st.recv
         pending.append(post(peer, bufs[i % 4], 1000 + i))
     for r in pending:
         while not r.done():
-            time.sleep(1e-4)
-    dt = time.perf_counter() - t0
+            time.sleep(1e-5)
+    t1 = time.time()
     t.close()
-    return {"bytes": n * reps, "seconds": dt, "Bps": n * reps / dt}
+    return {"bytes": n * reps, "t0": t0, "t1": t1, "Bps": n * reps / (t1 - t0),
+            "sender": c.rank == a}
