@@ -254,9 +254,11 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
             runs.setdefault((run["method"], run["rep"]), []).append(run)
     ewtt: dict[str, list[float]] = {}
     verified = True
-    for (method, _), rs in runs.items():
+    failed = []
+    for (method, rep), rs in runs.items():
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
+        failed += [f"{method} run {rep}" for r in rs if r["ok"] is False][:1]
     nic, nvl = _aggregate(res, "nic"), _aggregate(res, "nvlink")
     measured = Cluster(nic_gbps=nic * 8 / 1e9, nvlink_GBps=nvl / 1e9)
     if links == "shaped":
@@ -280,7 +282,9 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     for mode in modes:
         stats = [wb.UpdateStats.from_json(s) for x in res.values()
                  for s in x["modes"].get(mode, {}).get("stats", [])]
-        verified &= all(x["modes"][mode]["ok"] for x in res.values() if mode in x["modes"])
+        bad = [r for r, x in res.items() if mode in x["modes"] and not x["modes"][mode]["ok"]]
+        verified &= not bad
+        failed += [f"mode {mode} on ranks {bad}"] if bad else []
         sm = wb.summarize(stats)
         agst[mode] = sm.agst_s
         stalls[mode] = {"trainer_s": sm.trainer_stall_s, "rollout_s": sm.rollout_stall_s,
@@ -289,7 +293,7 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     if "broadcast" in med:
         agst["broadcast (synchronous)"] = med["broadcast"]
     agst["p2p (synchronous)"] = med["p2p"]
-    out.update(agst_s=agst, stalls=stalls, verified=bool(verified))
+    out.update(agst_s=agst, stalls=stalls, verified=bool(verified), failed_checks=failed)
     if "both" in agst and agst["both"] > 0 and "broadcast" in med:
         out["agst_broadcast_over_both"] = med["broadcast"] / agst["both"]
     return out

@@ -123,8 +123,9 @@ def _copy(xp, dst, src) -> None:
     if xp is np:
         np.copyto(dst, src)
     else:
-        dst[...] = src
-        xp.cuda.get_current_stream().synchronize()
+        with dst.device:  # CuPy's current device is per thread
+            dst[...] = src
+            xp.cuda.get_current_stream().synchronize()
 
 
 class _Worker:
@@ -174,7 +175,11 @@ class _Worker:
         others (padding, elements no checkpoint id reaches) must keep their live values."""
         out = {}
         for n, (xp, a) in self.live.items():
-            out[n] = xp.empty_like(a)
+            if xp is np:
+                out[n] = np.empty_like(a)
+            else:
+                with a.device:  # on the buffer's own device, whatever this thread's is
+                    out[n] = xp.empty_like(a)
             _copy(xp, out[n], a)
         return out
 

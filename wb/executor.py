@@ -204,6 +204,19 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             and plan step).
     """
     flat, xp = _check_buffers(plan, rank, buffers, layout)
+    if xp is not np and flat:
+        # CuPy's current device is per thread: staging and kernels must go to the buffers' own
+        # device, whichever thread runs this (a Sender's or Receiver's background thread starts
+        # on device 0)
+        with next(iter(flat.values())).device:
+            return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
+                            timeout=timeout, tag_base=tag_base, close=close)
+    return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
+                    timeout=timeout, tag_base=tag_base, close=close)
+
+
+def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes: int,
+             timeout: float, tag_base: int, close: bool) -> ExecStats:
     M, T, P = plan.messages, plan.transfers, plan.pieces
     slot_buf = [s.buffer for s in plan.slots]
     slot_rank = np.array([s.rank for s in plan.slots], np.int64)
