@@ -90,7 +90,15 @@ def _as_array(name: str, buf: Any, rank: int):
         except ImportError as e:
             raise TransferError(f"rank {rank}: buffer `{name}` is a CUDA array; packing on the "
                                 f"device needs CuPy (pip install cupy-cuda12x / cupy-cuda13x)") from e
-        return cupy, cupy.asarray(buf)
+        if isinstance(buf, cupy.ndarray):
+            return cupy, buf  # never cupy.asarray: it copies to the thread's current device
+        # another framework's CUDA array: view it from its own device (same reason)
+        ptr = int(buf.__cuda_array_interface__["data"][0])
+        dev = cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr else None
+        if dev is None or dev < 0:
+            return cupy, cupy.asarray(buf)
+        with cupy.cuda.Device(dev):
+            return cupy, cupy.asarray(buf)
     if isinstance(buf, np.ndarray):
         return np, buf
     try:
