@@ -27,6 +27,8 @@ import glob
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -166,8 +168,23 @@ class UcxTransport:
                         raise TransferError(f"rank {self.rank}: peer {p} did not finish its part "
                                             f"of the plan within {self.timeout:.1f} s") from e
         finally:
-            self._worker.stop_progress_thread()
+            # Endpoints close through the progress thread (delayed submission): close them while
+            # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
+            closed = threading.Semaphore(0)
+            for ep in self._eps.values():
+                try:
+                    ep.set_close_callback(closed.release)
+                    ep.close()
+                except Exception:  # noqa: BLE001 - closing anyway; the peer may be gone
+                    closed.release()
+                    log.debug("rank %d: closing an endpoint failed", self.rank, exc_info=True)
+            deadline = time.monotonic() + 2.0
+            for _ in self._eps:
+                if not closed.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    log.warning("rank %d: UCX endpoints still closing after 2 s", self.rank)
+                    break
             self._eps.clear()
+            self._worker.stop_progress_thread()
             self._worker = self._ctx = None
 
     def abort(self) -> None:
