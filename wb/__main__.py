@@ -1,4 +1,4 @@
-"""``python -m wb``: the command line (``demo``, ``plan``)."""
+"""``python -m wb``: the command line (``demo``, ``plan``, ``bench``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m wb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="probe a JAX trainer and PyTorch rollouts, find the "
-                                        "correspondence, and show it (local, no cluster)")
+    demo = sub.add_parser("demo", help="a JAX trainer feeding PyTorch rollouts (or the reverse) "
+                                        "between local processes over UCX, in all four sync "
+                                        "modes, checked after every update (no cluster)")
     demo.add_argument("--trainer", choices=("jax", "torch"), default="jax")
     demo.add_argument("--rollout", choices=("torch", "jax"), default="torch")
     demo.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
                                       "side between local processes over UCX")
     be.add_argument("--quick", action="store_true", help="the small 'quick' profile (CI, smoke)")
-    be.add_argument("--profile", choices=("quick", "cpu", "gpu", "gpu-nvlink"), default=None,
+    be.add_argument("--profile", choices=("quick", "cpu", "cpu4", "gpu", "gpu-nvlink"), default=None,
                     help="sizes and emulated link rates (default: cpu, or gpu with --cuda)")
     be.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     be.add_argument("--cuda", type=int, default=None, metavar="DEVICE",

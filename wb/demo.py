@@ -257,6 +257,11 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
     UCX; returns what they measured and checked. ``expect_offset`` makes the rollouts expect the
     weights of another step (tests use it to see the check fail)."""
+    try:
+        import ucxx  # noqa: F401 - only to fail here, clearly, rather than in every child
+    except ImportError as e:
+        raise wb.TransferError("the demo's processes talk over UCX: pip install "
+                               "'weightbridge[ucx]' (or run with processes=False)") from e
     import glob
     import json
     import multiprocessing as mp
