@@ -38,11 +38,11 @@ def test_torch_sender_receiver_on_cuda_tensors(tmp_path, staging):
     import json
     import multiprocessing as mp
 
-    from wb.testing.multiproc import torch_cuda_child
+    from wb_torch.testing import cuda_sender_receiver_child
 
     ctx = mp.get_context("spawn")
     (tmp_path / "res").mkdir()
-    ps = [ctx.Process(target=torch_cuda_child, args=(r, str(tmp_path / "store"),
+    ps = [ctx.Process(target=cuda_sender_receiver_child, args=(r, str(tmp_path / "store"),
                                                      str(tmp_path / "res"),
                                                      {"staging": staging, "versions": 3}))
           for r in range(2)]

@@ -455,3 +455,52 @@ def train_step_(model: nn.Module, factor: float = -2.0) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(factor)
+
+
+def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, options: dict) -> None:
+    """wb_torch.Sender (rank 0) -> wb_torch.Receiver (rank 1) on CUDA tensors (spawned): a small
+    bf16 model, ``versions`` updates (``w <- -2 w`` in place), the receiver checked after each."""
+    import json
+    import traceback
+    from pathlib import Path
+
+    import wb_torch
+    from wb.rendezvous import DirectoryStore
+    from wb.transport.ucx import UcxTransport
+
+    result: dict = {"rank": rank, "checks": [], "same_ptr": []}
+    try:
+        spec = wb.CheckpointSpec({"a": ((256, 512), "bfloat16"), "b": ((300,), "float32")})
+        torch.manual_seed(0)
+        full = {n: torch.randn(spec.shape(n)).to(getattr(torch, spec.dtype(n))).cuda()
+                for n in spec.names}
+        workers = [wb.Worker(0, "t0", "trainer"), wb.Worker(1, "r0", "rollout")]
+        me = workers[rank]
+        params = {n: (t.clone() if rank == 0 else torch.zeros_like(t)) for n, t in full.items()}
+        lay = wb_torch.shard_layout(params, spec, me)
+        store = DirectoryStore(store_dir)
+        plan = wb.agree_plan(store, [lay], world=2)
+        kw = dict(store=store, staging=options["staging"], timeout=60,
+                  transport=UcxTransport(rank, store, cuda_device=0))
+        if rank == 0:
+            tx = wb_torch.Sender(params, plan, 0, **kw)
+            for _ in range(options["versions"]):
+                with torch.no_grad():
+                    for t in params.values():
+                        t.mul_(-2)
+                torch.cuda.synchronize()
+                tx.push()
+            tx.close()
+        else:
+            ptrs = {n: t.data_ptr() for n, t in params.items()}
+            rx = wb_torch.Receiver(params, plan, 1, **kw)
+            for v in range(1, options["versions"] + 1):
+                assert rx.apply() == v
+                result["checks"].append(all(torch.equal(params[n], full[n] * (-2) ** v)
+                                            for n in spec.names))
+                result["same_ptr"].append(all(params[n].data_ptr() == ptrs[n] for n in ptrs))
+            rx.close()
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
