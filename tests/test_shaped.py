@@ -1,7 +1,6 @@
 """ShapedTransport holds messages back as the emulated links would (lower bounds only: a slow
 machine can only make it slower), and delivers the bytes unchanged."""
 
-import threading
 import time
 
 import numpy as np

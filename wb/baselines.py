@@ -21,10 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from wb.correspond import correspond
-from wb.layout import BufferSpec, Cluster, Layout, Worker
+from wb.layout import Cluster, Layout, Worker
 from wb.plan import Plan, slot_table
 from wb.planner import DEFAULT_CHUNK_BYTES, _cut, _expand
-from wb.sourcemap import SourceMap
 from wb.spec import CheckpointSpec
 
 __all__ = ["p2p_plan", "broadcast_plans", "full_layout", "needed_tensors", "FullArena"]

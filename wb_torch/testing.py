@@ -464,6 +464,7 @@ def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, optio
     import traceback
     from pathlib import Path
 
+    import wb
     import wb_torch
     from wb.rendezvous import DirectoryStore
     from wb.transport.ucx import UcxTransport
