@@ -41,7 +41,7 @@ def p2p_plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cl
         >>> r = [wb.Layout(wb.Worker(2 + i, f"r{i}", "rollout"), {"w": wb.BufferSpec(sm, "float32")})
         ...      for i in range(2)]
         >>> p2p_plan(t, r).traffic().trainer_out   # everything from rank 0, once per rollout
-        {0: 128}
+        {0: 128, 1: 0}
     """
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     corr = correspond(trainers, rollouts)
