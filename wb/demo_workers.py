@@ -92,21 +92,30 @@ def _jax_trainer(job, store, spec, ckpt, result):
     plan = wb.agree_plan(store, layouts, world=world, name="demo/plan")
     if job.get("plan_path"):
         plan.save(job["plan_path"])
-    step = 0
+    state = {"params": params}
+
+    def step(sender):  # JAX makes a new pytree every step
+        state["params"] = train_step(state["params"])
+        sender.push(state["params"])
+
     for mode in job["modes"]:
-        staging = wb.MODES[mode][0]
-        sender = wb_jax.Sender(params, plan, ranks, store=store, staging=staging,
-                               name=f"demo/{mode}", timeout=60, wait_timeout=300,
+        sender = wb_jax.Sender(state["params"], plan, ranks, store=store,
+                               staging=wb.MODES[mode][0], name=f"demo/{mode}", timeout=60,
+                               wait_timeout=300,
                                transports={r: _ucx(r, store, mode) for r in ranks.values()})
-        for _ in range(job["steps"]):
-            time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
-            params = train_step(params)
-            step += 1
-            sender.push(params)
-        sender.wait()
-        result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
-                                 "bad": 0}
-        sender.close()
+        _train(job, mode, sender, step, result)
+
+
+def _train(job, mode, sender, step, result):
+    """``steps`` training steps of emulated compute, each ending in ``step(sender)`` (the update
+    and the push); records the sender's stalls."""
+    for _ in range(job["steps"]):
+        time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
+        step(sender)
+    sender.wait()
+    result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
+                             "bad": 0}
+    sender.close()
 
 
 def _torch_trainer(job, store, spec, ckpt, result):
@@ -128,14 +137,7 @@ def _torch_trainer(job, store, spec, ckpt, result):
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
                                  transport=_ucx(r, store, mode), layout=lay)
-        for _ in range(job["steps"]):
-            time.sleep(job["train_s"])
-            train_step_(model)  # the optimizer's in-place update
-            sender.push()
-        sender.wait()
-        result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
-                                 "bad": 0}
-        sender.close()
+        _train(job, mode, sender, lambda s: (train_step_(model), s.push()), result)
 
 
 # --- rollouts ------------------------------------------------------------------------------------
