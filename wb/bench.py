@@ -51,7 +51,7 @@ PROFILES: dict[str, dict] = {
                   chunk_kib=16, repeats=1, steps=2, train_s=0.2, gen_s=0.01),
     "cpu": dict(preset="qwen3-30b-a3b", gpus_per_node=8,
                 scale=dict(num_hidden_layers=1, num_experts=8, vocab_size=4096),
-                nic_MBps=8.0, nvlink_MBps=80.0, chunk_kib=512, repeats=3, steps=3,
+                nic_MBps=8.0, nvlink_MBps=80.0, chunk_kib=256, repeats=3, steps=3,
                 train_s=6.0, gen_s=0.05),
     # the same with 4 GPUs per node (21 processes with 4 replicas instead of 41)
     "cpu4": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
