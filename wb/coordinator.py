@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -186,25 +186,31 @@ class _Worker:
     def _key(self, *parts) -> str:
         return "/".join((self.name, *map(str, parts)))
 
-    def _join(self, v: int, *, cancel: threading.Event | None = None) -> float:
-        """Joins version ``v`` and waits for every peer to join it; returns the join time."""
-        joined = time.time()
-        self.store.set(self._key("join", v, self.rank), b"1")
+    def _await_keys(self, keys: dict[int, str], cancel: threading.Event | None,
+                    late: Callable[[int], str]) -> None:
+        """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store;
+        raises ``_Cancelled`` when ``cancel`` is set, :class:`TransferError` ``late(rank)``."""
         deadline = time.monotonic() + self.wait_timeout
-        for p in self.peers:
+        for r, key in keys.items():
             while True:
                 try:
-                    self.store.get(self._key("join", v, p), 0.2)
+                    self.store.get(key, 0.2)
                     break
                 except TransferError:
                     if cancel is not None and cancel.is_set():
                         raise _Cancelled() from None
                     if time.monotonic() > deadline:
-                        raise TransferError(
-                            f"rank {self.rank}: peer {p} did not join version {v} within "
-                            f"{self.wait_timeout:.0f} s (wait_timeout); is its "
-                            f"{'push' if p in self._trainer_ranks() else 'apply'} being called?"
-                        ) from None
+                        raise TransferError(late(r)) from None
+
+    def _join(self, v: int, *, cancel: threading.Event | None = None) -> float:
+        """Joins version ``v`` and waits for every peer to join it; returns the join time."""
+        joined = time.time()
+        self.store.set(self._key("join", v, self.rank), b"1")
+        trainers = set(self._trainer_ranks())
+        self._await_keys({p: self._key("join", v, p) for p in self.peers}, cancel, lambda p: (
+            f"rank {self.rank}: peer {p} did not join version {v} within "
+            f"{self.wait_timeout:.0f} s (wait_timeout); is its "
+            f"{'push' if p in trainers else 'apply'} being called?"))
         return joined
 
     def _trainer_ranks(self) -> list[int]:
@@ -546,18 +552,9 @@ class Receiver(_Worker):
 
     def _wait_announced(self, v: int, cancel: threading.Event | None = None) -> None:
         """Waits (up to ``wait_timeout``) until every trainer has announced ``v``."""
-        deadline = time.monotonic() + self.wait_timeout
-        for r in self._trainer_ranks():
-            while True:
-                try:
-                    self.store.get(self._key("version", v, r), 0.2)
-                    break
-                except TransferError:
-                    if cancel is not None and cancel.is_set():
-                        raise _Cancelled() from None
-                    if time.monotonic() > deadline:
-                        raise TransferError(f"rank {self.rank}: trainer {r} did not push version "
-                                            f"{v} within {self.wait_timeout:.0f} s") from None
+        self._await_keys({r: self._key("version", v, r) for r in self._trainer_ranks()}, cancel,
+                         lambda r: f"rank {self.rank}: trainer {r} did not push version {v} "
+                                   f"within {self.wait_timeout:.0f} s")
 
     def _fail(self, v: int, e: BaseException, *, live_intact: bool) -> None:
         if live_intact:
