@@ -239,6 +239,11 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
         raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
                             f"mismatch); refusing before sending anything; give every worker the "
                             f"same plan")
+    # Endpoints now, while every peer is known to be alive (each just said hello): UCX cannot
+    # create an endpoint to a peer that has died since (with error handling off it aborts).
+    prepare = getattr(transport, "prepare", None)
+    if prepare is not None:
+        prepare(sorted(peers))
     msgs: dict[int, _Msg] = {}
     children: dict[int, list[int]] = {}
     for m in mine.tolist():

@@ -9,6 +9,7 @@ process can make and check them without shipping arrays. Faults can be injected 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -111,6 +112,7 @@ class _FaultyTransport:
 
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
     """One worker process (spawned)."""
+    faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
     from wb.errors import TransferError
     from wb.executor import execute
     from wb.plan import Plan
