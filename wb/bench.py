@@ -264,6 +264,22 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
         failed += [f"{method} run {rep}" for r in rs if r["ok"] is False][:1]
+    # how busy the emulated links were in each method's last run (shaped links only): a link
+    # busy for the ideal's time but spanning longer sat idle in between
+    usage: dict[str, dict] = {}
+    last_rep = {m: max(rep for mm, rep in runs if mm == m) for m, _ in runs}
+    for (method, rep), rs in runs.items():
+        if rep != last_rep[method]:
+            continue
+        for r in rs:
+            for k, v in r.get("links", {}).items():
+                cur = usage.setdefault(method, {}).setdefault(
+                    k, {"busy_max_s": 0.0, "span_max_s": 0.0, "busy_over_span_min": 1.0})
+                cur["busy_max_s"] = max(cur["busy_max_s"], v["busy_s"])
+                cur["span_max_s"] = max(cur["span_max_s"], v["span_s"])
+                if v["span_s"] > 0:
+                    cur["busy_over_span_min"] = min(cur["busy_over_span_min"],
+                                                    v["busy_s"] / v["span_s"])
     nic, nvl = _aggregate(res, "nic"), _aggregate(res, "nvlink")
     measured = Cluster(nic_gbps=nic * 8 / 1e9, nvlink_GBps=nvl / 1e9)
     if links == "shaped":
@@ -279,8 +295,9 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     out.update(ewtt_s=med, ewtt_runs_s=ewtt, ideal_s=ideal, measured_nic_MBps=nic / 1e6,
                measured_nvlink_MBps=nvl / 1e6,
                speedup_vs_broadcast=med["broadcast"] / med["wb"] if "broadcast" in med else None,
-               speedup_vs_p2p=med["p2p"] / med["wb"], ewtt_over_ideal=med["wb"] / ideal,
-               traffic_ratio=traffic_ratio(plans["wb"]),
+               speedup_vs_p2p=med["p2p"] / med["wb"] if "p2p" in med else None,
+               ewtt_over_ideal=med["wb"] / ideal,
+               traffic_ratio=traffic_ratio(plans["wb"]), link_usage=usage,
                simulated={"wb": simulate(plans["wb"], measured).ewtt_s,
                           "p2p": simulate(plans["p2p"], measured).ewtt_s})
     agst, stalls = {}, {}
@@ -297,7 +314,8 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     # the baselines block every worker for the whole update: their AGST is their EWTT
     if "broadcast" in med:
         agst["broadcast (synchronous)"] = med["broadcast"]
-    agst["p2p (synchronous)"] = med["p2p"]
+    if "p2p" in med:
+        agst["p2p (synchronous)"] = med["p2p"]
     out.update(agst_s=agst, stalls=stalls, verified=bool(verified), failed_checks=failed)
     if "both" in agst and agst["both"] > 0 and "broadcast" in med:
         out["agst_broadcast_over_both"] = med["broadcast"] / agst["both"]
@@ -315,12 +333,12 @@ def _print(report: dict, console: Console) -> None:
             t.add_row(R, *[""] * 7, "[red]FAILED[/red]")
             continue
         e = r["ewtt_s"]
-        bc = "broadcast" in e
-        t.add_row(R, f"{e['wb']:.3f} s", f"{e['p2p']:.3f} s",
+        bc, pp = "broadcast" in e, "p2p" in e
+        t.add_row(R, f"{e['wb']:.3f} s", f"{e['p2p']:.3f} s" if pp else "not run",
                   f"{e['broadcast']:.3f} s" if bc else "not run",
                   f"{r['ideal_s']:.3f} s", f"{r['ewtt_over_ideal']:.2f}x",
                   f"{r['speedup_vs_broadcast']:.1f}x" if bc else "",
-                  f"{r['speedup_vs_p2p']:.1f}x",
+                  f"{r['speedup_vs_p2p']:.1f}x" if pp else "",
                   "[green]yes[/green]" if r["verified"] else "[red]NO[/red]")
     console.print(t)
     last = report["by_replicas"][max(report["by_replicas"], key=int)]

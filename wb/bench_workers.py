@@ -61,7 +61,15 @@ class _Ctx:
                        - {self.rank})
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
                          cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
-        t.connect(peers)
+        # as a Sender/Receiver does at set-up: connect, check every peer runs this plan, and
+        # create the endpoints; the measured runs then skip that round (execute(connected=True))
+        from wb.errors import TransferError
+        from wb.executor import plan_fingerprint
+
+        fp = plan_fingerprint(plan).encode()
+        wrong = sorted(p for p, h in t.connect(peers, hello=fp).items() if h != fp)
+        if wrong:
+            raise TransferError(f"rank {self.rank}: peers {wrong} run another plan")
         t.prepare(peers)
         job = self.job
         if job["links"] == "real":
@@ -114,7 +122,7 @@ def _run(c: _Ctx, result: dict) -> None:
     arena = None
     if "broadcast" in job["methods"] and (is_gather or role == "rollout"):
         arena = FullArena(spec, job["bcast_names"], xp=xp)
-    kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"], close=False)
+    kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"], close=False, connected=True)
 
     # --- the emulated links, measured: NIC (across nodes) and NVLink (within a node) ----------
     c.barrier("probe-setup")
@@ -153,7 +161,17 @@ def _run(c: _Ctx, result: dict) -> None:
                 closing = [t] if t is not None else []
             end = time.time()
             ok = _same(xp, targets, weights) if role == "rollout" else None
-            result["runs"].append({"rep": rep, "method": method, "t0": t0, "end": end, "ok": ok})
+            links = {}
+            for t in closing:  # how busy each emulated link of this worker was
+                for k, v in getattr(t, "link_stats", dict)().items():
+                    links[k] = {"bytes": links.get(k, {}).get("bytes", 0) + v["bytes"],
+                                "busy_s": links.get(k, {}).get("busy_s", 0) + v["busy_s"],
+                                "span_s": max(links.get(k, {}).get("span_s", 0), v["span_s"]),
+                                "first": min(links.get(k, {}).get("first", v["first"]),
+                                             v["first"]),
+                                "last": max(links.get(k, {}).get("last", 0), v["last"])}
+            result["runs"].append({"rep": rep, "method": method, "t0": t0, "end": end, "ok": ok,
+                                   "links": links})
             for t in closing:
                 t.close()
             c.barrier(f"{key}/closed")

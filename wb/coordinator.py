@@ -219,7 +219,7 @@ class _Worker:
     def _run(self, v: int, arrays: Mapping[str, Any]) -> ExecStats:
         return execute(self.plan, self.rank, arrays, self.transport,
                        staging_bytes=self.staging_bytes, timeout=self.timeout, tag_base=v << 32,
-                       close=False)
+                       close=False, connected=True)  # peers checked at set-up, joined for v
 
     def _live_arrays(self) -> dict[str, Any]:
         return {n: a for n, (xp, a) in self.live.items()}

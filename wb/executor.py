@@ -20,6 +20,7 @@ worker raises :class:`wb.TransferError` naming the peers and plan steps it is st
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from wb.errors import TransferError
 from wb.layout import Layout
 from wb.plan import Plan
 
-__all__ = ["execute", "plan_fingerprint", "ExecStats", "DEFAULT_STAGING_BYTES"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "execute", "plan_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,18 @@ def _region(xp, flat, f0, na, nb, fa, fb):
 
 
 class _Msg:
-    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
-                 "local")
+    __slots__ = (
+        "local",
+        "m",
+        "nbytes",
+        "out",
+        "parent",
+        "peer",
+        "stage",
+        "ts",
+        "zc_dst",
+        "zc_src",
+    )
 
     def __init__(self, m, stage, peer, nbytes, ts, parent, zc_src, zc_dst, out, local):
         self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
@@ -171,6 +182,42 @@ class _Msg:
 
     def label(self) -> str:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
+
+
+def _schedule(M) -> np.ndarray:
+    """When each message should move, as a fraction of its trainer's stream (0 first, 1 last).
+
+    A trainer sends to many rollout GPUs; sending all of one destination's messages before the
+    next (plan order) would feed one GPU at a time, and the GPUs fed last could only start their
+    forwards at the very end. Instead a trainer interleaves its destinations: its k-th message
+    to a GPU goes when that pair's stream is as far along as all its others, so every rollout
+    GPU receives (and forwards) at a steady rate from the start. A forwarded message inherits
+    the time of the stage-1 message it descends from (a hop later). Receivers post staged
+    receives in the same order."""
+    n = M.nbytes.size
+    when = np.zeros(n, np.float64)
+    root = M.parent < 0
+    r = np.flatnonzero(root)
+    if r.size:
+        pair = M.src_rank[r].astype(np.int64) * (int(M.dst_rank.max()) + 1) + M.dst_rank[r]
+        o = np.lexsort((r, pair))  # by pair, then plan order within the pair
+        rs, ps, nb = r[o], pair[o], M.nbytes[r[o]].astype(np.float64)
+        starts = np.r_[True, ps[1:] != ps[:-1]]
+        grp = np.cumsum(starts) - 1
+        tot = np.bincount(grp, weights=nb)
+        before = np.cumsum(nb) - nb
+        first = before[starts][grp]
+        when[rs] = (before - first) / np.maximum(tot[grp], 1.0)
+    # forwards: their root's time, plus a little per hop (parents have lower ids than children)
+    child = np.flatnonzero(~root)
+    for _ in range(64):
+        if not child.size:
+            break
+        new = when[M.parent[child]] + 1e-6
+        if np.array_equal(new, when[child]):
+            break
+        when[child] = new
+    return when
 
 
 def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
@@ -188,7 +235,8 @@ def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
 
 def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-            timeout: float = 60.0, tag_base: int = 0, close: bool = True) -> ExecStats:
+            timeout: float = 60.0, tag_base: int = 0, close: bool = True,
+            connected: bool = False) -> ExecStats:
     """Runs ``rank``'s part of ``plan``: its sends, receives, local copies and forwards.
 
     Args:
@@ -202,6 +250,10 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         timeout: seconds without any progress before raising :class:`wb.TransferError`.
         tag_base: added to every tag (keeps updates of different versions apart).
         close: close the transport (with a barrier) when done.
+        connected: ``transport`` is already connected to this rank's peers in ``plan`` and they
+            were checked to run this same plan (a :class:`wb.Sender` / :class:`wb.Receiver` does
+            that once, at set-up): skip the hello round through the store (one round trip per
+            call).
 
     Returns:
         :class:`ExecStats`.
@@ -218,32 +270,34 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         # on device 0)
         with next(iter(flat.values())).device:
             return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
-                            timeout=timeout, tag_base=tag_base, close=close)
+                            timeout=timeout, tag_base=tag_base, close=close,
+                            connected=connected)
     return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
-                    timeout=timeout, tag_base=tag_base, close=close)
+                    timeout=timeout, tag_base=tag_base, close=close, connected=connected)
 
 
 def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes: int,
-             timeout: float, tag_base: int, close: bool) -> ExecStats:
+             timeout: float, tag_base: int, close: bool, connected: bool) -> ExecStats:
     M, T, P = plan.messages, plan.transfers, plan.pieces
     slot_buf = [s.buffer for s in plan.slots]
     slot_rank = np.array([s.rank for s in plan.slots], np.int64)
     mine = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
     peers = set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist())
     peers.discard(rank)
-    fp = plan_fingerprint(plan).encode()
-    hellos = transport.connect(sorted(peers), hello=fp)
-    wrong = sorted(p for p, h in hellos.items() if h != fp)
-    if wrong:
-        _abort(transport)
-        raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
-                            f"mismatch); refusing before sending anything; give every worker the "
-                            f"same plan")
-    # Endpoints now, while every peer is known to be alive (each just said hello): UCX cannot
-    # create an endpoint to a peer that has died since (with error handling off it aborts).
-    prepare = getattr(transport, "prepare", None)
-    if prepare is not None:
-        prepare(sorted(peers))
+    if not connected:
+        fp = plan_fingerprint(plan).encode()
+        hellos = transport.connect(sorted(peers), hello=fp)
+        wrong = sorted(p for p, h in hellos.items() if h != fp)
+        if wrong:
+            _abort(transport)
+            raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
+                                f"mismatch); refusing before sending anything; give every worker "
+                                f"the same plan")
+        # Endpoints now, while every peer is known to be alive (each just said hello): UCX
+        # cannot create an endpoint to a peer that has died since (error handling off aborts).
+        prepare = getattr(transport, "prepare", None)
+        if prepare is not None:
+            prepare(sorted(peers))
     msgs: dict[int, _Msg] = {}
     children: dict[int, list[int]] = {}
     for m in mine.tolist():
@@ -306,36 +360,43 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
     recv_budget = send_budget = max(staging_bytes // 2, 1)
     staged = {"recv": 0, "send": 0}
     peak = 0
-    done: set[int] = set()
     inflight: list[tuple[Any, _Msg, Any]] = []
-    order_in = sorted(m for m, g in msgs.items() if not g.out)
-    order_out = sorted(m for m, g in msgs.items() if g.out)
+    when = _schedule(M)
     # zero-copy receives cost no staging: post them all now
+    order_in = sorted((m for m, g in msgs.items() if not g.out), key=lambda m: (when[m], m))
     for m in order_in:
         g = msgs[m]
         if g.zc_dst:
             inflight.append((transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g,
                              None))
     staged_in = [m for m in order_in if not msgs[m].zc_dst]
-    pooled_out = [m for m in order_out if not msgs[m].zc_src and not msgs[m].local]
-    free_out = [m for m in order_out if msgs[m].zc_src or msgs[m].local]
-    next_in = next_out = 0
-    free_waiting = set(free_out)
+    # Sends go out as their data is here (a forward once its parent arrived), in the order of
+    # `_schedule`; packed ones within the staging budget.
+    ready: list[tuple[float, int]] = []
+    n_out = 0
+    for m, g in msgs.items():
+        if g.out:
+            n_out += 1
+            if g.parent < 0:
+                heapq.heappush(ready, (when[m], m))
+    sent_out = 0
+    next_in = 0
     stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
     start = time.time()
     last = time.monotonic()
     idle = 0  # polls without progress: yield at first, then back off (2-core hosts, many ranks)
 
-    def ready(g: _Msg) -> bool:
-        return g.parent < 0 or g.parent in done
+    done: set[int] = set()
 
     def complete(m: int):
         done.add(m)
+        for c in children.get(m, ()):
+            heapq.heappush(ready, (when[c], c))
 
     try:
         while True:
             progressed = False
-            # receives into staging, in plan order, within budget
+            # receives into staging, in schedule order, within budget
             while next_in < len(staged_in):
                 g = msgs[staged_in[next_in]]
                 if staged["recv"] and staged["recv"] + g.nbytes > recv_budget:
@@ -345,32 +406,28 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 staged["recv"] += g.nbytes
                 next_in += 1
                 progressed = True
-            # local copies and zero-copy sends: as soon as their data is here
-            for m in sorted(free_waiting):
-                g = msgs[m]
-                if not ready(g):
-                    continue
-                free_waiting.discard(m)
+            # sends and local copies whose data is here, in schedule order
+            while ready:
+                g = msgs[ready[0][1]]
+                packed = not (g.zc_src or g.local)
+                if packed and staged["send"] and staged["send"] + g.nbytes > send_budget:
+                    break
+                heapq.heappop(ready)
+                sent_out += 1
                 progressed = True
                 if g.local:
                     for t in g.ts:
                         dst_view(t)[...] = src_view(t)
                     sync()
                     stats["local"] += g.nbytes
-                    complete(m)
+                    complete(g.m)
+                elif packed:
+                    buf = pack(g)
+                    inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
+                    staged["send"] += g.nbytes
                 else:
                     inflight.append((transport.send(g.peer, contiguous_bytes(g, "src"),
-                                                    tag_base + m), g, None))
-            # packed sends: strictly in plan order, within budget
-            while next_out < len(pooled_out):
-                g = msgs[pooled_out[next_out]]
-                if not ready(g) or (staged["send"] and staged["send"] + g.nbytes > send_budget):
-                    break
-                buf = pack(g)
-                inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
-                staged["send"] += g.nbytes
-                next_out += 1
-                progressed = True
+                                                    tag_base + g.m), g, None))
             peak = max(peak, staged["recv"] + staged["send"])
             # completions
             still = []
@@ -392,15 +449,13 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 else:
                     still.append((req, g, buf))
             inflight = still
-            if (not inflight and next_in == len(staged_in) and next_out == len(pooled_out)
-                    and not free_waiting):
+            if not inflight and next_in == len(staged_in) and sent_out == n_out:
                 break
             now = time.monotonic()
             if progressed:
                 last, idle = now, 0
             elif now - last > timeout:
-                raise TransferError(_stalled(rank, timeout, inflight, msgs, pooled_out, next_out,
-                                             free_waiting))
+                raise TransferError(_stalled(rank, timeout, inflight, msgs, ready, done))
             else:
                 idle += 1
                 time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
@@ -417,17 +472,17 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
 def _abort(transport) -> None:
     try:
         getattr(transport, "abort", transport.close)()
-    except Exception:  # noqa: BLE001 - already failing; the original error matters
+    except Exception:
         log.exception("closing the transport after a failure")
 
 
-def _stalled(rank, timeout, inflight, msgs, pooled_out, next_out, free_waiting) -> str:
+def _stalled(rank, timeout, inflight, msgs, ready, done) -> str:
     waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}" for _, g, _ in inflight[:4]]
-    if next_out < len(pooled_out):
-        g = msgs[pooled_out[next_out]]
+    if ready:
+        waiting.append(f"staging budget for {msgs[ready[0][1]].label()}")
+    forwards = [g for g in msgs.values() if g.out and g.parent >= 0 and g.parent not in done]
+    for g in forwards[:2]:
         waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
-    for m in sorted(free_waiting)[:2]:
-        waiting.append(f"forwarding {msgs[m].label()} once message {msgs[m].parent} arrives")
     peers = sorted({g.peer for _, g, _ in inflight})
     return (f"rank {rank}: no progress for {timeout:.1f} s; peers {peers} are dead or hung? "
             f"Waiting for: " + "; ".join(waiting))

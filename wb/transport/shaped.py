@@ -27,17 +27,34 @@ __all__ = ["ShapedTransport"]
 
 
 class _Link:
-    __slots__ = ("rate", "free_at", "lock")
+    __slots__ = ("rate", "free_at", "lock", "busy_s", "first", "nbytes")
 
     def __init__(self, rate: float):
         self.rate, self.free_at, self.lock = float(rate), 0.0, threading.Lock()
+        self.busy_s, self.first, self.nbytes = 0.0, None, 0
 
     def book(self, nbytes: int, earliest: float) -> float:
         """Occupies the link for ``nbytes`` from ``earliest`` or when it frees; returns the end."""
         with self.lock:
             start = max(earliest, self.free_at)
             self.free_at = start + nbytes / self.rate
+            self.busy_s += nbytes / self.rate
+            self.nbytes += nbytes
+            self.first = start if self.first is None else self.first
             return self.free_at
+
+    def stats(self) -> dict:
+        """Bytes, busy seconds, and the span from the first booking to the end of the last."""
+        with self.lock:
+            if self.first is None:
+                return {"bytes": 0, "busy_s": 0.0, "span_s": 0.0}
+            wall = time.time() - time.monotonic()
+            return {"bytes": self.nbytes, "busy_s": self.busy_s, "span_s": self.free_at - self.first,
+                    "first": self.first + wall, "last": self.free_at + wall}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.busy_s, self.first, self.nbytes = 0.0, None, 0
 
 
 class _HeldSend:
@@ -115,6 +132,21 @@ class ShapedTransport:
         kind = self._kind(peer)
         req = self.inner.recv(peer, buf, tag)
         return req if kind is None else _ShapedRecv(self, req, self._in[kind], int(buf.nbytes))
+
+    def link_stats(self, *, reset: bool = False) -> dict:
+        """Per emulated link of this worker (``out/nic``, ``in/nvlink``, ...): bytes carried, busy
+        seconds, and the span from its first message to the end of its last; links that carried
+        nothing are left out. A span longer than the busy time means the link sat idle in between
+        (the plan or the executor did not keep it fed). ``reset`` starts counting again."""
+        out = {}
+        for d, links in (("out", self._out), ("in", self._in)):
+            for kind, link in links.items():
+                st = link.stats()
+                if reset:
+                    link.reset()
+                if st["bytes"]:
+                    out[f"{d}/{kind}"] = st
+        return out
 
     def describe(self) -> str:
         d = json.loads(self.inner.describe())
