@@ -2,7 +2,9 @@
 # One call on the H200 device machine: the GPU tests (executor, wb_torch Sender/Receiver on CUDA
 # tensors), then `python -m wb bench` with every process's buffers on the GPU (CUDA IPC between
 # processes), one replica count at a time (4 first). Needs the ucxx wheels for Python 3.12 in .whl/
-# (carried); writes results to $OUT.
+# (carried); writes results to $OUT. MPS=1: run the bench under the CUDA MPS daemon (started here,
+# as this user, with its pipes in /tmp; stopped at the end): processes then share the GPU at once
+# instead of time-slicing it. It changes no GPU setting.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
@@ -12,9 +14,15 @@ python3 -c "import ucxx, cupy, numpy, torch; print('ucxx', ucxx.__version__, 'cu
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -3 | tee "$OUT/gpu_test.txt"
 fi
+if [ -n "${MPS:-}" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$OUT/device.txt"
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
 for R in ${REPLICAS:-4 1 2}; do
-  timeout ${PER_R_TIMEOUT:-300} python3 -m wb bench --cuda 0 --profile gpu --replicas $R \
+  timeout ${PER_R_TIMEOUT:-300} python3 -m wb bench --cuda 0 --profile ${PROFILE:-gpu} --replicas $R \
     --out "$OUT/bench_gpu_r$R" --json 2> >(filter > "$OUT/bench_gpu_r${R}_log.txt") | filter > "$OUT/bench_gpu_r${R}.json"
   echo "== R=$R"; tail -c 1200 "$OUT/bench_gpu_r${R}_log.txt"
 done

@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# One call on the 2-GPU device machine (nvidia-h200-x2): (1) the GPU profile with the processes
-# spread over both GPUs (emulated links, half the processes per GPU of the one-GPU run); (2) real
-# links: trainers on GPU 0, rollouts on GPU 1, so every trainer byte crosses NVLink (UCX cuda_ipc),
-# with NVLink measured by concurrent probes in the same run. Needs .whl/ (carried); writes to $OUT.
+# One call on the 2-GPU device machine (nvidia-h200-x2). Needs .whl/ (carried); writes to $OUT.
+# (1) the demo with PyTorch processes on the GPUs (`--cuda`: a node's local rank r on GPU r, so its
+#     stage 3 crosses NVLink): torch -> torch, then JAX (CPU) -> torch (GPUs);
+# (2) real links (`--devices role --links real`): trainers on GPU 0, rollouts on GPU 1, every
+#     trainer byte crosses NVLink by UCX cuda_ipc, NVLink measured by concurrent probes in the same
+#     run; PROFILE (default gpu-nvlink-large, 11.1 GB) and NVL_REPLICAS (default 1 2 4);
+# (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
+# NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cpu  # the demo's JAX side runs on CPU
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
 filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
+if [ -z "${SKIP_DEMO:-}" ]; then
+  for dir in "torch torch" "jax torch"; do
+    set -- $dir
+    timeout ${TD:-240} python3 -m wb demo --cuda --trainer $1 --rollout $2 --json \
+      2> >(filter > "$OUT/demo_cuda_$1_$2_log.txt") | filter > "$OUT/demo_cuda_$1_$2.json"
+    echo "== demo --cuda $1 -> $2: rc=$?"; grep "│\|Staging" "$OUT/demo_cuda_$1_$2_log.txt" | tail -8
+  done
+fi
 run() {  # name timeout args...
   local name=$1 t=$2; shift 2
   timeout $t python3 -m wb bench --cuda 0 "$@" --out "$OUT/$name" --json \
     2> >(filter > "$OUT/${name}_log.txt") | filter > "$OUT/${name}.json"
   echo "== $name"; grep "│" "$OUT/${name}_log.txt" | head -12
 }
-run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4
-run nvlink ${T2:-300} --profile gpu-nvlink --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4}
+run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4}
+if [ -n "${SPREAD:-}" ]; then run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4; fi

@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rollout", choices=("torch", "jax"), default="torch")
     demo.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
     demo.add_argument("--tp", type=int, default=2, help="TP degree of each PyTorch side (default 2)")
+    demo.add_argument("--cuda", action="store_true",
+                      help="PyTorch processes on CUDA devices (a node's workers spread over the "
+                           "GPUs); JAX stays on CPU")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
                                      "traffic, simulated EWTT and baselines")
@@ -31,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
                                       "side between local processes over UCX")
     be.add_argument("--quick", action="store_true", help="the small 'quick' profile (CI, smoke)")
-    be.add_argument("--profile", choices=("quick", "cpu", "cpu4", "gpu", "gpu-nvlink"), default=None,
+    from wb.bench import PROFILES
+
+    be.add_argument("--profile", choices=tuple(PROFILES), default=None,
                     help="sizes and emulated link rates (default: cpu, or gpu with --cuda)")
     be.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     be.add_argument("--cuda", type=int, default=None, metavar="DEVICE",
@@ -44,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
+    from wb.errors import SpecError
+
+    try:
+        return _run(args)
+    except SpecError as e:  # bad arguments: say so, without a traceback
+        parser.error(str(e))
+
+
+def _run(args) -> int:
     if args.command == "bench":
         from wb.bench import run_bench
 
@@ -67,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         report = run_demo(trainer=args.trainer, rollout=args.rollout, replicas=args.replicas,
-                          tp=args.tp, quiet=args.json)
+                          tp=args.tp, quiet=args.json, cuda=args.cuda)
         report["demo_s"] = round(time.perf_counter() - t0, 3)
         if args.json:
             print(json.dumps(report))

@@ -68,6 +68,11 @@ PROFILES: dict[str, dict] = {
                        scale=dict(num_hidden_layers=8, num_experts=32, vocab_size=32768),
                        nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=3,
                        steps=2, train_s=1.0, gen_s=0.02, methods=("wb", "p2p")),
+    # the same with 4x the layers (11.6 GB): per-message costs weigh less against the transfer
+    "gpu-nvlink-large": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
+                             scale=dict(num_hidden_layers=32, num_experts=32, vocab_size=32768),
+                             nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=3,
+                             steps=2, train_s=1.0, gen_s=0.02, methods=("wb", "p2p")),
 }
 
 

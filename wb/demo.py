@@ -16,6 +16,7 @@ The frameworks are imported only when the demo runs: ``import wb`` never imports
 
 from __future__ import annotations
 
+import glob
 import time
 from collections.abc import Sequence
 
@@ -131,7 +132,8 @@ def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
 
 def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2, tp: int = 2,
              quiet: bool = False, modes: Sequence[str] | None = None, steps: int = 3,
-             train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True) -> dict:
+             train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True,
+             cuda: bool = False) -> dict:
     """Runs the demo and returns its report (what ``--json`` prints).
 
     Args:
@@ -145,6 +147,9 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         train_s: emulated compute of a training step, seconds.
         gen_s: emulated compute of a rollout decode step, seconds.
         processes: run the multi-process part (UCX); ``False`` runs only the in-process checks.
+        cuda: in the processes, PyTorch models live on CUDA devices (local rank ``r`` on device
+            ``r`` mod the device count: a node's workers spread over the GPUs, so stage 3 crosses
+            NVLink); JAX stays on CPU devices.
     """
     if replicas < 1 or tp < 1:
         raise wb.SpecError(f"--replicas and --tp must be >= 1, got {replicas} and {tp}")
@@ -153,6 +158,8 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     if bad or steps < 1:
         raise wb.SpecError(f"modes must be among {list(wb.MODES)} and steps >= 1; got {modes}, "
                            f"{steps}")
+    if cuda and not glob.glob("/dev/nvidia[0-9]*"):
+        raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
     console = Console(quiet=quiet)
     ckpt = random_checkpoint()
     t0 = time.perf_counter()
@@ -229,7 +236,8 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     }
     if processes:
         report.update(_run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
-                                     steps=steps, train_s=train_s, gen_s=gen_s, console=console))
+                                     steps=steps, train_s=train_s, gen_s=gen_s, console=console,
+                                     cuda=cuda))
         report["verified"] = bool(verified and report["transfers_verified"])
     return report
 
@@ -253,7 +261,8 @@ def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
 
 
 def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen_s,
-                   console, timeout: float = 900.0, expect_offset: int = 0) -> dict:
+                   console, timeout: float = 900.0, expect_offset: int = 0,
+                   cuda: bool = False) -> dict:
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
     UCX; returns what they measured and checked. ``expect_offset`` makes the rollouts expect the
     weights of another step (tests use it to see the check fail)."""
@@ -262,7 +271,6 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
     except ImportError as e:
         raise wb.TransferError("the demo's processes talk over UCX: pip install "
                                "'weightbridge[ucx]' (or run with processes=False)") from e
-    import glob
     import json
     import multiprocessing as mp
     import tempfile
@@ -279,7 +287,7 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
         common = dict(cfg=TINY, store_dir=str(work / "store"), result_dir=str(work / "results"),
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
-                      expect_offset=expect_offset)
+                      expect_offset=expect_offset, cuda=bool(cuda))
         jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
         n_roll = sum(j["role"] == "rollout" for j in jobs)
         ctx = mp.get_context("spawn")
@@ -348,6 +356,7 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
                       else "[red]NO[/red]")
     console.print(table)
     out = {"transfer": "UCX between spawned processes", "processes": len(jobs),
+           "torch_device": "cuda" if cuda else "cpu",
            "process_rollout_workers": workers,
            "processes_s": round(wall, 2), "modes": per_mode, "transfers_verified": bool(all_ok)}
     done = [m for m in per_mode.values() if "ewtt_s" in m]

@@ -27,10 +27,23 @@ def expected_checkpoint(ckpt: dict, step: int) -> dict:
     return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
 
 
-def _ucx(rank, store, mode):
+def _ucx(rank, store, mode, cuda=None):
     from wb.transport.ucx import UcxTransport
 
-    return UcxTransport(rank, store, session=f"demo/{mode}/ucx", timeout=120)
+    return UcxTransport(rank, store, session=f"demo/{mode}/ucx", timeout=120, cuda_device=cuda)
+
+
+def _cuda_device(job):
+    """With ``--cuda``: the CUDA device of a PyTorch process (local rank r on device r mod the
+    number of devices, so a node's workers spread over the GPUs); else None."""
+    if not job.get("cuda"):
+        return None
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("--cuda: this machine has no CUDA device torch can use")
+    return job["local_rank"] % n
 
 
 def _trainers_key(store, k=None):
@@ -44,6 +57,8 @@ def worker_main(job: dict) -> None:
     """One demo process: ``job`` says its side, framework, ranks and the loop's parameters."""
     out = Path(job["result_dir"]) / f"{job['name']}.json"
     result = {"name": job["name"], "ok": False, "modes": {}}
+    if job["kind"] == "jax":  # the demo's JAX side runs on emulated CPU devices, GPUs or not
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         from wb.presets import spec_from_config
         from wb.rendezvous import DirectoryStore
@@ -127,6 +142,9 @@ def _torch_trainer(job, store, spec, ckpt, result):
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
     lay = wb_torch.layout(model, spec, wb.Worker(rank=r, node="trainer0", role="trainer",
                                                  local_rank=r))
+    dev = _cuda_device(job)
+    if dev is not None:  # probed on the CPU (same module, same maps); trains on the GPU
+        model.to(f"cuda:{dev}")
     model.load_weights((n, wb_torch.from_numpy(a)) for n, a in ckpt.items())
     if r == 0:
         _trainers_key(store, tp)
@@ -136,7 +154,7 @@ def _torch_trainer(job, store, spec, ckpt, result):
     for mode in job["modes"]:
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                                 transport=_ucx(r, store, mode), layout=lay)
+                                 transport=_ucx(r, store, mode, dev), layout=lay)
         _train(job, mode, sender, lambda s: (train_step_(model), s.push()), result)
 
 
@@ -153,13 +171,16 @@ def _torch_rollout(job, store, spec, ckpt, result):
     lay = wb_torch.layout(model, spec, wb.Worker(rank=rank, node=job["node"], role="rollout",
                                                  local_rank=r))
     plan = wb.agree_plan(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
+    dev = _cuda_device(job)
+    if dev is not None:
+        model.to(f"cuda:{dev}")
     params = dict(model.named_parameters())
     ptrs = {n: params[n].data_ptr() for n in lay.buffers}
     step = 0
     for mode in job["modes"]:
         rx = wb_torch.Receiver(model, plan, rank, store=store, staging=wb.MODES[mode][1],
                                name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                               transport=_ucx(rank, store, mode), layout=lay)
+                               transport=_ucx(rank, store, mode, dev), layout=lay)
         checks = bad = 0
         while rx.version < job["steps"]:
             time.sleep(job["gen_s"])  # a decode step (emulated); reads the live weights

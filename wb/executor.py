@@ -334,8 +334,19 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             a, f0 = flat[slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
         return a[f0:f0 + g.nbytes // a.itemsize].view(xp.uint8)
 
-    # UCX reads and writes device memory outside our CUDA stream: finish kernels first
-    sync = (lambda: xp.cuda.get_current_stream().synchronize()) if xp is not np else (lambda: None)
+    # UCX reads and writes device memory outside our CUDA stream, so device work must finish
+    # before a send is posted or a message counts as landed. Rather than block on it (a GPU
+    # time-shared by many processes can keep a kernel waiting for a long time), each pack, unpack
+    # or local copy records an event, and the loop below acts on it once the event has passed,
+    # meanwhile posting and completing other messages. Host buffers need no fence.
+    if xp is np:
+        def fence():
+            return None
+    else:
+        def fence():
+            ev = xp.cuda.Event(block=False, disable_timing=True)
+            ev.record()
+            return ev
 
     def pack(msg: _Msg):
         buf = xp.empty(msg.nbytes, dtype=xp.uint8)
@@ -345,7 +356,6 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             n = v.size * v.itemsize
             buf[o:o + n].view(v.dtype).reshape(v.shape)[...] = v
             o += n
-        sync()
         return buf
 
     def unpack(msg: _Msg, buf):
@@ -355,7 +365,6 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             n = v.size * v.itemsize
             v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
             o += n
-        sync()
 
     recv_budget = send_budget = max(staging_bytes // 2, 1)
     staged = {"recv": 0, "send": 0}
@@ -387,6 +396,26 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
     idle = 0  # polls without progress: yield at first, then back off (2-core hosts, many ranks)
 
     done: set[int] = set()
+    fenced: list[tuple[Any, str, _Msg, Any]] = []  # device work in flight: (event, what, ...)
+
+    def landed(g: _Msg, buf):
+        if buf is not None:
+            staged["recv"] -= g.nbytes
+        stats["received"] += g.nbytes
+        stats["mrecv"] += 1
+        complete(g.m)
+
+    def after(ev, what: str, g: _Msg, buf):
+        """Does what follows device work (``ev``), or queues it until ``ev`` has passed."""
+        if ev is not None:
+            fenced.append((ev, what, g, buf))
+        elif what == "send":
+            inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
+        elif what == "local":
+            stats["local"] += g.nbytes
+            complete(g.m)
+        else:
+            landed(g, buf)
 
     def complete(m: int):
         done.add(m)
@@ -418,13 +447,11 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 if g.local:
                     for t in g.ts:
                         dst_view(t)[...] = src_view(t)
-                    sync()
-                    stats["local"] += g.nbytes
-                    complete(g.m)
+                    after(fence(), "local", g, None)
                 elif packed:
                     buf = pack(g)
-                    inflight.append((transport.send(g.peer, buf, tag_base + g.m), g, buf))
                     staged["send"] += g.nbytes
+                    after(fence(), "send", g, buf)
                 else:
                     inflight.append((transport.send(g.peer, contiguous_bytes(g, "src"),
                                                     tag_base + g.m), g, None))
@@ -439,17 +466,26 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                         stats["msent"] += 1
                         if buf is not None:
                             staged["send"] -= g.nbytes
+                    elif buf is not None:
+                        unpack(g, buf)
+                        after(fence(), "landed", g, buf)
                     else:
-                        if buf is not None:
-                            unpack(g, buf)
-                            staged["recv"] -= g.nbytes
-                        stats["received"] += g.nbytes
-                        stats["mrecv"] += 1
-                        complete(g.m)
+                        landed(g, None)
                 else:
                     still.append((req, g, buf))
             inflight = still
-            if not inflight and next_in == len(staged_in) and sent_out == n_out:
+            # device work whose event has passed
+            if fenced:
+                waiting_dev = []
+                for ev, what, g, buf in fenced:
+                    if ev.done:
+                        progressed = True
+                        after(None, what, g, buf)
+                    else:
+                        waiting_dev.append((ev, what, g, buf))
+                fenced = waiting_dev
+            if (not inflight and not fenced and next_in == len(staged_in)
+                    and sent_out == n_out):
                 break
             now = time.monotonic()
             if progressed:

@@ -210,7 +210,18 @@ class Sender(wb.Sender):
     def __init__(self, tensors, plan: wb.Plan, rank: int, **kwargs):
         lay = next((x for x in plan.trainers if x.worker.rank == rank), None)
         names = list(lay.buffers) if lay is not None else None
+        named = _named(tensors)
+        self._cuda = sorted({t.device for n, t in named.items()
+                             if t.device.type == "cuda" and (names is None or n in names)},
+                            key=str)
         super().__init__(plan, rank, buffers(tensors, names), **kwargs)
+
+    def push(self, *args, **kwargs) -> int:
+        """As :meth:`wb.Sender.push`, after the kernels queued on the parameters' devices (the
+        optimizer step) have finished: wb reads the weights on other streams."""
+        for d in self._cuda:
+            torch.cuda.synchronize(d)
+        return super().push(*args, **kwargs)
 
 
 class Receiver(wb.Receiver):

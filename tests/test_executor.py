@@ -1,0 +1,113 @@
+"""The executor's send schedule and its staging budget, in one process over the local transport.
+
+The multi-process paths (UCX, faults) are in test_transfer_ucx.py; here: the order a worker sends
+in (`_schedule`) and that any staging budget, however small, still delivers every byte.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import wb
+from wb.executor import _schedule, execute
+from wb.deployments import megatron_trainer, vllm_rollout
+from wb.presets import TINY
+from wb.testing.multiproc import buffers_for
+from wb.transport.local import LocalHub, LocalTransport
+
+
+@pytest.fixture(scope="module")
+def plan():
+    trainers = megatron_trainer(TINY, tp=2, pp=1, ep=2, nodes=["t0"], gpus_per_node=2)
+    rollouts = vllm_rollout(TINY, tp=2, ep=2, replicas=3, gpus_per_node=2, first_rank=2)
+    p = wb.plan(trainers, rollouts, chunk_bytes=2048)  # many pieces: long streams per pair
+    p.verify()
+    return p
+
+
+@pytest.fixture(scope="module")
+def strided_plan():
+    """Every message strided on both sides: trainers hold row blocks, rollouts need transposed
+    column blocks; so every send is packed and every receive staged and unpacked."""
+    w = np.arange(64 * 64).reshape(64, 64)
+
+    def buf(ids):
+        return {"w": wb.BufferSpec(wb.SourceMap.from_indices(np.ascontiguousarray(ids)),
+                                   "float32")}
+    trainers = [wb.Layout(wb.Worker(r, "t0", "trainer", local_rank=r), buf(w[32 * r:32 * r + 32]))
+                for r in range(2)]
+    rollouts = [wb.Layout(wb.Worker(2 + 2 * n + g, f"r{n}", "rollout", local_rank=g),
+                          buf(w[:, 32 * g:32 * g + 32].T)) for n in range(3) for g in range(2)]
+    p = wb.plan(trainers, rollouts, chunk_bytes=1024)
+    p.verify()
+    return p
+
+
+def test_trainers_interleave_their_destinations(plan):
+    M = plan.messages
+    when = _schedule(M)
+    for src in {lay.worker.rank for lay in plan.trainers}:
+        mine = np.flatnonzero((M.src_rank == src) & (M.parent < 0))
+        dsts = np.unique(M.dst_rank[mine])
+        assert dsts.size >= 2  # the case that matters: one trainer, several rollout GPUs
+        order = mine[np.lexsort((mine, when[mine]))]
+        # plan order is grouped by destination; the schedule alternates them
+        assert np.unique(M.dst_rank[order[:dsts.size]]).size == dsts.size
+        # each destination's own messages keep plan order (its contiguous ranges stay in order)
+        for d in dsts:
+            seq = order[M.dst_rank[order] == d]
+            assert (np.diff(seq) > 0).all()
+        # and every destination's stream is spread over the whole send: its first message goes
+        # in the first round, its last in the last (times are fractions of each pair's stream)
+        assert when[mine].min() == 0.0 and when[mine].max() < 1.0
+
+
+def test_forwards_go_after_what_they_forward(plan):
+    M = plan.messages
+    when = _schedule(M)
+    fwd = np.flatnonzero(M.parent >= 0)
+    assert fwd.size  # 3 replicas: stage 2 and 3 forwards exist
+    assert (when[fwd] > when[M.parent[fwd]]).all()
+
+
+def _run_threads(plan, staging_bytes):
+    hub = LocalHub()
+    ranks = [lay.worker.rank for lay in (*plan.trainers, *plan.rollouts)]
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
+    errors, stats = {}, {}
+
+    def run(r):
+        try:
+            stats[r] = execute(plan, r, bufs[r], LocalTransport(r, hub, timeout=20),
+                               staging_bytes=staging_bytes, timeout=20)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert not errors, errors
+    return bufs, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("staging_bytes", [1, 4096, 256 << 20])
+@pytest.mark.parametrize("which", ["plan", "strided_plan"])
+def test_any_staging_budget_delivers_every_byte(which, staging_bytes, request):
+    plan = request.getfixturevalue(which)
+    bufs, stats = _run_threads(plan, staging_bytes)
+    for lay in plan.rollouts:
+        r = lay.worker.rank
+        want = buffers_for(plan, r, fill=True)
+        for k, a in want.items():
+            np.testing.assert_array_equal(bufs[r][k].view(np.uint8), a.view(np.uint8))
+    # the budget bounds staging in flight (a message bigger than the budget still goes alone)
+    biggest = int(plan.messages.nbytes.max())
+    for s in stats.values():
+        assert s.staging_peak <= staging_bytes + 2 * biggest
+    if which == "strided_plan":  # the staging path really ran
+        assert max(s.staging_peak for s in stats.values()) > 0
