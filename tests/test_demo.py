@@ -10,7 +10,8 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 
-@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax"]])
+@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax"],
+                                  ["--trainer", "torch", "--rollout", "torch"]])
 def test_demo_json_last_line(args):
     out = subprocess.run([sys.executable, "-m", "wb", "demo", "--json", *args],
                          capture_output=True, text=True, timeout=240)
@@ -48,6 +49,15 @@ def test_demo_refuses_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "wb", "demo", "--replicas", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--replicas" in out.stderr
+
+
+def test_demo_cuda_needs_gpus():
+    import glob
+    if glob.glob("/dev/nvidia[0-9]*"):
+        pytest.skip("this machine has GPUs: the GPU run is bench/gpu_x2_bench.sh's")
+    out = subprocess.run([sys.executable, "-m", "wb", "demo", "--cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "CUDA devices" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_demo_process_check_fails_on_wrong_weights():
