@@ -111,3 +111,37 @@ def test_any_staging_budget_delivers_every_byte(which, staging_bytes, request):
         assert s.staging_peak <= staging_bytes + 2 * biggest
     if which == "strided_plan":  # the staging path really ran
         assert max(s.staging_peak for s in stats.values()) > 0
+
+
+class _SlowEvent:
+    """Stands for a CUDA event: ``done`` only from its fourth query on."""
+
+    made: list = []
+
+    def __init__(self):
+        type(self).made.append(self)
+        self.queries = 0
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        return self.queries > 3
+
+
+@pytest.mark.timeout(120)
+def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
+    """The CUDA path's deferrals, on host buffers: every pack, unpack and local copy is followed by
+    an event the loop polls; a send is posted, and a message counts as landed, only once it passed.
+    Everything still arrives, bit for bit."""
+    import wb.executor
+
+    monkeypatch.setattr(wb.executor, "_fencer", lambda xp: _SlowEvent)
+    _SlowEvent.made = []
+    bufs, stats = _run_threads(strided_plan, 256 << 20)
+    for lay in strided_plan.rollouts:
+        want = buffers_for(strided_plan, lay.worker.rank, fill=True)
+        np.testing.assert_array_equal(bufs[lay.worker.rank]["w"], want["w"])
+    # every message of this plan is packed at its sender and unpacked at its receiver, and the
+    # loop waited for each of those events to pass
+    assert len(_SlowEvent.made) == 2 * strided_plan.messages.nbytes.size
+    assert all(ev.queries >= 4 for ev in _SlowEvent.made)

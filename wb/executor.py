@@ -220,6 +220,24 @@ def _schedule(M) -> np.ndarray:
     return when
 
 
+def _fencer(xp):
+    """``fence()`` for the device work queued so far: an object whose ``done`` says it finished,
+    or ``None`` when there is nothing to wait for (host buffers: numpy copies are synchronous).
+
+    On CUDA buffers each pack, unpack or local copy records an event, and the executor's loop acts
+    on it once ``done`` (a non-blocking query) rather than blocking on a stream synchronisation:
+    a GPU time-shared by many processes can keep a kernel waiting, and meanwhile the worker keeps
+    posting and completing its other messages."""
+    if xp is np:
+        return lambda: None
+
+    def fence():
+        ev = xp.cuda.Event(block=False, disable_timing=True)
+        ev.record()
+        return ev
+    return fence
+
+
 def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
     """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
     buffer: then the message is that range of the buffer itself, no packing."""
@@ -335,18 +353,8 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
         return a[f0:f0 + g.nbytes // a.itemsize].view(xp.uint8)
 
     # UCX reads and writes device memory outside our CUDA stream, so device work must finish
-    # before a send is posted or a message counts as landed. Rather than block on it (a GPU
-    # time-shared by many processes can keep a kernel waiting for a long time), each pack, unpack
-    # or local copy records an event, and the loop below acts on it once the event has passed,
-    # meanwhile posting and completing other messages. Host buffers need no fence.
-    if xp is np:
-        def fence():
-            return None
-    else:
-        def fence():
-            ev = xp.cuda.Event(block=False, disable_timing=True)
-            ev.record()
-            return ev
+    # before a send is posted or a message counts as landed: see `_fencer`.
+    fence = _fencer(xp)
 
     def pack(msg: _Msg):
         buf = xp.empty(msg.nbytes, dtype=xp.uint8)
