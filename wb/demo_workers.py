@@ -34,16 +34,13 @@ def _ucx(rank, store, mode, cuda=None):
 
 
 def _cuda_device(job):
-    """With ``--cuda``: the CUDA device of a PyTorch process (local rank r on device r mod the
-    number of devices, so a node's workers spread over the GPUs); else None."""
+    """With ``--cuda``: the CUDA device of a PyTorch process (a node's workers spread over the
+    GPUs); else None."""
     if not job.get("cuda"):
         return None
-    import torch
+    from wb_torch.testing import spread_device
 
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise RuntimeError("--cuda: this machine has no CUDA device torch can use")
-    return job["local_rank"] % n
+    return spread_device(job["local_rank"])
 
 
 def _trainers_key(store, k=None):

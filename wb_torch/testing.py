@@ -448,6 +448,19 @@ def checkpoint_tensors(spec: CheckpointSpec, rng: np.random.Generator | None = N
             .to(dtype) for name in spec.names}
 
 
+def spread_device(local_rank: int) -> int:
+    """The CUDA device for a node's worker of ``local_rank``: ``local_rank`` mod the number of
+    devices, so a node's workers spread over the GPUs (and its stage 3 crosses NVLink).
+
+    Raises:
+        RuntimeError: torch sees no CUDA device.
+    """
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("no CUDA device torch can use (--cuda needs GPUs)")
+    return int(local_rank) % n
+
+
 def train_step_(model: nn.Module, factor: float = -2.0) -> None:
     """The reference trainer's update, in place like an optimizer's: ``w <- factor * w`` for every
     parameter (exact in any float dtype for a power of two), so a receiver can predict the weights
