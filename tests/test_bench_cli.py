@@ -24,3 +24,7 @@ def test_bench_quick_json():
     four = r["by_replicas"]["4"]
     assert set(four["ewtt_s"]) == {"wb", "p2p", "broadcast"} and four["traffic_ratio"] == 1.0
     assert four["measured_nic_MBps"] > 0 and four["ideal_s"] > 0
+    # every method's emulated links: the busiest trainer NIC carried its share, busy <= its span
+    for method in ("wb", "p2p", "broadcast"):
+        out_nic = four["link_usage"][method]["out/nic"]
+        assert 0 < out_nic["busiest_busy_s"] <= out_nic["busiest_span_s"] + 1e-6

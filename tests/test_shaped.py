@@ -64,3 +64,21 @@ def test_two_senders_share_the_receivers_ingress():
     # each sender alone needs 3 n / NIC; together they queue on the receiver's NIC
     assert time.monotonic() - t0 >= 0.95 * 6 * n / NIC
     assert all((g == i).all() for i, g in enumerate(got))
+
+
+def test_link_stats_count_bytes_and_busy_time():
+    hub, n = LocalHub(), 50_000
+    s, d = _t(0, hub), _t(1, hub)
+    got = [np.zeros(n, np.uint8) for _ in range(3)]
+    rr = [d.recv(0, got[i], i) for i in range(3)]
+    ss = [s.send(1, np.full(n, i, np.uint8), i) for i in range(3)]
+    _wait(ss + rr)
+    out, into = s.link_stats()["out/nic"], d.link_stats()["in/nic"]
+    assert set(s.link_stats()) == {"out/nic"} and set(d.link_stats()) == {"in/nic"}
+    for st in (out, into):
+        assert st["bytes"] == 3 * n
+        assert abs(st["busy_s"] - 3 * n / NIC) < 1e-9
+        assert st["span_s"] >= st["busy_s"] - 1e-9
+        assert abs(st["last"] - st["first"] - st["span_s"]) < 1e-6
+    s.link_stats(reset=True)
+    assert s.link_stats() == {}

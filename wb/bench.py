@@ -269,22 +269,18 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
         failed += [f"{method} run {rep}" for r in rs if r["ok"] is False][:1]
-    # how busy the emulated links were in each method's last run (shaped links only): a link
-    # busy for the ideal's time but spanning longer sat idle in between
+    # the busiest worker's emulated link of each kind in each method's last run (shaped links):
+    # busy for the ideal's time but spanning longer means it sat idle in between
     usage: dict[str, dict] = {}
     last_rep = {m: max(rep for mm, rep in runs if mm == m) for m, _ in runs}
     for (method, rep), rs in runs.items():
         if rep != last_rep[method]:
             continue
-        for r in rs:
-            for k, v in r.get("links", {}).items():
-                cur = usage.setdefault(method, {}).setdefault(
-                    k, {"busy_max_s": 0.0, "span_max_s": 0.0, "busy_over_span_min": 1.0})
-                cur["busy_max_s"] = max(cur["busy_max_s"], v["busy_s"])
-                cur["span_max_s"] = max(cur["span_max_s"], v["span_s"])
-                if v["span_s"] > 0:
-                    cur["busy_over_span_min"] = min(cur["busy_over_span_min"],
-                                                    v["busy_s"] / v["span_s"])
+        for k in sorted({k for r in rs for k in r.get("links", {})}):
+            top = max((r["links"][k] for r in rs if k in r.get("links", {})),
+                      key=lambda v: v["busy_s"])
+            usage.setdefault(method, {})[k] = {"busiest_busy_s": top["busy_s"],
+                                               "busiest_span_s": top["span_s"]}
     nic, nvl = _aggregate(res, "nic"), _aggregate(res, "nvlink")
     measured = Cluster(nic_gbps=nic * 8 / 1e9, nvlink_GBps=nvl / 1e9)
     if links == "shaped":

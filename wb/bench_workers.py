@@ -161,15 +161,7 @@ def _run(c: _Ctx, result: dict) -> None:
                 closing = [t] if t is not None else []
             end = time.time()
             ok = _same(xp, targets, weights) if role == "rollout" else None
-            links = {}
-            for t in closing:  # how busy each emulated link of this worker was
-                for k, v in getattr(t, "link_stats", dict)().items():
-                    links[k] = {"bytes": links.get(k, {}).get("bytes", 0) + v["bytes"],
-                                "busy_s": links.get(k, {}).get("busy_s", 0) + v["busy_s"],
-                                "span_s": max(links.get(k, {}).get("span_s", 0), v["span_s"]),
-                                "first": min(links.get(k, {}).get("first", v["first"]),
-                                             v["first"]),
-                                "last": max(links.get(k, {}).get("last", 0), v["last"])}
+            links = _merge_links([t.link_stats() for t in closing if hasattr(t, "link_stats")])
             result["runs"].append({"rep": rep, "method": method, "t0": t0, "end": end, "ok": ok,
                                    "links": links})
             for t in closing:
@@ -213,6 +205,22 @@ def _run(c: _Ctx, result: dict) -> None:
             result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "ok": good}
             rx.close()
         c.barrier(f"mode/{mode}/done")
+
+
+def _merge_links(stats: list[dict]) -> dict:
+    """One worker's emulated-link usage over the transports of one run (the broadcast has two,
+    one after the other): bytes and busy time add up, the span runs from the first to the last."""
+    out: dict[str, dict] = {}
+    for st in stats:
+        for k, v in st.items():
+            cur = out.setdefault(k, {"bytes": 0, "busy_s": 0.0, "first": v["first"],
+                                     "last": v["last"]})
+            cur["bytes"] += v["bytes"]
+            cur["busy_s"] += v["busy_s"]
+            cur["first"], cur["last"] = min(cur["first"], v["first"]), max(cur["last"], v["last"])
+    for v in out.values():
+        v["span_s"] = v["last"] - v["first"]
+    return out
 
 
 def _sync(xp):

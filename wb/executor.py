@@ -162,18 +162,8 @@ def _region(xp, flat, f0, na, nb, fa, fb):
 
 
 class _Msg:
-    __slots__ = (
-        "local",
-        "m",
-        "nbytes",
-        "out",
-        "parent",
-        "peer",
-        "stage",
-        "ts",
-        "zc_dst",
-        "zc_src",
-    )
+    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
+                 "local")
 
     def __init__(self, m, stage, peer, nbytes, ts, parent, zc_src, zc_dst, out, local):
         self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
