@@ -69,7 +69,7 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     corr = correspond(trainers, rollouts)
     tab, nodes = slot_table(corr.slots, trainers, rollouts)
-    routes = _route(corr, tab, nodes, cluster)
+    routes = _route(corr, tab, nodes, cluster, chunk_bytes)
     pieces = _cut(corr, tab, chunk_bytes)
     transfers, messages = _expand(corr, tab, routes, pieces, chunk_bytes)
     return Plan(trainers, rollouts, cluster, int(chunk_bytes), corr, pieces, transfers, messages)
@@ -92,7 +92,8 @@ def _key_in(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
     return t[pos] == keys
 
 
-def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster) -> dict:
+def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, chunk_bytes: int
+           ) -> dict:
     """Routes per cell: arrays of (cell, stage, src incidence, dst incidence, parent route, level)."""
     role = tab.role[corr.inc_slot]
     n_cells = corr.cell_id0.size
@@ -181,7 +182,12 @@ def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster) -> dic
         vc = g_cell[v]
         pos_in_cell = np.arange(v.size) - np.searchsorted(vc, vc)
         n_in_cell = np.bincount(vc, minlength=n_cells)[vc]
-        rot = (pos_in_cell - vc % n_in_cell) % n_in_cell  # rotate the start from cell to cell
+        # Rotate the chain's first node from block to block of consecutive cells, a piece's worth
+        # of bytes each: consecutive cells then go the same way and travel in one message
+        # (rotating per cell cut large models into one message per small cell), while the
+        # blocks still spread the first hop over the nodes.
+        block = np.cumsum(cell_bytes) // max(int(chunk_bytes), 1)
+        rot = (pos_in_cell - block[vc] % n_in_cell) % n_in_cell
         chain = v[np.lexsort((rot, vc))]
         cc = g_cell[chain]
         head = np.r_[True, cc[1:] != cc[:-1]]
