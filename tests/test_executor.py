@@ -145,3 +145,26 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     # loop waited for each of those events to pass
     assert len(_SlowEvent.made) == 2 * strided_plan.messages.nbytes.size
     assert all(ev.queries >= 4 for ev in _SlowEvent.made)
+
+
+class _Req:
+    def __init__(self):
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+
+def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
+    from wb.executor import _Inflight, _Msg
+
+    inf = _Inflight()
+    reqs = [_Req() for _ in range(40)]
+    for i, r in enumerate(reqs):  # 2 peers x 20 receives, in posting order
+        inf.add(r, _Msg(i, 1, i % 2, 8, None, -1, True, True, False, False), None)
+    assert len(inf) == 40 and inf.completed(full=False) == []
+    reqs[0].finished = reqs[1].finished = True  # the heads complete: a window poll sees them
+    assert sorted(g.m for _, g, _ in inf.completed(full=False)) == [0, 1]
+    reqs[39].finished = True  # far behind its peer's head: only a full sweep looks there
+    assert inf.completed(full=False) == []
+    assert [g.m for _, g, _ in inf.completed(full=True)] == [39] and len(inf) == 37
