@@ -50,27 +50,17 @@ class _Ctx:
 
     def transport(self, session: str, plan):
         """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
+        from wb.executor import connect, plan_peers
         from wb.transport.shaped import ShapedTransport
         from wb.transport.ucx import UcxTransport
 
-        M = plan.messages
-        mine = (M.src_rank == self.rank) | (M.dst_rank == self.rank)
-        if not mine.any():
+        if not plan_peers(plan, self.rank):
             return None
-        peers = sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist()))
-                       - {self.rank})
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
                          cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
-        # as a Sender/Receiver does at set-up: connect, check every peer runs this plan, and
-        # create the endpoints; the measured runs then skip that round (execute(connected=True))
-        from wb.errors import TransferError
-        from wb.executor import plan_fingerprint
-
-        fp = plan_fingerprint(plan).encode()
-        wrong = sorted(p for p, h in t.connect(peers, hello=fp).items() if h != fp)
-        if wrong:
-            raise TransferError(f"rank {self.rank}: peers {wrong} run another plan")
-        t.prepare(peers)
+        # as a Sender/Receiver does at set-up; the measured runs then skip this round
+        # (execute(connected=True))
+        connect(plan, self.rank, t)
         job = self.job
         if job["links"] == "real":
             return t

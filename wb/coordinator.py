@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from wb.errors import TransferError
-from wb.executor import (DEFAULT_STAGING_BYTES, ExecStats, _abort, _as_array, _check_buffers,
-                         execute, plan_fingerprint)
+from wb.executor import (DEFAULT_STAGING_BYTES, ExecStats, _as_array, _check_buffers, connect,
+                         execute)
 from wb.layout import Layout, Role
 from wb.plan import Plan
 
@@ -147,25 +147,12 @@ class _Worker:
         self.staging, self.name = bool(staging), name
         self.staging_bytes, self.timeout, self.wait_timeout = staging_bytes, timeout, wait_timeout
         self.live = {n: _as_array(n, buffers[n], rank) for n in lay.buffers}
-        M = plan.messages
-        mine = (M.src_rank == rank) | (M.dst_rank == rank)
-        self.peers = sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist()))
-                            - {self.rank})
         self.version = 0
         self.stats: list[UpdateStats] = []
         self._closed = False
         # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
         # for it, and refuse peers that run another plan before any update.
-        fp = plan_fingerprint(plan).encode()
-        hellos = transport.connect(self.peers, hello=fp)
-        wrong = sorted(p for p, h in hellos.items() if h != fp)
-        if wrong:
-            _abort(transport)
-            raise TransferError(f"rank {rank}: peers {wrong} were given a different plan "
-                                f"(fingerprint mismatch); give every worker the same plan")
-        prepare = getattr(transport, "prepare", None)
-        if prepare is not None:
-            prepare(self.peers)
+        self.peers = connect(plan, self.rank, transport)
 
     def _mine(self, plan):
         return plan.trainers if self.role == Role.TRAINER else plan.rollouts

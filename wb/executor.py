@@ -36,7 +36,8 @@ from wb.errors import TransferError
 from wb.layout import Layout
 from wb.plan import Plan
 
-__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "execute", "plan_fingerprint"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "connect", "execute", "plan_fingerprint",
+           "plan_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,38 @@ def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
     return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
 
 
+def plan_peers(plan: Plan, rank: int) -> list[int]:
+    """The ranks ``rank`` exchanges messages with in ``plan``."""
+    M = plan.messages
+    mine = (M.src_rank == rank) | (M.dst_rank == rank)
+    return sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist())) - {rank})
+
+
+def connect(plan: Plan, rank: int, transport) -> list[int]:
+    """Connects ``transport`` to ``rank``'s peers in ``plan``: a hello round through the store in
+    which every peer must show the same plan (fingerprint), then every endpoint, created while
+    each peer is known to be alive (UCX cannot create one to a peer that has died since: with
+    error handling off it aborts). Returns the peers. A :class:`wb.Sender`/:class:`wb.Receiver`
+    does this once at set-up, then runs updates with ``execute(..., connected=True)``.
+
+    Raises:
+        TransferError: a peer runs another plan (refused before any byte moves; the transport is
+            aborted).
+    """
+    peers = plan_peers(plan, rank)
+    fp = plan_fingerprint(plan).encode()
+    wrong = sorted(p for p, h in transport.connect(peers, hello=fp).items() if h != fp)
+    if wrong:
+        _abort(transport)
+        raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
+                            f"mismatch); refusing before sending anything; give every worker the "
+                            f"same plan")
+    prepare = getattr(transport, "prepare", None)
+    if prepare is not None:
+        prepare(peers)
+    return peers
+
+
 def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
             timeout: float = 60.0, tag_base: int = 0, close: bool = True,
@@ -331,22 +364,8 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
     slot_buf = [s.buffer for s in plan.slots]
     slot_rank = np.array([s.rank for s in plan.slots], np.int64)
     mine = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
-    peers = set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist())
-    peers.discard(rank)
     if not connected:
-        fp = plan_fingerprint(plan).encode()
-        hellos = transport.connect(sorted(peers), hello=fp)
-        wrong = sorted(p for p, h in hellos.items() if h != fp)
-        if wrong:
-            _abort(transport)
-            raise TransferError(f"rank {rank}: peers {wrong} run a different plan (fingerprint "
-                                f"mismatch); refusing before sending anything; give every worker "
-                                f"the same plan")
-        # Endpoints now, while every peer is known to be alive (each just said hello): UCX
-        # cannot create an endpoint to a peer that has died since (error handling off aborts).
-        prepare = getattr(transport, "prepare", None)
-        if prepare is not None:
-            prepare(sorted(peers))
+        connect(plan, rank, transport)
     msgs: dict[int, _Msg] = {}
     children: dict[int, list[int]] = {}
     for m in mine.tolist():
