@@ -5,6 +5,7 @@
 # (2) real links (`--devices role --links real`): trainers on GPU 0, rollouts on GPU 1, every
 #     trainer byte crosses NVLink by UCX cuda_ipc, NVLink measured by concurrent probes in the same
 #     run; PROFILE (default gpu-nvlink-large, 11.1 GB) and NVL_REPLICAS (default 1 2 4);
+# MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1 skip parts.
 # (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
 # NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
@@ -14,6 +15,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cpu  # the demo's JAX s
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
 filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
+if [ -n "${MPS:-}" ]; then  # the CUDA MPS daemon (a user process; changes no GPU setting)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$OUT/device.txt"
+fi
 if [ -z "${SKIP_DEMO:-}" ]; then
   for dir in "torch torch" "jax torch"; do
     set -- $dir
@@ -28,5 +34,5 @@ run() {  # name timeout args...
     2> >(filter > "$OUT/${name}_log.txt") | filter > "$OUT/${name}.json"
   echo "== $name"; grep "│" "$OUT/${name}_log.txt" | head -12
 }
-run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4}
+[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4}
 if [ -n "${SPREAD:-}" ]; then run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4; fi

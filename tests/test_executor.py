@@ -168,3 +168,30 @@ def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
     reqs[39].finished = True  # far behind its peer's head: only a full sweep looks there
     assert inf.completed(full=False) == []
     assert [g.m for _, g, _ in inf.completed(full=True)] == [39] and len(inf) == 37
+
+
+@pytest.mark.parametrize("which", ["plan", "strided_plan"])
+def test_mapped_for_marks_exactly_the_mapped_elements(which, request):
+    from wb.testing.multiproc import mapped_for
+
+    p = request.getfixturevalue(which)
+    for lay in (*p.trainers, *p.rollouts):
+        got = mapped_for(p, lay.worker.rank)
+        for name, b in lay.buffers.items():
+            want = b.sourcemap.to_indices() >= 0  # the oracle: one id per element
+            np.testing.assert_array_equal(got[name], want)
+
+
+def test_mapped_for_leaves_padding_unmapped():
+    from types import SimpleNamespace
+
+    from wb.testing.multiproc import mapped_for
+
+    ids = np.arange(40 * 24).reshape(40, 24).T.copy()  # transposed kernel: strided blocks
+    ids[:, 30:] = -1  # padded vocabulary rows: no source
+    ids[5, 3] = -1
+    lay = wb.Layout(wb.Worker(0, "t0", "trainer"),
+                    {"w": wb.BufferSpec(wb.SourceMap.from_indices(ids), "bfloat16")})
+    got = mapped_for(SimpleNamespace(trainers=[lay], rollouts=[]), 0)["w"]
+    np.testing.assert_array_equal(got, ids >= 0)
+    assert 0 < got.sum() < got.size

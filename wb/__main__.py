@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          "trainers on device 0 and rollouts on device 1")
     be.add_argument("--links", choices=("shaped", "real"), default="shaped",
                     help="emulated per-GPU NIC/NVLink rates (default) or the machine's own links")
+    be.add_argument("--modes", nargs="*", choices=("sync", "sender", "receiver", "both"),
+                    default=None, help="sync modes for AGST (default all four; none: EWTT only)")
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
@@ -65,7 +67,7 @@ def _run(args) -> int:
                                                               else "cpu")
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
                            devices=args.devices, links=args.links, quiet=args.json,
-                           out_dir=args.out)
+                           out_dir=args.out, modes=args.modes)
         if args.json:
             print(json.dumps(report))
         return 0 if report["verified"] else 1

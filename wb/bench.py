@@ -136,8 +136,15 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
                   f"{prof['nvlink_MBps']:g} MB/s per GPU")
     for R in replicas:
         console.log(f"{R} replica(s): planning")
-        report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
-                                             console, timeout, devices=devices, links=links)
+        one = report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
+                                                   console, timeout, devices=devices, links=links)
+        if one.get("ewtt_s"):
+            console.log(f"{R} replica(s): wb {one['ewtt_s']['wb']:.3f} s, ideal "
+                        f"{one['ideal_s']:.3f} s ({one['ewtt_over_ideal']:.2f}x), bit-identical: "
+                        f"{'yes' if one['verified'] else 'NO'}")
+        if out_dir:  # what is measured so far survives a later replica count that times out
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            Path(out_dir, "bench.json").write_text(json.dumps(report, indent=1))
     last = report["by_replicas"][str(max(replicas))]
     report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
                                             "ewtt_over_ideal", "agst_s",

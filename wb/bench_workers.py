@@ -160,10 +160,9 @@ def _run(c: _Ctx, result: dict) -> None:
 
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
     import wb
-    from wb.testing.multiproc import version_bits
+    from wb.testing.multiproc import mapped_for, version_bits
 
-    mapped = ({k: xp.asarray(b.sourcemap.to_indices() >= 0) for k, b in lay.buffers.items()}
-              if role else {})
+    mapped = mapped_for(P["wb"], rank, xp) if role else {}
     for mode in job["modes"]:
         send, recv = wb.MODES[mode]
         t = c.transport(f"mode/{mode}", P["wb"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["weight_bits", "buffers_for", "Fault", "run_ranks", "child_main", "raw_throughput"]
+__all__ = ["weight_bits", "buffers_for", "mapped_for", "Fault", "run_ranks", "child_main", "raw_throughput"]
 
 
 def weight_bits(ids, dtype: np.dtype, xp=np):
@@ -62,6 +62,22 @@ def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
                 v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
         # CuPy has no bfloat16/float8: device buffers of those stay raw integer bits
         out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
+    return out
+
+
+def mapped_for(plan, rank: int, xp=np) -> dict:
+    """Which elements of this rank's buffers the source map covers (bool arrays, made on the host
+    or the device block by block: no id per element is ever materialised, so it scales to
+    multi-GB buffers)."""
+    lay = next(lay for lay in (*plan.trainers, *plan.rollouts) if lay.worker.rank == rank)
+    out = {}
+    for name, b in lay.buffers.items():
+        m = xp.zeros(b.shape, dtype=bool)
+        v = m.reshape(b.sourcemap.view2d)
+        bl = b.sourcemap.blocks
+        for r0, c0, nr, nc in zip(bl.r0.tolist(), bl.c0.tolist(), bl.nr.tolist(), bl.nc.tolist()):
+            v[r0:r0 + nr, c0:c0 + nc] = True
+        out[name] = m
     return out
 
 
@@ -294,7 +310,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             transport = _FaultyTransport(transport, fault)
         base = buffers_for(plan, rank, fill=True)
         lay = next(x for x in (*plan.trainers, *plan.rollouts) if x.worker.rank == rank)
-        mapped = {k: b.sourcemap.to_indices() >= 0 for k, b in lay.buffers.items()}
+        mapped = mapped_for(plan, rank)
         kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
         if trainer:
             bufs = {k: v.copy() for k, v in base.items()}
