@@ -28,3 +28,28 @@ def test_bench_quick_json():
     for method in ("wb", "p2p", "broadcast"):
         out_nic = four["link_usage"][method]["out/nic"]
         assert 0 < out_nic["busiest_busy_s"] <= out_nic["busiest_span_s"] + 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
+    """`--links real` between host processes, no AGST (`--modes` with none): the ideal is
+    max(stage-1 bytes / measured trainer->rollout rate, forwarded bytes / measured rollout rate),
+    recomputed here from the plan; the partial bench.json is written."""
+    import wb
+    from wb.bench import PROFILES, _config, _deployment
+
+    out = subprocess.run([sys.executable, "-m", "wb", "bench", "--quick", "--json", "--replicas",
+                          "2", "--links", "real", "--modes", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    two = r["by_replicas"]["2"]
+    assert r["verified"] is True and "sync" not in r["agst_s"]
+    prof = PROFILES["quick"]
+    trainers, rollouts = _deployment(_config(prof["preset"], prof["scale"]),
+                                     gpus=prof["gpus_per_node"], replicas=2)
+    M = wb.plan(trainers, rollouts, chunk_bytes=prof["chunk_kib"] << 10).messages
+    want = max(M.nbytes[M.stage == 1].sum() / (two["measured_nic_MBps"] * 1e6),
+               M.nbytes[M.stage != 1].sum() / (two["measured_nvlink_MBps"] * 1e6))
+    assert two["ideal_s"] == pytest.approx(want, rel=1e-9)
+    assert json.loads((tmp_path / "bench.json").read_text())["by_replicas"]["2"]["verified"]

@@ -206,8 +206,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
-                      probe_bytes=chunk, probe_reps=max(8, int(prof["nic_MBps"] * 1e6 * 0.5
-                                                            // chunk)))
+                      probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda))
         from wb.bench_workers import bench_main
 
         ctx = mp.get_context("spawn")
@@ -236,6 +235,18 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
             res[r] = json.loads(f.read_text()) if f.exists() else {"ok": False, "error":
                                                                     "no result (timed out)"}
     return _summarize(plans, res, ranks, R, modes, prof, links)
+
+
+def _probe_reps(prof: dict, chunk: int, links: str, cuda) -> int:
+    """Messages per probe pair: half a second at the emulated NIC rate (shaped links); on real
+    links 16 GB per pair between GPUs (~0.25 s per pair when 4 pairs share the ~270 GB/s that wb reached over NVLink) or
+    0.5 GB between host processes, so that the barrier's skew between pairs (a few ms) and the
+    first message's set-up weigh little against the probe."""
+    if links == "shaped":
+        want = prof["nic_MBps"] * 1e6 * 0.5
+    else:
+        want = 16e9 if cuda is not None else 0.5e9
+    return max(8, -(-int(want) // chunk))
 
 
 def _probe_pairs(trainers, rollouts, links):

@@ -233,6 +233,11 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int]) -> dict:
         t, gpu_of=c.gpu_of, nic_Bps=job["nic_Bps"], nvlink_Bps=job["nvlink_Bps"])
     n, reps = job["probe_bytes"], job["probe_reps"]
     bufs = [xp.ones(n, xp.uint8) for _ in range(4)]
+    post = st.send if c.rank == a else st.recv
+    for r in [post(peer, buf, 900 + i) for i, buf in enumerate(bufs)]:
+        while not r.done():  # warm-up, untimed: first use of each buffer (CUDA IPC handles)
+            time.sleep(1e-5)
+    _sync(xp)
     _barrier(c.store, f"probe/{kind}/go", everyone, c.rank, c.timeout)
     t0 = time.time()
     pending = []
@@ -241,7 +246,6 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int]) -> dict:
             while not pending[0].done():
                 time.sleep(1e-5)
             pending.pop(0)
-        post = st.send if c.rank == a else st.recv
         pending.append(post(peer, bufs[i % 4], 1000 + i))
     for r in pending:
         while not r.done():
