@@ -309,7 +309,6 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
         if fault.die_after is not None:
             transport = _FaultyTransport(transport, fault)
         base = buffers_for(plan, rank, fill=True)
-        lay = next(x for x in (*plan.trainers, *plan.rollouts) if x.worker.rank == rank)
         mapped = mapped_for(plan, rank)
         kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
         if trainer:
