@@ -5,7 +5,8 @@
 # (2) real links (`--devices role --links real`): trainers on GPU 0, rollouts on GPU 1, every
 #     trainer byte crosses NVLink by UCX cuda_ipc, NVLink measured by concurrent probes in the same
 #     run; PROFILE (default gpu-nvlink-large, 11.1 GB) and NVL_REPLICAS (default 1 2 4);
-# MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1 skip parts.
+# MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1 skip parts;
+# NVL_MODES: AGST modes of (2) (default all four; none: EWTT only, for the 11.1 GB profile).
 # (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
 # NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
@@ -34,5 +35,6 @@ run() {  # name timeout args...
     2> >(filter > "$OUT/${name}_log.txt") | filter > "$OUT/${name}.json"
   echo "== $name"; grep "│" "$OUT/${name}_log.txt" | head -12
 }
-[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4}
+modes=(); if [ "${NVL_MODES:-}" = none ]; then modes=(--modes); elif [ -n "${NVL_MODES:-}" ]; then modes=(--modes $NVL_MODES); fi
+[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4} "${modes[@]}"
 if [ -n "${SPREAD:-}" ]; then run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4; fi
