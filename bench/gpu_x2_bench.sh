@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the 2-GPU device machine (nvidia-h200-x2). Needs .whl/ (carried); writes to $OUT.
-# (1) the demo with PyTorch processes on the GPUs (`--cuda`: a node's local rank r on GPU r, so its
+# (1) the demo with PyTorch processes on the GPUs (`--cuda`: local rank r on GPU r mod 2, so its
 #     stage 3 crosses NVLink): torch -> torch, then JAX (CPU) -> torch (GPUs);
 # (2) real links (`--devices role --links real`): trainers on GPU 0, rollouts on GPU 1, every
 #     trainer byte crosses NVLink by UCX cuda_ipc, NVLink measured by concurrent probes in the same
