@@ -239,9 +239,9 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
 
 def _probe_reps(prof: dict, chunk: int, links: str, cuda) -> int:
     """Messages per probe pair: half a second at the emulated NIC rate (shaped links); on real
-    links 16 GB per pair between GPUs (~0.25 s per pair when 4 pairs share the ~270 GB/s that wb reached over NVLink) or
-    0.5 GB between host processes, so that the barrier's skew between pairs (a few ms) and the
-    first message's set-up weigh little against the probe."""
+    links 16 GB per pair between GPUs (~0.25 s per pair when 4 pairs share the ~270 GB/s that wb
+    reached over NVLink) or 0.5 GB between host processes, so that the barrier's skew between
+    pairs (a few ms) and the first message's set-up weigh little against the probe."""
     if links == "shaped":
         want = prof["nic_MBps"] * 1e6 * 0.5
     else:

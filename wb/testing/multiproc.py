@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["weight_bits", "buffers_for", "mapped_for", "Fault", "run_ranks", "child_main", "raw_throughput"]
+from wb.executor import _layout_of
+
+__all__ = ["weight_bits", "buffers_for", "mapped_for", "Fault", "run_ranks", "child_main",
+           "raw_throughput"]
 
 
 def weight_bits(ids, dtype: np.dtype, xp=np):
@@ -44,7 +47,7 @@ def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
     (``fill``, element by element from the source map's blocks, one block at a time) or zeros."""
     from wb.dtypes import dtype_info
 
-    lay = next(lay for lay in (*plan.trainers, *plan.rollouts) if lay.worker.rank == rank)
+    lay = _layout_of(plan, rank)
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
@@ -69,7 +72,7 @@ def mapped_for(plan, rank: int, xp=np) -> dict:
     """Which elements of this rank's buffers the source map covers (bool arrays, made on the host
     or the device block by block: no id per element is ever materialised, so it scales to
     multi-GB buffers)."""
-    lay = next(lay for lay in (*plan.trainers, *plan.rollouts) if lay.worker.rank == rank)
+    lay = _layout_of(plan, rank)
     out = {}
     for name, b in lay.buffers.items():
         m = xp.zeros(b.shape, dtype=bool)
