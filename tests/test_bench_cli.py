@@ -53,3 +53,19 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
                M.nbytes[M.stage != 1].sum() / (two["measured_nvlink_MBps"] * 1e6))
     assert two["ideal_s"] == pytest.approx(want, rel=1e-9)
     assert json.loads((tmp_path / "bench.json").read_text())["by_replicas"]["2"]["verified"]
+
+
+def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):
+    import os
+
+    from wb.bench import _last_barrier
+    from wb.rendezvous import DirectoryStore
+
+    store = DirectoryStore(str(tmp_path))
+    for t, key in enumerate(["b/probe-setup/3", "b/0/wb/3", "b/0/wb/13", "b/1/p2p/13"]):
+        store.set(key, b"1")
+        f = tmp_path / key.replace("/", "%")
+        os.utime(f, (1000 + t, 1000 + t))
+    assert _last_barrier(tmp_path, 3) == "0/wb"
+    assert _last_barrier(tmp_path, 13) == "1/p2p"
+    assert _last_barrier(tmp_path, 4) == "none"

@@ -224,7 +224,9 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                 done = len(glob.glob(str(work / "store" / f"b%*%{ranks[-1]}")))
                 bar.update(task, completed=min(done // 2, n_steps))
                 time.sleep(0.2)
-        console.log(f"processes done in {time.perf_counter() - t0:.1f} s")
+        late = time.perf_counter() - t0 >= timeout
+        console.log(f"processes {'timed out' if late else 'done'} in "
+                    f"{time.perf_counter() - t0:.1f} s")
         for p in procs:
             p.join(1)
             if p.is_alive():
@@ -232,9 +234,19 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         res = {}
         for r in ranks:
             f = work / "results" / f"{r}.json"
-            res[r] = json.loads(f.read_text()) if f.exists() else {"ok": False, "error":
-                                                                    "no result (timed out)"}
+            res[r] = json.loads(f.read_text()) if f.exists() else {
+                "ok": False, "error": f"no result ({'timed out' if late else 'exited'}; last "
+                                      f"barrier passed: {_last_barrier(work / 'store', r)})"}
     return _summarize(plans, res, ranks, R, modes, prof, links)
+
+
+def _last_barrier(store_dir: Path, rank: int) -> str:
+    """The newest barrier key that ``rank`` reached (where a run that timed out got stuck)."""
+    files = glob.glob(str(store_dir / f"b%*%{rank}"))
+    if not files:
+        return "none"
+    key = Path(max(files, key=lambda f: Path(f).stat().st_mtime)).name
+    return key[len("b%"):-len(f"%{rank}")].replace("%", "/")
 
 
 def _probe_reps(prof: dict, chunk: int, links: str, cuda) -> int:
