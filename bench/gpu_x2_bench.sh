@@ -21,6 +21,10 @@ if [ -n "${MPS:-}" ]; then  # the CUDA MPS daemon (a user process; changes no GP
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$OUT/device.txt"
 fi
+# warm CuPy's kernel cache in a small run first, so that the timed runs' processes do not all
+# compile the same kernels at once on a fresh machine
+timeout 120 python3 -m wb bench --quick --cuda 0 --replicas 1 --modes --json 2>/dev/null | tail -c 200
+echo "== warm-up done"
 if [ -z "${SKIP_DEMO:-}" ]; then
   for dir in "torch torch" "jax torch"; do
     set -- $dir
