@@ -52,6 +52,9 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
     want = max(M.nbytes[M.stage == 1].sum() / (two["measured_nic_MBps"] * 1e6),
                M.nbytes[M.stage != 1].sum() / (two["measured_nvlink_MBps"] * 1e6))
     assert two["ideal_s"] == pytest.approx(want, rel=1e-9)
+    # trainer pairs and the free rollouts' pairs measured at once as well
+    assert set(two["measured_together_MBps"]) == {"nic", "nvlink"}
+    assert min(two["measured_together_MBps"].values()) > 0
     assert json.loads((tmp_path / "bench.json").read_text())["by_replicas"]["2"]["verified"]
 
 
@@ -69,3 +72,22 @@ def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):
     assert _last_barrier(tmp_path, 3) == "0/wb"
     assert _last_barrier(tmp_path, 13) == "1/p2p"
     assert _last_barrier(tmp_path, 4) == "none"
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_probe_pairs_keep_each_rank_in_one_pair_per_phase(replicas):
+    from wb.bench import PROFILES, _config, _deployment, _probe_pairs
+
+    prof = PROFILES["gpu-nvlink"]
+    trainers, rollouts = _deployment(_config(prof["preset"], prof["scale"]),
+                                     gpus=prof["gpus_per_node"], replicas=replicas)
+    pairs = _probe_pairs(trainers, rollouts, "real")
+    phases: dict[str, list] = {}
+    for kind, ps in pairs.items():
+        phases.setdefault(kind.split(":")[0], []).extend(x for p in ps for x in p)
+    for ranks in phases.values():
+        assert len(ranks) == len(set(ranks))  # one probe per rank at a time
+    t = {lay.worker.rank for lay in trainers}
+    assert all(a in t and b not in t for a, b in pairs["nic"])
+    assert ("together:nvlink" in pairs) == (replicas > 1)
+    assert not {x for p in pairs.get("together:nvlink", []) for x in p} & t

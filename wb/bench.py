@@ -272,7 +272,15 @@ def _probe_pairs(trainers, rollouts, links):
         return {"nic": [(t[0], r[0])], "nvlink": [(r[0], r[1])]}
     k = min(len(t), len(r))
     half = len(r) // 2
-    return {"nic": list(zip(t[:k], r[:k])), "nvlink": list(zip(r[:half], r[half:2 * half]))}
+    pairs = {"nic": list(zip(t[:k], r[:k])), "nvlink": list(zip(r[:half], r[half:2 * half]))}
+    # both at once (kinds "together:..." share one start): the trainer pairs again, with the
+    # rollouts they leave free copying among themselves, to see whether the two kinds of traffic
+    # slow each other (on two GPUs, several replicas' forwards and NVLink land on one GPU)
+    rest = r[k:]
+    if len(rest) >= 2:
+        pairs["together:nic"] = pairs["nic"]
+        pairs["together:nvlink"] = list(zip(rest[:len(rest) // 2], rest[len(rest) // 2:]))
+    return pairs
 
 
 def _aggregate(res, kind) -> float:
@@ -323,8 +331,11 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
         inside = int(M.nbytes[M.stage != 1].sum())
         ideal = max(cross / nic, inside / nvl)
     med = {m: float(np.median(v)) for m, v in ewtt.items()}
+    together = {k.split(":")[1]: _aggregate(res, k) / 1e6
+                for k in ("together:nic", "together:nvlink")
+                if any(k in x["probe"] for x in res.values())}
     out.update(ewtt_s=med, ewtt_runs_s=ewtt, ideal_s=ideal, measured_nic_MBps=nic / 1e6,
-               measured_nvlink_MBps=nvl / 1e6,
+               measured_nvlink_MBps=nvl / 1e6, measured_together_MBps=together or None,
                speedup_vs_broadcast=med["broadcast"] / med["wb"] if "broadcast" in med else None,
                speedup_vs_p2p=med["p2p"] / med["wb"] if "p2p" in med else None,
                ewtt_over_ideal=med["wb"] / ideal,

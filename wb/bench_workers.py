@@ -116,11 +116,16 @@ def _run(c: _Ctx, result: dict) -> None:
 
     # --- the emulated links, measured: NIC (across nodes) and NVLink (within a node) ----------
     c.barrier("probe-setup")
-    for kind, pairs in job["probe_pairs"].items():  # concurrent pairs per kind
-        for a, b in pairs:
-            if rank in (a, b):
-                result["probe"][kind] = _probe(c, kind, a, b, [x for p in pairs for x in p])
-        c.barrier(f"probe-{kind}")
+    phases: dict[str, dict] = {}  # the pairs of a kind run at once; "x:..." kinds with phase x
+    for kind, pairs in job["probe_pairs"].items():
+        phases.setdefault(kind.split(":")[0], {})[kind] = pairs
+    for phase, kinds in phases.items():
+        everyone = [x for pairs in kinds.values() for p in pairs for x in p]
+        for kind, pairs in kinds.items():
+            for a, b in pairs:
+                if rank in (a, b):
+                    result["probe"][kind] = _probe(c, kind, a, b, everyone, phase)
+        c.barrier(f"probe-{phase}")
 
     # --- EWTT: wb, naive P2P, broadcast (gather, broadcast, load), rotating order ---------------
     methods = list(job["methods"])
@@ -217,9 +222,10 @@ def _sync(xp):
         xp.cuda.get_current_stream().synchronize()
 
 
-def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int]) -> dict:
+def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int], phase: str) -> dict:
     """Plain sends of ``probe_bytes`` from ``a`` to ``b`` through the benchmark's transport (shaped
-    or not), 4 in flight, all pairs of ``kind`` at once: a link's rate as the executor sees it."""
+    or not), 4 in flight, all pairs of the probe's ``phase`` at once: a link's rate as the
+    executor sees it."""
     from wb.transport.shaped import ShapedTransport
     from wb.transport.ucx import UcxTransport
 
@@ -238,7 +244,7 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int]) -> dict:
         while not r.done():  # warm-up, untimed: first use of each buffer (CUDA IPC handles)
             time.sleep(1e-5)
     _sync(xp)
-    _barrier(c.store, f"probe/{kind}/go", everyone, c.rank, c.timeout)
+    _barrier(c.store, f"probe/{phase}/go", everyone, c.rank, c.timeout)
     t0 = time.time()
     pending = []
     for i in range(reps):
