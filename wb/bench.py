@@ -143,8 +143,7 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
                         f"{one['ideal_s']:.3f} s ({one['ewtt_over_ideal']:.2f}x), bit-identical: "
                         f"{'yes' if one['verified'] else 'NO'}")
         if out_dir:  # what is measured so far survives a later replica count that times out
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            Path(out_dir, "bench.json").write_text(json.dumps(report, indent=1))
+            _save(report, out_dir)
     last = report["by_replicas"][str(max(replicas))]
     report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
                                             "ewtt_over_ideal", "agst_s",
@@ -152,10 +151,14 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     report["verified"] = all(r["verified"] for r in report["by_replicas"].values())
     _print(report, console)
     if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, "bench.json").write_text(json.dumps(report, indent=1))
+        _save(report, out_dir)
         _plot(report, Path(out_dir, "bench.png"))
     return report
+
+
+def _save(report: dict, out_dir: str) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, "bench.json").write_text(json.dumps(report, indent=1))
 
 
 def _device_of(rank: int, role: str, cuda, devices: str):
@@ -221,7 +224,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
             while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:
-                done = len(glob.glob(str(work / "store" / f"b%*%{ranks[-1]}")))
+                done = len(_barrier_files(work / "store", ranks[-1]))
                 bar.update(task, completed=min(done // 2, n_steps))
                 time.sleep(0.2)
         late = time.perf_counter() - t0 >= timeout
@@ -240,9 +243,14 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
     return _summarize(plans, res, ranks, R, modes, prof, links)
 
 
+def _barrier_files(store_dir: Path, rank: int) -> list[str]:
+    """The files of the barriers (``bench_workers._Ctx.barrier``) that ``rank`` reached."""
+    return glob.glob(str(store_dir / f"b%*%{rank}"))  # DirectoryStore: "/" in a key is "%"
+
+
 def _last_barrier(store_dir: Path, rank: int) -> str:
     """The newest barrier key that ``rank`` reached (where a run that timed out got stuck)."""
-    files = glob.glob(str(store_dir / f"b%*%{rank}"))
+    files = _barrier_files(store_dir, rank)
     if not files:
         return "none"
     key = Path(max(files, key=lambda f: Path(f).stat().st_mtime)).name
