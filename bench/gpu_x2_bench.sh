@@ -5,8 +5,9 @@
 # (2) real links (`--devices role --links real`): trainers on GPU 0, rollouts on GPU 1, every
 #     trainer byte crosses NVLink by UCX cuda_ipc, NVLink measured by concurrent probes in the same
 #     run; PROFILE (default gpu-nvlink-large, 11.1 GB) and NVL_REPLICAS (default 1 2 4);
-# MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1 skip parts;
-# NVL_MODES: AGST modes of (2) (default all four; none: EWTT only, for the 11.1 GB profile).
+# MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1, SKIP_WARMUP=1 skip parts;
+# NVL_MODES: AGST modes of (2) (default all four; none: EWTT only, for the 11.1 GB profile);
+# TRACE=1: (2) also writes every rank's per-message times (trace_rR.json).
 # (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
 # NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
@@ -23,8 +24,10 @@ if [ -n "${MPS:-}" ]; then  # the CUDA MPS daemon (a user process; changes no GP
 fi
 # warm CuPy's kernel cache in a small run first, so that the timed runs' processes do not all
 # compile the same kernels at once on a fresh machine
-timeout 120 python3 -m wb bench --quick --cuda 0 --replicas 1 --modes --json 2>/dev/null | tail -c 200
-echo "== warm-up done"
+if [ -z "${SKIP_WARMUP:-}" ]; then  # SKIP_WARMUP=1: the machine already ran it (a warm call)
+  timeout 120 python3 -m wb bench --quick --cuda 0 --replicas 1 --modes --json 2>/dev/null | tail -c 200
+  echo "== warm-up done"
+fi
 if [ -z "${SKIP_DEMO:-}" ]; then
   for dir in "torch torch" "jax torch"; do
     set -- $dir
@@ -40,5 +43,5 @@ run() {  # name timeout args...
   echo "== $name"; grep "│" "$OUT/${name}_log.txt" | head -12
 }
 modes=(); if [ "${NVL_MODES:-}" = none ]; then modes=(--modes); elif [ -n "${NVL_MODES:-}" ]; then modes=(--modes $NVL_MODES); fi
-[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4} "${modes[@]}"
+[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4} "${modes[@]}" ${TRACE:+--trace}
 if [ -n "${SPREAD:-}" ]; then run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4; fi

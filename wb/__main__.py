@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--modes", nargs="*", choices=("sync", "sender", "receiver", "both"),
                     default=None, help="sync modes for AGST (default all four; none: EWTT only)")
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
+    be.add_argument("--trace", action="store_true",
+                    help="with --out: also write every rank's per-message times of its last wb "
+                         "run (trace_rR.json)")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     from wb.errors import SpecError
@@ -67,7 +70,7 @@ def _run(args) -> int:
                                                               else "cpu")
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
                            devices=args.devices, links=args.links, quiet=args.json,
-                           out_dir=args.out, modes=args.modes)
+                           out_dir=args.out, modes=args.modes, trace=args.trace)
         if args.json:
             print(json.dumps(report))
         return 0 if report["verified"] else 1

@@ -66,12 +66,12 @@ PROFILES: dict[str, dict] = {
     # processes; the broadcast (a whole copy of the model per rollout GPU) does not fit there
     "gpu-nvlink": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
                        scale=dict(num_hidden_layers=8, num_experts=32, vocab_size=32768),
-                       nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=3,
+                       nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=4,
                        steps=2, train_s=1.0, gen_s=0.02, methods=("wb", "p2p")),
     # the same with 4x the layers (11.6 GB): per-message costs weigh less against the transfer
     "gpu-nvlink-large": dict(preset="qwen3-30b-a3b", gpus_per_node=4,
                              scale=dict(num_hidden_layers=32, num_experts=32, vocab_size=32768),
-                             nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=3,
+                             nic_MBps=2000.0, nvlink_MBps=18000.0, chunk_kib=65536, repeats=4,
                              steps=2, train_s=1.0, gen_s=0.02, methods=("wb", "p2p")),
 }
 
@@ -93,7 +93,8 @@ def _deployment(cfg: dict, *, gpus: int, replicas: int):
 
 def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = None,
               devices: str = "one", links: str = "shaped", modes=None, quiet: bool = False,
-              out_dir: str | None = None, timeout: float = 900.0, **overrides) -> dict:
+              out_dir: str | None = None, timeout: float = 900.0, trace: bool = False,
+              **overrides) -> dict:
     """Runs the benchmark; returns its report (what ``--json`` prints last).
 
     Args:
@@ -110,11 +111,16 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         quiet: print nothing.
         out_dir: also write ``bench.json`` (and ``bench.png`` with matplotlib) there.
         timeout: seconds allowed per replica count.
+        trace: with ``out_dir``, also write ``trace_r{R}.json``: every rank's per-message times in
+            its last wb run (:func:`wb.executor.execute`'s ``trace``), for finding where an
+            update's time goes.
         overrides: any :data:`PROFILES` field.
     """
     if devices not in ("one", "spread", "role") or links not in ("shaped", "real"):
         raise wb.SpecError(f"devices must be one/spread/role and links shaped/real, got "
                            f"{devices!r}, {links!r}")
+    if trace and not out_dir:
+        raise wb.SpecError("trace needs out_dir (the traces are written there)")
     if profile not in PROFILES:
         raise wb.SpecError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     prof = dict(PROFILES[profile], **overrides)
@@ -137,7 +143,12 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     for R in replicas:
         console.log(f"{R} replica(s): planning")
         one = report["by_replicas"][str(R)] = _one(cfg, spec, G, R, prof, cluster, modes, cuda,
-                                                   console, timeout, devices=devices, links=links)
+                                                   console, timeout, devices=devices, links=links,
+                                                   trace=trace)
+        traces = one.pop("traces", None)
+        if traces:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            Path(out_dir, f"trace_r{R}.json").write_text(json.dumps(traces))
         if one.get("ewtt_s"):
             console.log(f"{R} replica(s): wb {one['ewtt_s']['wb']:.3f} s, ideal "
                         f"{one['ideal_s']:.3f} s ({one['ewtt_over_ideal']:.2f}x), bit-identical: "
@@ -177,7 +188,7 @@ def _device_of(rank: int, role: str, cuda, devices: str):
 
 
 def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devices="one",
-         links="shaped") -> dict:
+         links="shaped", trace=False) -> dict:
     trainers, rollouts = _deployment(cfg, gpus=G, replicas=R)
     chunk = prof["chunk_kib"] << 10
     gather_rank = G
@@ -209,7 +220,8 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
-                      probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda))
+                      probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda),
+                      trace=trace)
         from wb.bench_workers import bench_main
 
         ctx = mp.get_context("spawn")
@@ -220,12 +232,15 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         t0 = time.perf_counter()
         for p in procs:
             p.start()
-        n_steps = 3 * prof["repeats"] + len(modes) + 3
+        # the barriers each rank passes (bench_workers._run): the probe's set-up and phases, two
+        # per run, one after the runs, two per sync mode
+        phases = {k.split(":")[0] for k in common["probe_pairs"]}
+        n_steps = 1 + len(phases) + 2 * len(common["methods"]) * prof["repeats"] + 1 + 2 * len(modes)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
             while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:
                 done = len(_barrier_files(work / "store", ranks[-1]))
-                bar.update(task, completed=min(done // 2, n_steps))
+                bar.update(task, completed=min(done, n_steps))
                 time.sleep(0.2)
         late = time.perf_counter() - t0 >= timeout
         console.log(f"processes {'timed out' if late else 'done'} in "
@@ -240,7 +255,10 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
             res[r] = json.loads(f.read_text()) if f.exists() else {
                 "ok": False, "error": f"no result ({'timed out' if late else 'exited'}; last "
                                       f"barrier passed: {_last_barrier(work / 'store', r)})"}
-    return _summarize(plans, res, ranks, R, modes, prof, links)
+    out = _summarize(plans, res, ranks, R, modes, prof, links)
+    if trace:
+        out["traces"] = {str(r): x["msg_trace"] for r, x in res.items() if x.get("msg_trace")}
+    return out
 
 
 def _barrier_files(store_dir: Path, rank: int) -> list[str]:
@@ -311,7 +329,7 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     ewtt: dict[str, list[float]] = {}
     verified = True
     failed = []
-    for (method, rep), rs in runs.items():
+    for (method, rep), rs in sorted(runs.items()):
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - max(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
         failed += [f"{method} run {rep}" for r in rs if r["ok"] is False][:1]
@@ -338,11 +356,14 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
         cross = int(M.nbytes[M.stage == 1].sum())
         inside = int(M.nbytes[M.stage != 1].sum())
         ideal = max(cross / nic, inside / nvl)
-    med = {m: float(np.median(v)) for m, v in ewtt.items()}
+    # a method's first run also sets up its transports' first use (CUDA IPC mappings, ...);
+    # the later ones are the steady state of a Sender/Receiver, whose median is the EWTT
+    med = {m: float(np.median(v[1:] if len(v) > 1 else v)) for m, v in ewtt.items()}
     together = {k.split(":")[1]: _aggregate(res, k) / 1e6
                 for k in ("together:nic", "together:nvlink")
                 if any(k in x["probe"] for x in res.values())}
-    out.update(ewtt_s=med, ewtt_runs_s=ewtt, ideal_s=ideal, measured_nic_MBps=nic / 1e6,
+    out.update(ewtt_s=med, ewtt_runs_s=ewtt, ewtt_first_s={m: v[0] for m, v in ewtt.items()},
+               ideal_s=ideal, measured_nic_MBps=nic / 1e6,
                measured_nvlink_MBps=nvl / 1e6, measured_together_MBps=together or None,
                speedup_vs_broadcast=med["broadcast"] / med["wb"] if "broadcast" in med else None,
                speedup_vs_p2p=med["p2p"] / med["wb"] if "p2p" in med else None,

@@ -318,7 +318,7 @@ def connect(plan: Plan, rank: int, transport) -> list[int]:
 def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
             timeout: float = 60.0, tag_base: int = 0, close: bool = True,
-            connected: bool = False) -> ExecStats:
+            connected: bool = False, trace: list | None = None) -> ExecStats:
     """Runs ``rank``'s part of ``plan``: its sends, receives, local copies and forwards.
 
     Args:
@@ -336,6 +336,11 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             were checked to run this same plan (a :class:`wb.Sender` / :class:`wb.Receiver` does
             that once, at set-up): skip the hello round through the store (one round trip per
             call).
+        trace: a list to append one ``(message, stage, peer, outgoing, nbytes, ready, posted,
+            done)`` tuple per message of this rank to, times as ``time.time()`` (comparable across
+            the processes of one host): ``ready`` when its data was here (a forward: its parent
+            landed), ``posted`` when handed to the transport (after packing), ``done`` when it
+            completed (a receive: after unpacking). For finding where an update's time goes.
 
     Returns:
         :class:`ExecStats`.
@@ -353,13 +358,15 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         with next(iter(flat.values())).device:
             return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
                             timeout=timeout, tag_base=tag_base, close=close,
-                            connected=connected)
+                            connected=connected, trace=trace)
     return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
-                    timeout=timeout, tag_base=tag_base, close=close, connected=connected)
+                    timeout=timeout, tag_base=tag_base, close=close, connected=connected,
+                    trace=trace)
 
 
 def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes: int,
-             timeout: float, tag_base: int, close: bool, connected: bool) -> ExecStats:
+             timeout: float, tag_base: int, close: bool, connected: bool,
+             trace: list | None) -> ExecStats:
     M, T, P = plan.messages, plan.transfers, plan.pieces
     slot_buf = [s.buffer for s in plan.slots]
     slot_rank = np.array([s.rank for s in plan.slots], np.int64)
@@ -424,6 +431,12 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
             o += n
 
+    marks: dict[int, list] = {}  # trace: message -> [ready, posted, done]
+
+    def mark(m: int, i: int) -> None:
+        if trace is not None:
+            marks.setdefault(m, [None, None, None])[i] = time.time()
+
     recv_budget = send_budget = max(staging_bytes // 2, 1)
     staged = {"recv": 0, "send": 0}
     peak = 0
@@ -435,6 +448,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
         g = msgs[m]
         if g.zc_dst:
             inflight.add(transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g, None)
+            mark(m, 1)
     staged_in = [m for m in order_in if not msgs[m].zc_dst]
     # Sends go out as their data is here (a forward once its parent arrived), in the order of
     # `_schedule`; packed ones within the staging budget.
@@ -445,6 +459,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             n_out += 1
             if g.parent < 0:
                 heapq.heappush(ready, (when[m], m))
+                mark(m, 0)
     sent_out = 0
     next_in = 0
     stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
@@ -461,6 +476,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             staged["recv"] -= g.nbytes
         stats["received"] += g.nbytes
         stats["mrecv"] += 1
+        mark(g.m, 2)
         complete(g.m)
 
     def after(ev, what: str, g: _Msg, buf):
@@ -469,8 +485,10 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             fenced.append((ev, what, g, buf))
         elif what == "send":
             inflight.add(transport.send(g.peer, buf, tag_base + g.m), g, buf)
+            mark(g.m, 1)
         elif what == "local":
             stats["local"] += g.nbytes
+            mark(g.m, 2)
             complete(g.m)
         else:
             landed(g, buf)
@@ -479,6 +497,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
         done.add(m)
         for c in children.get(m, ()):
             heapq.heappush(ready, (when[c], c))
+            mark(c, 0)
 
     try:
         while True:
@@ -490,6 +509,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                     break
                 buf = xp.empty(g.nbytes, dtype=xp.uint8)
                 inflight.add(transport.recv(g.peer, buf, tag_base + g.m), g, buf)
+                mark(g.m, 1)
                 staged["recv"] += g.nbytes
                 next_in += 1
                 progressed = True
@@ -503,6 +523,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 sent_out += 1
                 progressed = True
                 if g.local:
+                    mark(g.m, 1)
                     for t in g.ts:
                         dst_view(t)[...] = src_view(t)
                     after(fence(), "local", g, None)
@@ -513,6 +534,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 else:
                     inflight.add(transport.send(g.peer, contiguous_bytes(g, "src"),
                                                 tag_base + g.m), g, None)
+                    mark(g.m, 1)
             peak = max(peak, staged["recv"] + staged["send"])
             # completions: the head of each peer's FIFO; everything now and then, and when idle
             polls += 1
@@ -521,6 +543,7 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
                 if g.out:
                     stats["sent"] += g.nbytes
                     stats["msent"] += 1
+                    mark(g.m, 2)
                     if buf is not None:
                         staged["send"] -= g.nbytes
                 elif buf is not None:
@@ -553,6 +576,10 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
         _abort(transport)
         raise
     end = time.time()
+    if trace is not None:
+        for m, (r, p, d) in sorted(marks.items()):
+            g = msgs[m]
+            trace.append((m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p, p, d))
     if close:
         transport.close()
     return ExecStats(rank, stats["sent"], stats["received"], stats["local"], stats["msent"],
