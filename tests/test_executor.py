@@ -71,16 +71,18 @@ def test_forwards_go_after_what_they_forward(plan):
     assert (when[fwd] > when[M.parent[fwd]]).all()
 
 
-def _run_threads(plan, staging_bytes):
+def _run_threads(plan, staging_bytes, bufs=None, traces=None):
     hub = LocalHub()
     ranks = [lay.worker.rank for lay in (*plan.trainers, *plan.rollouts)]
-    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
+    if bufs is None:
+        bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
     errors, stats = {}, {}
 
     def run(r):
         try:
             stats[r] = execute(plan, r, bufs[r], LocalTransport(r, hub, timeout=20),
-                               staging_bytes=staging_bytes, timeout=20)
+                               staging_bytes=staging_bytes, timeout=20,
+                               trace=None if traces is None else traces.setdefault(r, []))
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors[r] = e
 
@@ -111,6 +113,64 @@ def test_any_staging_budget_delivers_every_byte(which, staging_bytes, request):
         assert s.staging_peak <= staging_bytes + 2 * biggest
     if which == "strided_plan":  # the staging path really ran
         assert max(s.staging_peak for s in stats.values()) > 0
+
+
+def test_later_updates_reuse_the_rank_program_and_skip_the_check_of_the_same_arrays(
+        plan, monkeypatch):
+    """A Sender/Receiver runs one plan many times: a rank's messages and schedule are worked out
+    once, and the very same arrays given again are not checked again. New arrays are; so is an
+    array whose dtype changed in place, which is then refused."""
+    import wb.executor as ex
+
+    checked = []
+    real = ex._check_buffers
+    monkeypatch.setattr(ex, "_check_buffers", lambda p, r, *a: checked.append(r) or real(p, r, *a))
+    ranks = [lay.worker.rank for lay in (*plan.trainers, *plan.rollouts)]
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
+    _run_threads(plan, 1 << 20, bufs)
+    assert sorted(checked) == sorted(ranks)
+    progs = {r: ex._program(plan, r) for r in ranks}
+    for rep in range(2):  # the same arrays, zeroed: no check, same programs, every byte again
+        checked.clear()
+        for lay in plan.rollouts:
+            for a in bufs[lay.worker.rank].values():
+                a[...] = 0
+        _run_threads(plan, 1 << 20, bufs)
+        assert checked == [] and all(ex._program(plan, r) is progs[r] for r in ranks)
+        for lay in plan.rollouts:
+            want = buffers_for(plan, lay.worker.rank, fill=True)
+            for k, a in want.items():
+                np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
+                                              a.view(np.uint8))
+    r = plan.rollouts[0].worker.rank
+    k = next(iter(bufs[r]))
+    bufs[r][k] = bufs[r][k].copy()  # a new array: checked again
+    checked.clear()
+    _run_threads(plan, 1 << 20, bufs)
+    assert checked == [r]
+    bufs[r][k].dtype = np.int32 if bufs[r][k].dtype == np.float32 else np.float32  # in place
+    with pytest.raises(wb.TransferError, match="refusing before any byte moves"):
+        execute(plan, r, bufs[r], LocalTransport(r, LocalHub(), timeout=1), timeout=1)
+
+
+def test_trace_times_every_message_of_the_rank_in_order(plan):
+    traces = {}
+    _run_threads(plan, 1 << 20, traces=traces)
+    M = plan.messages
+    done_at = {}
+    for r, rows in traces.items():
+        mine = np.flatnonzero((M.src_rank == r) | (M.dst_rank == r))
+        assert sorted(row[0] for row in rows) == mine.tolist()
+        for m, stage, peer, out, nbytes, ready, posted, done in rows:
+            assert stage == M.stage[m] and nbytes == M.nbytes[m]
+            assert peer == (M.dst_rank[m] if out else M.src_rank[m])
+            assert ready <= posted <= done
+            if not out:
+                done_at[m] = done
+    for rows in traces.values():  # a forward is ready only once what it forwards has landed
+        for m, _, _, out, _, ready, _, _ in rows:
+            if out and M.parent[m] >= 0:
+                assert ready >= done_at[int(M.parent[m])]
 
 
 class _SlowEvent:

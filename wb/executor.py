@@ -23,7 +23,9 @@ import hashlib
 import heapq
 import json
 import logging
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -283,6 +285,109 @@ def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
     return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
 
 
+class _Program:
+    """One rank's part of a plan, worked out once and reused by every update (a Sender/Receiver
+    runs the same plan many times): its messages, which are zero-copy, the schedule, the forwards
+    each message releases. The loop of an update then only posts and completes. Also remembers the
+    last buffers it checked: an update with the same array objects skips the check."""
+
+    def __init__(self, plan: Plan, rank: int, when: np.ndarray):
+        M, T, P = plan.messages, plan.transfers, plan.pieces
+        self.slot_buf = [s.buffer for s in plan.slots]
+        self.msgs: dict[int, _Msg] = {}
+        self.children: dict[int, list[int]] = {}
+        for m in np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank)).tolist():
+            f, c = int(M.first[m]), int(M.count[m])
+            ts = np.arange(f, f + c)
+            out = int(M.src_rank[m]) == rank
+            local = out and int(M.dst_rank[m]) == rank
+            na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+            zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts],
+                                     na, nb)
+            zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts],
+                                     na, nb)
+            peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
+            self.msgs[m] = _Msg(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts, int(M.parent[m]),
+                                zc_src, zc_dst, out, local)
+            if out and M.parent[m] >= 0:
+                self.children.setdefault(int(M.parent[m]), []).append(m)
+        self.when = when
+        self.order_in = sorted((m for m, g in self.msgs.items() if not g.out),
+                               key=lambda m: (when[m], m))
+        self.roots = sorted((float(when[m]), m) for m, g in self.msgs.items()
+                            if g.out and g.parent < 0)
+        self.n_out = sum(g.out for g in self.msgs.values())
+        self.checked: tuple | None = None  # (layout, {name: (weakref, (shape, dtype))}, xp)
+
+    def buffers(self, plan: Plan, rank: int, buffers: Mapping[str, Any],
+                layout: Layout | None):
+        """``_check_buffers``; skipped when given the very same numpy/CuPy arrays as last time,
+        with the same shapes and dtypes (their memory cannot have moved; framework tensors, whose storage
+        can be swapped, are checked every time). Holds the arrays only weakly."""
+        last = self.checked
+        if last is not None and last[0] is layout:
+            flat = {}
+            for n, (ref, shape) in last[1].items():
+                a = buffers.get(n)
+                if a is None or ref() is not a or (tuple(a.shape), a.dtype) != shape:
+                    break
+                flat[n] = a.reshape(-1)
+            else:
+                return flat, last[2]
+        flat, xp = _check_buffers(plan, rank, buffers, layout)
+        given = {n: buffers[n] for n in flat}
+        try:
+            refs = {n: (weakref.ref(a), (tuple(a.shape), a.dtype)) for n, a in given.items()
+                    if _fixed_memory(a)}
+        except TypeError:  # an array type without weak references: check every time
+            refs = {}
+        self.checked = (layout, refs, xp) if len(refs) == len(given) else None
+        return flat, xp
+
+
+def _fixed_memory(a) -> bool:
+    """A numpy or CuPy array: its data cannot move to other memory while the object lives."""
+    t = type(a)
+    return t is np.ndarray or (t.__name__ == "ndarray" and t.__module__.startswith("cupy"))
+
+
+# id(plan) -> (weak reference to the plan, {rank: _Program, "when": schedule}); a Plan compares
+# by value and is not hashable, so the cache goes by identity and drops a plan's entry with it
+_PROGRAMS: dict[int, tuple[weakref.ref, dict]] = {}
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def _program(plan: Plan, rank: int) -> _Program:
+    """The cached :class:`_Program` of ``rank`` in ``plan`` (made on first use)."""
+    with _PROGRAMS_LOCK:
+        key = id(plan)
+        entry = _PROGRAMS.get(key)
+        if entry is None or entry[0]() is not plan:
+            entry = _PROGRAMS[key] = (
+                weakref.ref(plan, lambda _, key=key: _PROGRAMS.pop(key, None)), {})
+        per_plan = entry[1]
+        prog = per_plan.get(rank)
+        if prog is None:
+            when = per_plan.get("when")
+            if when is None:
+                when = per_plan["when"] = _schedule(plan.messages)
+            prog = per_plan[rank] = _Program(plan, rank, when)
+        return prog
+
+
+class _DeviceBytes:
+    """A byte range of a CUDA buffer, as the CUDA array interface: what a transport needs to move
+    it, without slicing a CuPy array per message (tens of microseconds each; an update posts
+    hundreds per rank). Keeps its buffer alive."""
+
+    __slots__ = ("__cuda_array_interface__", "nbytes", "owner")
+
+    def __init__(self, owner, offset: int, nbytes: int):
+        self.owner, self.nbytes = owner, nbytes
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
+                                         "data": (owner.data.ptr + offset, False), "version": 3}
+
+
 def plan_peers(plan: Plan, rank: int) -> list[int]:
     """The ranks ``rank`` exchanges messages with in ``plan``."""
     M = plan.messages
@@ -350,45 +455,29 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
             running another plan (before sending), a failed or stalled transfer (naming the peer
             and plan step).
     """
-    flat, xp = _check_buffers(plan, rank, buffers, layout)
+    prog = _program(plan, rank)
+    flat, xp = prog.buffers(plan, rank, buffers, layout)
     if xp is not np and flat:
         # CuPy's current device is per thread: staging and kernels must go to the buffers' own
         # device, whichever thread runs this (a Sender's or Receiver's background thread starts
         # on device 0)
         with next(iter(flat.values())).device:
-            return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
-                            timeout=timeout, tag_base=tag_base, close=close,
-                            connected=connected, trace=trace)
-    return _execute(plan, rank, flat, xp, transport, staging_bytes=staging_bytes,
+            return _execute(plan, rank, prog, flat, xp, transport,
+                            staging_bytes=staging_bytes, timeout=timeout, tag_base=tag_base,
+                            close=close, connected=connected, trace=trace)
+    return _execute(plan, rank, prog, flat, xp, transport, staging_bytes=staging_bytes,
                     timeout=timeout, tag_base=tag_base, close=close, connected=connected,
                     trace=trace)
 
 
-def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes: int,
+def _execute(plan: Plan, rank: int, prog: _Program, flat: dict, xp, transport, *,
+             staging_bytes: int,
              timeout: float, tag_base: int, close: bool, connected: bool,
              trace: list | None) -> ExecStats:
-    M, T, P = plan.messages, plan.transfers, plan.pieces
-    slot_buf = [s.buffer for s in plan.slots]
-    slot_rank = np.array([s.rank for s in plan.slots], np.int64)
-    mine = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
+    T, P = plan.transfers, plan.pieces
+    slot_buf, msgs, children, when = prog.slot_buf, prog.msgs, prog.children, prog.when
     if not connected:
         connect(plan, rank, transport)
-    msgs: dict[int, _Msg] = {}
-    children: dict[int, list[int]] = {}
-    for m in mine.tolist():
-        f, c = int(M.first[m]), int(M.count[m])
-        ts = np.arange(f, f + c)
-        out = int(M.src_rank[m]) == rank
-        local = out and int(M.dst_rank[m]) == rank
-        na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
-        zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts], na, nb)
-        zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts], na, nb)
-        peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
-        msgs[m] = _Msg(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts, int(M.parent[m]), zc_src,
-                       zc_dst, out, local)
-        if out and M.parent[m] >= 0:
-            children.setdefault(int(M.parent[m]), []).append(m)
-    del slot_rank
 
     def src_view(t):
         p = T.piece[t]
@@ -407,7 +496,9 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
             a, f0 = flat[slot_buf[T.src_slot[t]]], int(T.src_f0[t])
         else:
             a, f0 = flat[slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
-        return a[f0:f0 + g.nbytes // a.itemsize].view(xp.uint8)
+        if xp is np:
+            return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
+        return _DeviceBytes(a, f0 * a.itemsize, g.nbytes)
 
     # UCX reads and writes device memory outside our CUDA stream, so device work must finish
     # before a send is posted or a message counts as landed: see `_fencer`.
@@ -441,9 +532,8 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
     staged = {"recv": 0, "send": 0}
     peak = 0
     inflight = _Inflight()
-    when = _schedule(M)
     # zero-copy receives cost no staging: post them all now
-    order_in = sorted((m for m, g in msgs.items() if not g.out), key=lambda m: (when[m], m))
+    order_in = prog.order_in
     for m in order_in:
         g = msgs[m]
         if g.zc_dst:
@@ -452,14 +542,10 @@ def _execute(plan: Plan, rank: int, flat: dict, xp, transport, *, staging_bytes:
     staged_in = [m for m in order_in if not msgs[m].zc_dst]
     # Sends go out as their data is here (a forward once its parent arrived), in the order of
     # `_schedule`; packed ones within the staging budget.
-    ready: list[tuple[float, int]] = []
-    n_out = 0
-    for m, g in msgs.items():
-        if g.out:
-            n_out += 1
-            if g.parent < 0:
-                heapq.heappush(ready, (when[m], m))
-                mark(m, 0)
+    ready: list[tuple[float, int]] = list(prog.roots)  # sorted: a heap already
+    n_out = prog.n_out
+    for _, m in ready:
+        mark(m, 0)
     sent_out = 0
     next_in = 0
     stats = dict(sent=0, received=0, local=0, msent=0, mrecv=0)
