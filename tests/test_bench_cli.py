@@ -91,3 +91,34 @@ def test_probe_pairs_keep_each_rank_in_one_pair_per_phase(replicas):
     assert all(a in t and b not in t for a, b in pairs["nic"])
     assert ("together:nvlink" in pairs) == (replicas > 1)
     assert not {x for p in pairs.get("together:nvlink", []) for x in p} & t
+
+
+def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
+    """Ranks reach the barrier at different times and notice its completion up to the store's
+    polling interval apart; with start=True they all leave at the same instant, after the last
+    arrival, so a measured step has no skew between ranks."""
+    import threading
+    import time
+
+    from wb.bench_workers import START_AFTER_S, _barrier
+    from wb.rendezvous import DirectoryStore
+
+    store = DirectoryStore(tmp_path)
+    got, left, arrived = {}, {}, {}
+
+    def rank(r):
+        time.sleep(0.01 * r)  # arrive 10 ms apart
+        arrived[r] = time.time()
+        got[r] = _barrier(store, "k", range(4), r, 10.0, start=True)
+        left[r] = time.time()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(set(got.values())) == 1  # one instant for all
+    at = got[0]
+    assert at >= max(arrived.values()) + START_AFTER_S - 1e-3
+    assert all(left[r] >= at for r in range(4))
+    assert max(left.values()) - at < 0.5  # and left then (a loaded machine may lag a little)

@@ -21,11 +21,27 @@ import numpy as np
 __all__ = ["bench_main"]
 
 
-def _barrier(store, key: str, ranks, rank: int, timeout: float) -> float:
-    store.set(f"{key}/{rank}", b"1")
-    for r in ranks:
-        store.get(f"{key}/{r}", timeout)
-    return time.time()
+# A timed step starts this long after the last rank reached its barrier: longer than it takes
+# every rank to see the barrier complete (the store is polled every few ms)
+START_AFTER_S = 0.025
+
+
+def _barrier(store, key: str, ranks, rank: int, timeout: float, *,
+             start: bool = False) -> float:
+    """Waits until every rank of ``ranks`` reached ``key``; returns the time. With ``start``,
+    every rank then waits for one common instant, ``START_AFTER_S`` after the last arrival (the
+    ranks share the host's clock), and returns that instant: a timed step then starts on every
+    rank at once instead of as each one happens to notice the barrier (up to the store's polling
+    interval apart), and its duration, counted from that instant, includes any rank that
+    noticed late."""
+    store.set(f"{key}/{rank}", repr(time.time()).encode())
+    arrived = [float(store.get(f"{key}/{r}", timeout)) for r in ranks]
+    if not start:
+        return time.time()
+    at = max(arrived) + START_AFTER_S
+    while (left := at - time.time()) > 0:
+        time.sleep(left - 2e-3 if left > 3e-3 else 0)
+    return at
 
 
 class _Ctx:
@@ -46,8 +62,9 @@ class _Ctx:
             cupy.cuda.Device(job["cuda"]).use()
             self.xp = cupy
 
-    def barrier(self, key: str) -> float:
-        return _barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout)
+    def barrier(self, key: str, *, start: bool = False) -> float:
+        return _barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout,
+                        start=start)
 
     def transport(self, session: str, plan):
         """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
@@ -150,7 +167,7 @@ def _run(c: _Ctx, result: dict) -> None:
                     t.link_stats(reset=True)
             trace = [] if job.get("trace") and method == "wb" else None
             runkw = dict(kw, tag_base=rep << 32)
-            t0 = c.barrier(key)
+            t0 = c.barrier(key, start=True)
             if method == "broadcast":
                 tg, tb = kept[method]
                 if tg is not None:
@@ -261,8 +278,7 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int], phase: str) 
         while not r.done():  # warm-up, untimed: first use of each buffer (CUDA IPC handles)
             time.sleep(1e-5)
     _sync(xp)
-    _barrier(c.store, f"probe/{phase}/go", everyone, c.rank, c.timeout)
-    t0 = time.time()
+    t0 = _barrier(c.store, f"probe/{phase}/go", everyone, c.rank, c.timeout, start=True)
     pending = []
     for i in range(reps):
         if len(pending) == 4:
