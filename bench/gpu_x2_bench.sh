@@ -7,7 +7,8 @@
 #     run; PROFILE (default gpu-nvlink-large, 11.1 GB) and NVL_REPLICAS (default 1 2 4);
 # MPS=1: everything under the CUDA MPS daemon; SKIP_DEMO=1, SKIP_NVLINK=1, SKIP_WARMUP=1 skip parts;
 # NVL_MODES: AGST modes of (2) (default all four; none: EWTT only, for the 11.1 GB profile);
-# TRACE=1: (2) also writes every rank's per-message times (trace_rR.json).
+# TRACE=1: (2) also writes every rank's per-message times (trace_rR.json); NVL_ARGS: more
+# arguments for (2), e.g. --polling off.
 # (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
 # NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
@@ -43,5 +44,5 @@ run() {  # name timeout args...
   echo "== $name"; grep "│" "$OUT/${name}_log.txt" | head -12
 }
 modes=(); if [ "${NVL_MODES:-}" = none ]; then modes=(--modes); elif [ -n "${NVL_MODES:-}" ]; then modes=(--modes $NVL_MODES); fi
-[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4} "${modes[@]}" ${TRACE:+--trace}
+[ -z "${SKIP_NVLINK:-}" ] && run nvlink ${T2:-420} --profile ${PROFILE:-gpu-nvlink-large} --devices role --links real --replicas ${NVL_REPLICAS:-1 2 4} "${modes[@]}" ${TRACE:+--trace} ${NVL_ARGS:-}
 if [ -n "${SPREAD:-}" ]; then run spread_r4 ${T1:-230} --profile gpu --devices spread --replicas 4; fi

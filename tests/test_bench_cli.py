@@ -5,6 +5,7 @@ ratios are the benchmark's to report, not a test's (shared, noisy machines)."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
     from wb.bench import PROFILES, _config, _deployment
 
     out = subprocess.run([sys.executable, "-m", "wb", "bench", "--quick", "--json", "--replicas",
-                          "2", "--links", "real", "--modes", "--out", str(tmp_path)],
+                          "2", "--links", "real", "--modes", "--out", str(tmp_path), "--trace"],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -56,6 +57,19 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
     assert set(two["measured_together_MBps"]) == {"nic", "nvlink"}
     assert min(two["measured_together_MBps"].values()) > 0
     assert json.loads((tmp_path / "bench.json").read_text())["by_replicas"]["2"]["verified"]
+    # --trace: every rank's messages of its last wb run, each once, and the summary script reads it
+    traces = json.loads((tmp_path / "trace_r2.json").read_text())
+    for lay in (*trainers, *rollouts):
+        r = lay.worker.rank
+        mine = ((M.src_rank == r) | (M.dst_rank == r)).nonzero()[0].tolist()
+        assert sorted(m[0] for m in traces[str(r)]["messages"]) == mine
+        assert traces[str(r)]["rep"] == prof["repeats"] - 1
+    summary = subprocess.run([sys.executable, "bench/trace_summary.py",
+                              str(tmp_path / "trace_r2.json")], capture_output=True, text=True,
+                             timeout=60, cwd=Path(__file__).parents[1])
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.count("rank ") == len(trainers) + len(rollouts)
+    assert "stage 1:" in summary.stdout
 
 
 def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--modes", nargs="*", choices=("sync", "sender", "receiver", "both"),
                     default=None, help="sync modes for AGST (default all four; none: EWTT only)")
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
+    be.add_argument("--polling", choices=("on", "off"), default=None,
+                    help="UCX progress threads busy-poll (on) or wait on events (off); default: "
+                         "the profile's, else on with --cuda (fewer cores than busy threads: off)")
     be.add_argument("--trace", action="store_true",
                     help="with --out: also write every rank's per-message times of its last wb "
                          "run (trace_rR.json)")
@@ -70,7 +73,8 @@ def _run(args) -> int:
                                                               else "cpu")
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
                            devices=args.devices, links=args.links, quiet=args.json,
-                           out_dir=args.out, modes=args.modes, trace=args.trace)
+                           out_dir=args.out, modes=args.modes, trace=args.trace,
+                           **({} if args.polling is None else {"polling": args.polling == "on"}))
         if args.json:
             print(json.dumps(report))
         return 0 if report["verified"] else 1
