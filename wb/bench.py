@@ -235,7 +235,8 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         # the barriers each rank passes (bench_workers._run): the probe's set-up and phases, two
         # per run, one after the runs, two per sync mode
         phases = {k.split(":")[0] for k in common["probe_pairs"]}
-        n_steps = 1 + len(phases) + 2 * len(common["methods"]) * prof["repeats"] + 1 + 2 * len(modes)
+        n_steps = (1 + len(phases) + 2 * len(common["methods"]) * prof["repeats"] + 1
+                   + 2 * len(modes))
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
             while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:

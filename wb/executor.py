@@ -322,8 +322,8 @@ class _Program:
     def buffers(self, plan: Plan, rank: int, buffers: Mapping[str, Any],
                 layout: Layout | None):
         """``_check_buffers``; skipped when given the very same numpy/CuPy arrays as last time,
-        with the same shapes and dtypes (their memory cannot have moved; framework tensors, whose storage
-        can be swapped, are checked every time). Holds the arrays only weakly."""
+        with the same shapes and dtypes (their memory cannot have moved; framework tensors, whose
+        storage can be swapped, are checked every time). Holds the arrays only weakly."""
         last = self.checked
         if last is not None and last[0] is layout:
             flat = {}
@@ -471,8 +471,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
 
 
 def _execute(plan: Plan, rank: int, prog: _Program, flat: dict, xp, transport, *,
-             staging_bytes: int,
-             timeout: float, tag_base: int, close: bool, connected: bool,
+             staging_bytes: int, timeout: float, tag_base: int, close: bool, connected: bool,
              trace: list | None) -> ExecStats:
     T, P = plan.transfers, plan.pieces
     slot_buf, msgs, children, when = prog.slot_buf, prog.msgs, prog.children, prog.when
