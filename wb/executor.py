@@ -312,8 +312,10 @@ class _Program:
             if out and M.parent[m] >= 0:
                 self.children.setdefault(int(M.parent[m]), []).append(m)
         self.when = when
-        self.order_in = sorted((m for m, g in self.msgs.items() if not g.out),
-                               key=lambda m: (when[m], m))
+        order_in = sorted((m for m, g in self.msgs.items() if not g.out),
+                          key=lambda m: (when[m], m))  # receives, in schedule order
+        self.zc_in = [m for m in order_in if self.msgs[m].zc_dst]
+        self.staged_in = [m for m in order_in if not self.msgs[m].zc_dst]
         self.roots = sorted((float(when[m]), m) for m, g in self.msgs.items()
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in self.msgs.values())
@@ -532,13 +534,11 @@ def _execute(plan: Plan, rank: int, prog: _Program, flat: dict, xp, transport, *
     peak = 0
     inflight = _Inflight()
     # zero-copy receives cost no staging: post them all now
-    order_in = prog.order_in
-    for m in order_in:
+    for m in prog.zc_in:
         g = msgs[m]
-        if g.zc_dst:
-            inflight.add(transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g, None)
-            mark(m, 1)
-    staged_in = [m for m in order_in if not msgs[m].zc_dst]
+        inflight.add(transport.recv(g.peer, contiguous_bytes(g, "dst"), tag_base + m), g, None)
+        mark(m, 1)
+    staged_in = prog.staged_in
     # Sends go out as their data is here (a forward once its parent arrived), in the order of
     # `_schedule`; packed ones within the staging budget.
     ready: list[tuple[float, int]] = list(prog.roots)  # sorted: a heap already
