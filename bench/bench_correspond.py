@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import wb
-from wb.sourcemap import Blocks
+from wb.data.sourcemap import Blocks
 
 
 def _rows(off, A, B, a0, a1):  # rows [a0, a1) of an [A, B] tensor, as an [a1-a0, B] buffer
@@ -59,7 +59,7 @@ def layouts(n_tensors: int, scale: int, *, t_tp=4, t_dp=2, r_tp=8, r_dp=4):
 
 
 def run(n_tensors: int = 64, repeat: int = 5, scales=(1, 100, 10_000)) -> list[dict]:
-    """Times ``wb.correspond`` at each scale; scales alternate inside every repeat, so a noisy
+    """Times ``wb.data.correspondence`` at each scale; scales alternate inside every repeat, so a noisy
     neighbour on the machine slows all of them alike."""
     cases = {s: layouts(n_tensors, s) for s in scales}
     times: dict[int, list[float]] = {s: [] for s in scales}

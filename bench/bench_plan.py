@@ -24,10 +24,10 @@ PRESETS = ("moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 def one_case(preset: str, replicas: int | None) -> dict:
     """Runs in the child: build maps, plan, simulate; report."""
     import wb
-    from wb.deployments import _PLANS, deployment, megatron_trainer, vllm_rollout
-    from wb.planner import traffic_ratio
-    from wb.presets import load_config
-    from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+    from wb.layouts.deployments import _PLANS, deployment, megatron_trainer, vllm_rollout
+    from wb.algorithms.planner import traffic_ratio
+    from wb.layouts.presets import load_config
+    from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
     t0 = time.perf_counter()
     if replicas is None:

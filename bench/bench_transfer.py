@@ -3,7 +3,7 @@
 A qwen3_moe-style model scaled to fit (``--hidden``, ``--layers``, ``--experts``) is held by
 Megatron-style trainers (TP2 EP2, 2 DP replicas = 4 processes) and needed by vLLM-style rollouts
 (``--replicas`` nodes x TP2/EP2 = 2 processes each). Every process is spawned on this host and runs
-its part of the plan (``wb.executor.execute``) over ``UcxTransport``; EWTT is from the common start
+its part of the plan (``wb.runtime.executor.execute``) over ``UcxTransport``; EWTT is from the common start
 (a barrier) to the last rollout buffer complete, median of ``--repeat`` runs. Rollout buffers are
 checked bit for bit after every run.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ import numpy as np
 
 
 def model(hidden: int, layers: int, experts: int) -> dict:
-    from wb.presets import TINY
+    from wb.layouts.presets import TINY
 
     return dict(TINY, name="bench-moe", vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
                 first_k_dense_replace=1, intermediate_size=4 * hidden, num_experts=experts,
@@ -45,7 +46,7 @@ def model(hidden: int, layers: int, experts: int) -> dict:
 
 
 def build(cfg: dict, replicas: int, shape: str = "tp2"):
-    from wb.deployments import megatron_trainer, vllm_rollout
+    from wb.layouts.deployments import megatron_trainer, vllm_rollout
 
     if shape == "single":  # one link: the executor's own overhead against raw UCX
         trainers = megatron_trainer(cfg, tp=1, pp=1, ep=1, nodes=["trainer0"], gpus_per_node=1)
@@ -61,7 +62,10 @@ def build(cfg: dict, replicas: int, shape: str = "tp2"):
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2") -> dict:
     import wb
-    from wb.testing.multiproc import raw_throughput, run_ranks
+
+    # the multi-process harness of the tests (tests/harness) runs the plan's ranks
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from harness.multiproc import raw_throughput, run_ranks
 
     cfg = model(hidden, layers, experts)
     trainers, rollouts = build(cfg, replicas, shape)

@@ -19,8 +19,8 @@ wb_jax.use_cpu_devices(4)  # before JAX starts: a 2x2 mesh on this machine
 
 import wb  # noqa: E402
 import wb_torch  # noqa: E402
-from wb.demo import random_checkpoint  # noqa: E402
-from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb.cli.demo.runner import random_checkpoint  # noqa: E402
+from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_jax.testing import make_load_fn, make_mesh, train_step  # noqa: E402
 from wb_torch.testing import TinyRollout  # noqa: E402
 
@@ -70,8 +70,8 @@ print(f"trainer bytes sent {sum(plan.traffic().trainer_out.values()):,} "
 sim = wb.simulate(plan)
 print(f"simulated EWTT {sim.ewtt_s * 1e6:.1f} us vs ideal {sim.ideal_s * 1e6:.1f} us")
 
-from wb.cli_plan import plot_links  # noqa: E402
-from wb.simulate import simulate_p2p  # noqa: E402
+from wb.cli.plan import plot_links  # noqa: E402
+from wb.algorithms.simulate import simulate_p2p  # noqa: E402
 
 out_png = os.environ.get("WB_EXAMPLE_PLOT", "plan_links.png")
 plot_links({"wb": sim, "naive p2p": simulate_p2p(plan)}, sim.ideal_s, out_png, title="tiny")

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wb
-from wb.executor import execute
+from wb.runtime.executor import execute
 from wb.testing import strategies as wbst
-from wb.testing.multiproc import buffers_for
-from wb.transport.local import LocalHub, LocalTransport
+from harness.multiproc import buffers_for
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 
 @settings(max_examples=25, deadline=None)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import wb
-from wb.sourcemap import MAX_ID
+from wb.data.sourcemap import MAX_ID
 from wb.testing import strategies as wbst
 
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=7)

@@ -13,8 +13,8 @@ def test_design_section_8_names():
 
 
 def test_presets_reexport_the_layout_generators():
-    import wb.presets as presets
+    import wb.layouts.presets as presets
     for name in ("deployment", "DEPLOYMENTS", "megatron_trainer", "fsdp_trainer", "jax_trainer",
                  "vllm_rollout"):
         assert getattr(presets, name) is not None
-    assert "kimi-k2" in presets.DEPLOYMENTS
+    assert "kimi-k2" in deployments.DEPLOYMENTS

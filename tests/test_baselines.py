@@ -3,10 +3,10 @@
 import numpy as np
 
 import wb
-from wb.baselines import FullArena, broadcast_plans, needed_tensors, p2p_plan
-from wb.deployments import megatron_trainer, vllm_rollout
-from wb.presets import TINY, spec_from_config
-from wb.testing.multiproc import buffers_for
+from wb.cli.bench.baselines import FullArena, broadcast_plans, needed_tensors, p2p_plan
+from wb.layouts.deployments import megatron_trainer, vllm_rollout
+from wb.layouts.presets import TINY, spec_from_config
+from harness.multiproc import buffers_for
 
 SPEC = spec_from_config(TINY)
 

@@ -37,7 +37,7 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
     max(stage-1 bytes / measured trainer->rollout rate, forwarded bytes / measured rollout rate),
     recomputed here from the plan; the partial bench.json is written."""
     import wb
-    from wb.bench import PROFILES, _config, _deployment
+    from wb.cli.bench.runner import PROFILES, _config, _deployment
 
     out = subprocess.run([sys.executable, "-m", "wb", "bench", "--quick", "--json", "--replicas",
                           "2", "--links", "real", "--modes", "--out", str(tmp_path), "--trace"],
@@ -75,8 +75,8 @@ def test_real_links_ideal_is_the_bytes_over_the_measured_rates(tmp_path):
 def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):
     import os
 
-    from wb.bench import _last_barrier
-    from wb.rendezvous import DirectoryStore
+    from wb.cli.bench.runner import _last_barrier
+    from wb.runtime.rendezvous import DirectoryStore
 
     store = DirectoryStore(str(tmp_path))
     for t, key in enumerate(["b/probe-setup/3", "b/0/wb/3", "b/0/wb/13", "b/1/p2p/13"]):
@@ -90,7 +90,7 @@ def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):
 
 @pytest.mark.parametrize("replicas", [1, 2, 4])
 def test_probe_pairs_keep_each_rank_in_one_pair_per_phase(replicas):
-    from wb.bench import PROFILES, _config, _deployment, _probe_pairs
+    from wb.cli.bench.runner import PROFILES, _config, _deployment, _probe_pairs
 
     prof = PROFILES["gpu-nvlink"]
     trainers, rollouts = _deployment(_config(prof["preset"], prof["scale"]),
@@ -114,8 +114,8 @@ def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
     import threading
     import time
 
-    from wb.bench_workers import START_AFTER_S, _barrier
-    from wb.rendezvous import DirectoryStore
+    from wb.cli.bench.workers import START_AFTER_S, _barrier
+    from wb.runtime.rendezvous import DirectoryStore
 
     store = DirectoryStore(tmp_path)
     got, left, arrived = {}, {}, {}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import wb
-from wb.rendezvous import MemoryStore
-from wb.transport.local import LocalHub, LocalTransport
+from wb.runtime.rendezvous import MemoryStore
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 
 def _case():
@@ -46,7 +46,7 @@ def _values(lay, version):
 
 def _bits(ids, version, dtype):
     vals = ((ids * 7 + version * 1009) % 4093).astype(np.float32) / 8 - 200
-    return vals.astype(wb.dtypes.dtype_info(dtype).numpy)
+    return vals.astype(wb.data.dtypes.dtype_info(dtype).numpy)
 
 
 def _same(bufs, lay, version) -> bool:

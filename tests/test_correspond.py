@@ -40,7 +40,7 @@ def test_reference_backends_jax_trainer_to_torch_rollout():
         pytest.skip("needs 4 emulated devices")
     import wb_jax
     import wb_torch
-    from wb.presets import TINY, spec_from_config
+    from wb.layouts.presets import TINY, spec_from_config
     from wb_jax.testing import checkpoint_arrays, make_load_fn, make_mesh
     from wb_torch.testing import TinyRollout
 

@@ -19,7 +19,7 @@ def test_demo_json_last_line(args):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["verified"] is True
     # TINY in bf16: every rollout node needs the whole model once; M is its size in bytes.
-    from wb.presets import TINY, spec_from_config
+    from wb.layouts.presets import TINY, spec_from_config
     nbytes = spec_from_config(TINY).nbytes
     assert report["needed_bytes"] == nbytes
     assert set(report["node_needed_bytes"].values()) == {nbytes}
@@ -38,9 +38,9 @@ def test_demo_json_last_line(args):
 
 def test_demo_check_fails_when_no_bytes_move(monkeypatch):
     import wb
-    import wb.demo
+    import wb.cli.demo.runner
     monkeypatch.setattr(wb, "run_local", lambda plan, t, r: r)  # a transfer that moves nothing
-    report = wb.demo.run_demo(quiet=True, processes=False)
+    report = wb.cli.demo.runner.run_demo(quiet=True, processes=False)
     assert report["correspondence_exact"] is True
     assert report["weights_bit_identical"] is False and report["verified"] is False
 
@@ -64,8 +64,8 @@ def test_demo_process_check_fails_on_wrong_weights():
     """The rollouts' check is real: expecting the weights of another step fails it."""
     from rich.console import Console
 
-    import wb.demo
-    out = wb.demo._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"], steps=1,
+    import wb.cli.demo.runner
+    out = wb.cli.demo.runner._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"], steps=1,
                                  train_s=0.0, gen_s=0.01, console=Console(quiet=True),
                                  expect_offset=1)
     assert out["transfers_verified"] is False

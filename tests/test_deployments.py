@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import wb
-from wb.deployments import (DEPLOYMENTS, deployment, fsdp_trainer, jax_trainer, megatron_trainer,
+from wb.layouts.deployments import (DEPLOYMENTS, deployment, fsdp_trainer, jax_trainer, megatron_trainer,
                             vllm_rollout)
-from wb.presets import TINY, load_config, spec_from_config
+from wb.layouts.presets import TINY, load_config, spec_from_config
 
 #: A tiny deepseek_v3 (MLA with q LoRA, one dense layer, one shared expert); vocab 90 pads
 #: everywhere (Megatron 128 * tp, vLLM 64, JAX tp = 4).
@@ -551,7 +551,7 @@ def test_kimi_builds_within_15s_and_1_5GB():
         pytest.skip("no model config for kimi-k2 (shared/models not found)")
     code = textwrap.dedent("""
         import resource, time
-        from wb.deployments import deployment
+        from wb.layouts.deployments import deployment
         t = time.perf_counter()
         dep = deployment("kimi-k2")
         print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

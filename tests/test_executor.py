@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import wb
-from wb.executor import _schedule, execute
-from wb.deployments import megatron_trainer, vllm_rollout
-from wb.presets import TINY
-from wb.testing.multiproc import buffers_for
-from wb.transport.local import LocalHub, LocalTransport
+from wb.runtime.executor import _schedule, execute
+from wb.layouts.deployments import megatron_trainer, vllm_rollout
+from wb.layouts.presets import TINY
+from harness.multiproc import buffers_for
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_later_updates_reuse_the_rank_program_and_skip_the_check_of_the_same_arr
     """A Sender/Receiver runs one plan many times: a rank's messages and schedule are worked out
     once, and the very same arrays given again are not checked again. New arrays are; so is an
     array whose dtype changed in place, which is then refused."""
-    import wb.executor as ex
+    import wb.runtime.executor as ex
 
     checked = []
     real = ex._check_buffers
@@ -193,9 +193,9 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     """The CUDA path's deferrals, on host buffers: every pack, unpack and local copy is followed by
     an event the loop polls; a send is posted, and a message counts as landed, only once it passed.
     Everything still arrives, bit for bit."""
-    import wb.executor
+    import wb.runtime.executor
 
-    monkeypatch.setattr(wb.executor, "_fencer", lambda xp: _SlowEvent)
+    monkeypatch.setattr(wb.runtime.executor, "_fencer", lambda xp: _SlowEvent)
     _SlowEvent.made = []
     bufs, stats = _run_threads(strided_plan, 256 << 20)
     for lay in strided_plan.rollouts:
@@ -216,7 +216,7 @@ class _Req:
 
 
 def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
-    from wb.executor import _Inflight, _Msg
+    from wb.runtime.executor import _Inflight, _Msg
 
     inf = _Inflight()
     reqs = [_Req() for _ in range(40)]
@@ -232,7 +232,7 @@ def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
 
 @pytest.mark.parametrize("which", ["plan", "strided_plan"])
 def test_mapped_for_marks_exactly_the_mapped_elements(which, request):
-    from wb.testing.multiproc import mapped_for
+    from harness.multiproc import mapped_for
 
     p = request.getfixturevalue(which)
     for lay in (*p.trainers, *p.rollouts):
@@ -245,13 +245,13 @@ def test_mapped_for_marks_exactly_the_mapped_elements(which, request):
 def test_mapped_for_leaves_padding_unmapped():
     from types import SimpleNamespace
 
-    from wb.testing.multiproc import mapped_for
+    from harness.multiproc import mapped_for
 
     ids = np.arange(40 * 24).reshape(40, 24).T.copy()  # transposed kernel: strided blocks
     ids[:, 30:] = -1  # padded vocabulary rows: no source
     ids[5, 3] = -1
     lay = wb.Layout(wb.Worker(0, "t0", "trainer"),
                     {"w": wb.BufferSpec(wb.SourceMap.from_indices(ids), "bfloat16")})
-    got = mapped_for(SimpleNamespace(trainers=[lay], rollouts=[]), 0)["w"]
+    got = mapped_for(SimpleNamespace(layout_of=lambda rank: lay), 0)["w"]
     np.testing.assert_array_equal(got, ids >= 0)
     assert 0 < got.sum() < got.size

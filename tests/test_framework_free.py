@@ -6,8 +6,8 @@ import sys
 CODE = """
 import sys
 import numpy as np
-import wb, wb.correspond, wb.probe, wb.presets, wb.demo, wb.testing, wb.__main__, wb.planner, wb.simulate
-import wb.deployments, wb.executor, wb.rendezvous, wb.transport.ucx, wb.transport.local, wb.testing.multiproc
+import wb, wb.data.correspondence, wb.algorithms.probe, wb.layouts.presets, wb.cli.demo.runner, wb.testing, wb.__main__, wb.algorithms.planner, wb.algorithms.simulate
+import wb.layouts.deployments, wb.runtime.executor, wb.runtime.rendezvous, wb.runtime.transport.ucx, wb.runtime.transport.local, harness.multiproc
 spec = wb.CheckpointSpec({"w": ((4, 4), "bfloat16")})
 maps = wb.probe(spec, lambda ck: {"x": np.asarray(ck["w"])[:, 1:]})
 lay = lambda r, role: wb.Layout(wb.Worker(r, "n", role), {"x": wb.BufferSpec(maps["x"], "bfloat16")})

@@ -23,7 +23,7 @@ except RuntimeError:
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from wb.errors import SpecError  # noqa: E402
-from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_jax.testing import (  # noqa: E402
     checkpoint_arrays,
     expected_maps,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.plan import Transfers
+from wb.data.plan import Transfers
 
 W = np.arange(32 * 24, dtype=np.int64).reshape(32, 24)  # a weight [out, in]
 N = W.size + np.arange(24)  # a norm

@@ -6,9 +6,9 @@
 import pytest
 
 import wb
-from wb.deployments import deployment
-from wb.planner import traffic_ratio
-from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+from wb.layouts.deployments import deployment
+from wb.algorithms.planner import traffic_ratio
+from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
 
 @pytest.mark.parametrize("preset", ["moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"])

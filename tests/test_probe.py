@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.probe import digit_base
+from wb.algorithms.probe import digit_base
 
 SPEC = wb.CheckpointSpec({"embed": ((10, 6), "bfloat16"), "q": ((8, 6), "bfloat16"),
                           "k": ((4, 6), "bfloat16"), "norm": ((6,), "bfloat16")})

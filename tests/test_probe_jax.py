@@ -7,7 +7,7 @@ jax = pytest.importorskip("jax")
 
 import wb  # noqa: E402
 import wb_jax  # noqa: E402
-from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_jax.testing import checkpoint_arrays, expected_maps, make_load_fn, make_mesh  # noqa: E402
 
 needs4 = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (emulated) devices")

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import wb  # noqa: E402
 import wb_torch  # noqa: E402
-from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_torch.testing import TinyRollout, expected_maps  # noqa: E402
 
 SPEC = spec_from_config(TINY)

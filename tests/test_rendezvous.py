@@ -8,7 +8,7 @@ import time
 import pytest
 
 import wb
-from wb.rendezvous import DirectoryStore, MemoryStore, Store, TorchStore
+from wb.runtime.rendezvous import DirectoryStore, MemoryStore, Store, TorchStore
 
 
 def _exercise(store, other=None):
@@ -43,7 +43,7 @@ import jax, socket
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
 from jax._src.distributed import global_state
-from wb.rendezvous import JaxStore
+from wb.runtime.rendezvous import JaxStore
 st = JaxStore(global_state.client)
 st.set("a/b", b"\\x00xy")
 assert st.get("a/b", 5) == b"\\x00xy"

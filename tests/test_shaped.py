@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 
-from wb.transport.local import LocalHub, LocalTransport
-from wb.transport.shaped import ShapedTransport
+from wb.runtime.transport.local import LocalHub, LocalTransport
+from wb.cli.bench.shaped import ShapedTransport
 
 GPUS = {0: ("a", 0), 1: ("b", 0), 2: ("c", 0), 3: ("a", 1), 4: ("a", 0)}
 NIC, NVL = 2e6, 2e7  # bytes/s

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
 GB = 1e9
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.sourcemap import Blocks
+from wb.data.sourcemap import Blocks
 
 
 def _ids(*shape, off=0):

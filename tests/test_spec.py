@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.presets import TINY, load_config, spec_from_config
+from wb.layouts.presets import TINY, load_config, spec_from_config
 
 
 def test_offsets_numel_nbytes():

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from wb.presets import TINY, spec_from_config  # noqa: E402
+from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_torch.testing import TinyRollout, checkpoint_tensors, expected_maps  # noqa: E402
 
 # tp > kv (1 kv head, replicated on every rank) with more experts than ranks.

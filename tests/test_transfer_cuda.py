@@ -12,7 +12,7 @@ except Exception:  # noqa: BLE001 - no driver, no device: the same answer
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import wb  # noqa: E402
-from wb.testing.multiproc import run_ranks  # noqa: E402
+from harness.multiproc import run_ranks  # noqa: E402
 
 
 @pytest.mark.timeout(300)

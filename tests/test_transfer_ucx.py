@@ -14,15 +14,16 @@ pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 import wb  # noqa: E402
-from wb.testing.multiproc import run_ranks  # noqa: E402
+from harness.multiproc import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def layouts():
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 emulated JAX devices")
-    from wb.demo import jax_layouts, random_checkpoint, torch_layouts
-    from wb.presets import TINY
+    from wb.cli.demo.checkpoint import random_checkpoint
+    from wb.cli.demo.runner import jax_layouts, torch_layouts
+    from wb.layouts.presets import TINY
 
     ckpt = random_checkpoint()
     trainers, _, _ = jax_layouts(TINY, role="trainer", dp=2, tp=2, copies=1, first_rank=0,
@@ -122,8 +123,8 @@ def test_a_wrong_buffer_is_refused_before_any_byte_moves(plan_file, tmp_path):
 
 
 def test_wrong_dtype_refused_in_process():
-    from wb.executor import execute
-    from wb.transport.local import LocalHub, LocalTransport
+    from wb.runtime.executor import execute
+    from wb.runtime.transport.local import LocalHub, LocalTransport
 
     w = np.arange(64).reshape(8, 8)
     t = wb.Layout(wb.Worker(0, "t", "trainer"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
@@ -139,7 +140,7 @@ def test_wrong_dtype_refused_in_process():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["both", "sync"])
 def test_versions_through_sender_and_receiver_over_ucx(plan_file, tmp_path, mode):
-    from wb.testing.multiproc import coord_child_main
+    from harness.multiproc import coord_child_main
 
     send, recv = wb.MODES[mode]
     run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
@@ -154,7 +155,7 @@ def test_versions_through_sender_and_receiver_over_ucx(plan_file, tmp_path, mode
 
 @pytest.mark.timeout(240)
 def test_a_killed_trainer_leaves_the_previous_version_and_apply_raises(plan_file, tmp_path):
-    from wb.testing.multiproc import coord_child_main
+    from harness.multiproc import coord_child_main
 
     t0 = time.time()
     run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,

@@ -1,25 +1,42 @@
-"""WeightBridge: move model weights from RL trainers to rollout workers at the network's lower bound."""
+"""WeightBridge: move model weights from RL trainers to rollout workers at the network's lower bound.
 
-from wb import dtypes
-from wb.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, agree_plan, summarize
-from wb.correspond import Correspondence, Overlaps, correspond
+The layers, from the bottom: :mod:`wb.errors`; :mod:`wb.data` (specs, source maps, layouts, the
+correspondence, plans); :mod:`wb.algorithms` (probe, planner, simulator); :mod:`wb.runtime`
+(transports, stores, executor, Sender/Receiver); beside it :mod:`wb.layouts` (real framework
+layouts and presets) and :mod:`wb.testing` (strategies and oracles for users' own tests); on top
+:mod:`wb.cli` (``python -m wb``). Everything a user needs is re-exported here.
+"""
+
+from wb.algorithms.planner import lower_bound, plan
+from wb.algorithms.probe import probe
+from wb.algorithms.simulate import Simulation, simulate
+from wb.data import dtypes
+from wb.data.correspondence import Correspondence, Overlaps, correspond
+from wb.data.layout import BufferSpec, Cluster, Layout, Role, Worker
+from wb.data.plan import Plan, Traffic, run_local
+from wb.data.sourcemap import Blocks, SourceMap
+from wb.data.spec import CheckpointSpec
 from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
-from wb.layout import BufferSpec, Cluster, Layout, Role, Worker
-from wb.plan import Plan, Traffic, run_local
-from wb.planner import lower_bound, plan
-from wb.probe import probe
-from wb.session import LocalSession
-from wb.simulate import Simulation, simulate
-from wb.sourcemap import Blocks, SourceMap
-from wb.spec import CheckpointSpec
+from wb.runtime.coordinator import (MODES, Receiver, Sender, Summary, UpdateStats, agree_plan,
+                                    summarize)
+from wb.runtime.executor import ExecStats, connect, execute
+from wb.runtime.rendezvous import DirectoryStore, JaxStore, MemoryStore, Store, TorchStore
+from wb.runtime.session import LocalSession
+from wb.runtime.transport import Transport
+from wb.runtime.transport.local import LocalHub, LocalTransport
+from wb.runtime.transport.ucx import UcxTransport
 
 __all__ = [
-    "CheckpointSpec", "SourceMap", "Blocks", "probe",
-    "Worker", "BufferSpec", "Layout", "Role", "Cluster",
-    "plan", "Plan", "Traffic", "lower_bound", "run_local", "simulate", "Simulation",
-    "Sender", "Receiver", "LocalSession", "UpdateStats", "Summary", "summarize", "MODES",
-    "agree_plan",
-    "correspond", "Correspondence", "Overlaps",
+    # data
+    "CheckpointSpec", "SourceMap", "Blocks", "Worker", "BufferSpec", "Layout", "Role", "Cluster",
+    "Plan", "Traffic", "Correspondence", "Overlaps", "dtypes",
+    # algorithms
+    "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
+    # runtime
+    "Sender", "Receiver", "MODES", "LocalSession", "agree_plan", "UpdateStats", "Summary",
+    "summarize", "execute", "connect", "ExecStats",
+    "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",
+    "Transport", "UcxTransport", "LocalTransport", "LocalHub",
+    # errors
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError",
-    "dtypes",
 ]

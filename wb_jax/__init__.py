@@ -89,7 +89,7 @@ def device_maps(params: Any, maps: Mapping[str, wb.SourceMap]) -> dict[Any, dict
     for key, leaf in _leaves(params).items():
         if key not in maps:
             raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn")
-        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
+        dtype = wb.data.dtypes.canonical_dtype(leaf.dtype)
         for dev, sm in shard_maps(maps[key], leaf.sharding).items():
             out.setdefault(dev, {})[key] = (sm, dtype)
     return out
@@ -129,7 +129,7 @@ def layouts(params: Any, maps: Mapping[str, wb.SourceMap], *, ranks: Mapping[Any
     for key, leaf in _leaves(params).items():
         if key not in maps:
             raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn")
-        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
+        dtype = wb.data.dtypes.canonical_dtype(leaf.dtype)
         sms = shard_maps(maps[key], leaf.sharding)
         for shard in leaf.addressable_shards:
             if shard.device not in per_dev:
@@ -234,7 +234,7 @@ class Receiver(_PerDevice):
 
     def __init__(self, params: Any, plan: wb.Plan, ranks: Mapping[Any, int], *,
                  transports: Mapping[int, Any], allocate=None, **kwargs):
-        from wb.coordinator import aligned_empty
+        from wb.runtime.coordinator import aligned_empty
 
         self.ranks = dict(ranks)
         self._template = params
@@ -245,7 +245,7 @@ class Receiver(_PerDevice):
             first[r] = {}
             for k, v in bufs.items():
                 if k in names.get(r, ()):
-                    first[r][k] = alloc(v.shape, wb.dtypes.canonical_dtype(v.dtype))
+                    first[r][k] = alloc(v.shape, wb.data.dtypes.canonical_dtype(v.dtype))
                     first[r][k][...] = v
         super().__init__({r: functools.partial(wb.Receiver, plan, r, first[r],
                                                transport=transports[r], handoff=True,

@@ -1,7 +1,7 @@
 """A tiny JAX trainer for tests and demos: its parameter layout, load function and an oracle.
 
 The trainer keeps its params as a pytree of sharded ``jax.Array`` leaves in JAX conventions, which
-differ from the Hugging Face checkpoint that :func:`wb.presets.spec_from_config` describes: kernels
+differ from the Hugging Face checkpoint that :func:`wb.layouts.presets.spec_from_config` describes: kernels
 are ``[in, out]`` (the transpose of PyTorch's ``[out, in]``), attention projections are split per
 head, gate and up projections are fused on a new leading axis, experts are stacked, and the
 vocabulary is padded with zero rows so that it shards evenly over ``tp``. Some leaves are also
@@ -47,10 +47,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wb.dtypes import dtype_info
+from wb.data.dtypes import dtype_info
 from wb.errors import SpecError
-from wb.presets import TINY, spec_from_config
-from wb.spec import CheckpointSpec
+from wb.layouts.presets import TINY, spec_from_config
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["make_mesh", "make_load_fn", "expected_maps", "checkpoint_arrays"]
 
@@ -82,7 +82,7 @@ class _Dims:
             raise SpecError(
                 f"`cfg['architecture']` is {arch!r}; the JAX reference trainer models only "
                 f"'qwen3_moe' (GQA attention with per-head norms), so pass a qwen3_moe config "
-                f"such as wb.presets.TINY")
+                f"such as wb.layouts.presets.TINY")
 
         def num(key: str, *fallbacks: str) -> int:
             for k in (key, *fallbacks):
@@ -188,7 +188,7 @@ def make_load_fn(cfg: Mapping = TINY,
     keeps each input's dtype; it is not jitted. The layout is in this module's docstring.
 
     Args:
-        cfg: a qwen3_moe architecture config (see :func:`wb.presets.spec_from_config`).
+        cfg: a qwen3_moe architecture config (see :func:`wb.layouts.presets.spec_from_config`).
         mesh: a mesh with axes ``("dp", "tp")`` (see :func:`make_mesh`); each leaf is placed with
             ``jax.device_put(x, NamedSharding(mesh, spec))``. ``None``: plain single-device arrays,
             laid out as for ``tp = 1``.

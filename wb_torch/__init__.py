@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import wb
-from wb.dtypes import canonical_dtype
+from wb.data.dtypes import canonical_dtype
 
 __all__ = ["probe", "to_numpy", "from_numpy", "buffers", "layout", "shard_layout", "Sender",
            "Receiver"]

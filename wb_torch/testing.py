@@ -2,7 +2,7 @@
 
 :class:`TinyRollout` behaves like a vLLM model class: its parameters are already sharded for one
 TP rank, and its own :meth:`TinyRollout.load_weights` takes *full* Hugging Face checkpoint tensors
-(names as :func:`wb.presets.spec_from_config` gives them) and copies the right slices into its
+(names as :func:`wb.layouts.presets.spec_from_config` gives them) and copies the right slices into its
 parameters in place, through vLLM's ``stacked_params_mapping`` (q/k/v into ``qkv_proj``, gate/up
 into ``gate_up_proj``), the fused-MoE expert mapping (gate/up into ``w13``, down into ``w2``) and a
 ``weight_loader`` function attached to each parameter. It is what probing and transfer tests run
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from wb.presets import TINY, spec_from_config
-from wb.spec import CheckpointSpec
+from wb.layouts.presets import TINY, spec_from_config
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["TinyRollout", "expected_maps", "checkpoint_tensors"]
 
@@ -44,7 +44,7 @@ def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> None:
     """Raises ValueError unless ``cfg`` is a qwen3_moe config that ``tp_size`` ranks can split."""
     if cfg.get("architecture") != "qwen3_moe":
         raise ValueError(f"`cfg['architecture']` is {cfg.get('architecture')!r}; TinyRollout only "
-                         f"models 'qwen3_moe' (use wb.presets.TINY or a copy of it)")
+                         f"models 'qwen3_moe' (use wb.layouts.presets.TINY or a copy of it)")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"`tp_size` must be a positive int, got {tp_size!r}")
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
@@ -255,7 +255,7 @@ class TinyRollout(nn.Module):
     full checkpoint tensors and copies slices into them in place. There is no compute.
 
     Args:
-        cfg: a ``qwen3_moe`` config (see :data:`wb.presets.TINY`); dense MLP layers for
+        cfg: a ``qwen3_moe`` config (see :data:`wb.layouts.presets.TINY`); dense MLP layers for
             ``i < first_k_dense_replace``.
         tp_rank: this rank, in ``[0, tp_size)``.
         tp_size: tensor-parallel degree; experts are split whole over the same ranks.
@@ -479,8 +479,8 @@ def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, optio
 
     import wb
     import wb_torch
-    from wb.rendezvous import DirectoryStore
-    from wb.transport.ucx import UcxTransport
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
 
     result: dict = {"rank": rank, "checks": [], "same_ptr": []}
     try:

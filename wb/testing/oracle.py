@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from wb.correspond import Correspondence
-from wb.layout import Layout
+from wb.data.correspondence import Correspondence
+from wb.data.layout import Layout
 
 __all__ = ["correspondence_pairs", "overlap_pairs"]
 
@@ -33,7 +33,7 @@ def correspondence_pairs(trainers: Sequence[Layout], rollouts: Sequence[Layout]
 
 
 def overlap_pairs(corr: Correspondence) -> set[tuple[Element, Element]]:
-    """The element pairs a :class:`~wb.correspond.Correspondence` claims, expanded per element."""
+    """The element pairs a :class:`~wb.data.correspondence.Correspondence` claims, expanded per element."""
     ov = corr.overlaps()
     pairs = set()
     for k in range(ov.src_slot.size):

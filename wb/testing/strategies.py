@@ -23,9 +23,9 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from wb.layout import BufferSpec, Cluster, Layout, Worker
-from wb.sourcemap import SourceMap
-from wb.spec import CheckpointSpec
+from wb.data.layout import BufferSpec, Cluster, Layout, Worker
+from wb.data.sourcemap import SourceMap
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["specs", "slice_copy", "slice_copy_maps", "holder_sets", "layouts", "LayoutCase",
            "clusters"]

@@ -32,10 +32,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from wb.errors import TransferError
-from wb.executor import (DEFAULT_STAGING_BYTES, ExecStats, _as_array, _check_buffers, connect,
+from wb.runtime.executor import (DEFAULT_STAGING_BYTES, ExecStats, _as_array, _check_buffers, connect,
                          execute)
-from wb.layout import Layout, Role
-from wb.plan import Plan
+from wb.data.layout import Layout, Role
+from wb.data.plan import Plan
 
 __all__ = ["Sender", "Receiver", "UpdateStats", "Summary", "summarize", "MODES", "aligned_empty",
            "agree_plan"]
@@ -223,7 +223,7 @@ class _Cancelled(Exception):
 def aligned_empty(shape, dtype: str, *, align: int = 64) -> np.ndarray:
     """An uninitialised host array whose data starts on an ``align``-byte boundary (XLA's CPU
     client aliases such arrays instead of copying them)."""
-    from wb.dtypes import dtype_info
+    from wb.data.dtypes import dtype_info
 
     dt = np.dtype(dtype_info(dtype).numpy)
     n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -240,8 +240,8 @@ class Sender(_Worker):
         rank: this worker's rank (a trainer of ``plan``).
         buffers: ``{name: array}`` of this worker's live weights (numpy / DLPack host arrays or CUDA
             arrays), read at every ``push``.
-        transport: this rank's :class:`wb.transport.Transport`, kept connected across updates.
-        store: the rendezvous :class:`wb.rendezvous.Store` every worker shares (joins, versions).
+        transport: this rank's :class:`wb.runtime.transport.Transport`, kept connected across updates.
+        store: the rendezvous :class:`wb.runtime.rendezvous.Store` every worker shares (joins, versions).
         staging: sender staging (see the module doc): ``push`` returns after a local copy.
         name: keeps the store keys of concurrent sessions apart.
         staging_bytes: the executor's packing budget.
@@ -579,8 +579,8 @@ def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float =
     """
     import io
 
-    from wb.layout import layouts_from_bytes, layouts_to_bytes
-    from wb.planner import plan as make_plan
+    from wb.data.layout import layouts_from_bytes, layouts_to_bytes
+    from wb.algorithms.planner import plan as make_plan
 
     layouts = list(layouts)
     for lay in layouts:

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from wb.layout import Cluster
-from wb.plan import Plan
-from wb.planner import bound_parts
+from wb.data.layout import Cluster
+from wb.data.plan import Plan
+from wb.algorithms.planner import bound_parts
 
 __all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p"]
 

@@ -18,17 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["worker_main", "expected_checkpoint"]
+from wb.cli.demo.checkpoint import expected_checkpoint, random_checkpoint
 
-
-def expected_checkpoint(ckpt: dict, step: int) -> dict:
-    """The trainer's weights after ``step`` updates, as checkpoint tensors (numpy, exact)."""
-    f = (-2.0) ** step
-    return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
+__all__ = ["worker_main"]
 
 
 def _ucx(rank, store, mode, cuda=None):
-    from wb.transport.ucx import UcxTransport
+    from wb.runtime.transport.ucx import UcxTransport
 
     return UcxTransport(rank, store, session=f"demo/{mode}/ucx", timeout=120, cuda_device=cuda)
 
@@ -57,12 +53,11 @@ def worker_main(job: dict) -> None:
     if job["kind"] == "jax":  # the demo's JAX side runs on emulated CPU devices, GPUs or not
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        from wb.presets import spec_from_config
-        from wb.rendezvous import DirectoryStore
+        from wb.layouts.presets import spec_from_config
+        from wb.runtime.rendezvous import DirectoryStore
 
         store = DirectoryStore(job["store_dir"])
         spec = spec_from_config(job["cfg"])
-        from wb.demo import random_checkpoint
 
         ckpt = random_checkpoint(0)
         fn = {("trainer", "jax"): _jax_trainer, ("trainer", "torch"): _torch_trainer,

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from wb.dtypes import canonical_dtype, dtype_info
+from wb.data.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
 
 __all__ = ["CheckpointSpec"]
@@ -21,7 +21,7 @@ class CheckpointSpec:
 
     Args:
         tensors: ``{name: (shape, dtype)}``; shape a tuple of ints, dtype a name such as
-            ``"bfloat16"`` (or anything :func:`wb.dtypes.canonical_dtype` accepts).
+            ``"bfloat16"`` (or anything :func:`wb.data.dtypes.canonical_dtype` accepts).
 
     Raises:
         SpecError: a shape has a negative dimension, or a dtype is unknown.

@@ -1,7 +1,7 @@
 """Trainer and rollout layouts of real frameworks, and four paper-scale deployments built from them.
 
-A *layout generator* turns a model config (as :func:`wb.presets.load_config` returns it) and a
-parallelism plan into one :class:`~wb.layout.Layout` per GPU, with the buffer names, shapes and
+A *layout generator* turns a model config (as :func:`wb.layouts.presets.load_config` returns it) and a
+parallelism plan into one :class:`~wb.data.layout.Layout` per GPU, with the buffer names, shapes and
 shards each framework really uses:
 
 - :func:`megatron_trainer`: Megatron-core (Transformer Engine spec) with TP, PP, EP, expert TP, DP.
@@ -12,12 +12,12 @@ shards each framework really uses:
 
 Every source map is built from affine block descriptions only (:meth:`SourceMap.from_blocks`):
 nothing is O(elements), so a 1T-parameter deployment builds in seconds. Identical shards (data
-parallel copies, rollout replicas, replicated norms) share one :class:`~wb.layout.BufferSpec`
-object; only the :class:`~wb.layout.Worker` differs.
+parallel copies, rollout replicas, replicated norms) share one :class:`~wb.data.layout.BufferSpec`
+object; only the :class:`~wb.data.layout.Worker` differs.
 
 Conventions used in the block helpers: a checkpoint tensor of shape ``S`` is viewed as ``[A, B]``
 (``A = prod(S[:-1])``, ``B = S[-1]``) and its element ``(a, b)`` has id ``offset + a * B + b``;
-a buffer is viewed the same way (see :mod:`wb.sourcemap`).
+a buffer is viewed the same way (see :mod:`wb.data.sourcemap`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from wb.errors import SpecError
-from wb.layout import BufferSpec, Layout, Role, Worker
-from wb.presets import TINY, load_config, spec_from_config
-from wb.sourcemap import Blocks, SourceMap
-from wb.spec import CheckpointSpec
+from wb.data.layout import BufferSpec, Layout, Role, Worker
+from wb.layouts.presets import TINY, load_config, spec_from_config
+from wb.data.sourcemap import Blocks, SourceMap
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["Deployment", "DEPLOYMENTS", "deployment", "megatron_trainer", "fsdp_trainer",
            "jax_trainer", "vllm_rollout"]
@@ -275,7 +275,7 @@ def megatron_trainer(cfg: Mapping, *, tp: int, pp: int, ep: int, etp: int = 1,
       ``mlp.shared_experts.linear_fc{1,2}.weight`` split by TP like a dense MLP.
 
     Args:
-        cfg: model config (``wb.presets.load_config``), architecture qwen3_moe or deepseek_v3.
+        cfg: model config (``wb.layouts.presets.load_config``), architecture qwen3_moe or deepseek_v3.
         tp: tensor parallel size (attention heads, MLP columns, vocabulary).
         pp: pipeline parallel size.
         ep: expert parallel size (routed experts).
@@ -285,7 +285,7 @@ def megatron_trainer(cfg: Mapping, *, tp: int, pp: int, ep: int, etp: int = 1,
         first_rank: global rank of the first GPU; ranks are consecutive.
 
     Returns:
-        One trainer :class:`~wb.layout.Layout` per GPU, in rank order.
+        One trainer :class:`~wb.data.layout.Layout` per GPU, in rank order.
 
     Raises:
         SpecError: (a ``ValueError``) the world is not a multiple of ``tp * pp``, a stage's
@@ -497,14 +497,14 @@ def fsdp_trainer(cfg: Mapping, *, nodes: Sequence[str], gpus_per_node: int = 8,
     - ``unit="model"``: no auto-wrap, the root unit holds the whole model.
 
     Args:
-        cfg: model config (``wb.presets.load_config``).
+        cfg: model config (``wb.layouts.presets.load_config``).
         nodes: trainer node names; the world is ``len(nodes) * gpus_per_node`` GPUs.
         gpus_per_node: GPUs per node.
         first_rank: global rank of the first GPU; ranks are consecutive.
         unit: ``"layer"`` or ``"model"``.
 
     Returns:
-        One trainer :class:`~wb.layout.Layout` per GPU, in rank order.
+        One trainer :class:`~wb.data.layout.Layout` per GPU, in rank order.
 
     Raises:
         SpecError: ``unit`` is unknown, or the node arguments are malformed.
@@ -589,7 +589,7 @@ def jax_trainer(cfg: Mapping, *, dp: int, fsdp: int, tp: int, nodes: Sequence[st
     PartitionSpec is then ``(fsdp, None, None)``). Every other sharded dimension must divide.
 
     Args:
-        cfg: model config (``wb.presets.load_config``).
+        cfg: model config (``wb.layouts.presets.load_config``).
         dp: replicas (data parallel, identical parameters).
         fsdp: parameter sharding axis (the ``h`` / inner dimension of kernels).
         tp: tensor parallel axis (heads, MLP width, experts, vocabulary).
@@ -598,7 +598,7 @@ def jax_trainer(cfg: Mapping, *, dp: int, fsdp: int, tp: int, nodes: Sequence[st
         first_rank: global rank of the first device; ranks are consecutive.
 
     Returns:
-        One trainer :class:`~wb.layout.Layout` per device, in rank order.
+        One trainer :class:`~wb.data.layout.Layout` per device, in rank order.
 
     Raises:
         SpecError: the mesh does not fill the nodes, or an axis does not divide a dimension.
@@ -797,7 +797,7 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
     One replica is built; the others reuse its BufferSpec objects (only the Worker differs).
 
     Args:
-        cfg: model config (``wb.presets.load_config``).
+        cfg: model config (``wb.layouts.presets.load_config``).
         tp: tensor parallel size of attention / dense layers (divides the replica's GPUs).
         ep: expert parallel size: the replica's GPU count, or 1 (experts TP-split instead).
         replicas: number of engines.
@@ -1013,7 +1013,7 @@ class Deployment:
 class _Plan:
     """One deployment's numbers: Megatron trainer and vLLM rollout, separate nodes."""
 
-    model: str  # config name, or "tiny" for wb.presets.TINY
+    model: str  # config name, or "tiny" for wb.layouts.presets.TINY
     gpus_per_node: int
     trainer_nodes: int
     tp: int
@@ -1040,7 +1040,7 @@ _PLANS: dict[str, _Plan] = {
     # 1T: 32 trainer nodes (TP4 PP8 EP32, DP8) + 8 four-node engines (TP8 attention x DP4, EP32).
     "kimi-k2": _Plan("kimi-k2", 8, 32, tp=4, pp=8, ep=32, etp=1, r_tp=8, r_ep=32, replicas=8,
                      nodes_per_replica=4, gpus_per_replica=32),
-    # wb.presets.TINY: 1 trainer node of 4 GPUs (TP2, DP2, EP2) + 1 rollout node, 2 engines of 2.
+    # wb.layouts.presets.TINY: 1 trainer node of 4 GPUs (TP2, DP2, EP2) + 1 rollout node, 2 engines of 2.
     "tiny": _Plan("tiny", 4, 1, tp=2, pp=1, ep=2, etp=1, r_tp=2, r_ep=2, replicas=2,
                   nodes_per_replica=1, gpus_per_replica=2),
 }
@@ -1058,7 +1058,7 @@ def deployment(name: str, *, models_dir: Path | str | None = None) -> Deployment
 
     Args:
         name: one of :data:`DEPLOYMENTS`.
-        models_dir: where the model JSON files are (default ``wb.presets.MODELS_DIR``).
+        models_dir: where the model JSON files are (default ``wb.layouts.presets.MODELS_DIR``).
 
     Returns:
         The :class:`Deployment`.

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from wb.dtypes import dtype_info
+from wb.data.dtypes import dtype_info
 from wb.errors import ProbeError
-from wb.sourcemap import SourceMap
-from wb.spec import CheckpointSpec
+from wb.data.sourcemap import SourceMap
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["probe", "digit_base", "ProbeCheckpoint"]
 

@@ -2,7 +2,7 @@
 
 Nothing happens at import or construction: the UCX context and worker are created by
 :meth:`UcxTransport.connect`. Each rank publishes its worker address through a rendezvous
-:class:`~wb.rendezvous.Store` and creates an endpoint from each peer's address. Endpoints are created
+:class:`~wb.runtime.rendezvous.Store` and creates an endpoint from each peer's address. Endpoints are created
 with UCX error handling off on both sides, because UCX's shared-memory transports need it; a peer
 that dies is therefore noticed by the executor's inactivity timeout, not by UCX.
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from wb.errors import TransferError
-from wb.rendezvous import Store
+from wb.runtime.rendezvous import Store
 
 __all__ = ["UcxTransport", "default_tls"]
 

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from wb.correspond import correspond
-from wb.layout import Cluster, Layout, Worker
-from wb.plan import Plan, slot_table
-from wb.planner import DEFAULT_CHUNK_BYTES, _cut, _expand
-from wb.spec import CheckpointSpec
+from wb.data.correspondence import correspond
+from wb.data.layout import Cluster, Layout, Worker
+from wb.data.plan import Plan, slot_table
+from wb.algorithms.planner import DEFAULT_CHUNK_BYTES, _cut, _expand
+from wb.data.spec import CheckpointSpec
 
 __all__ = ["p2p_plan", "broadcast_plans", "full_layout", "needed_tensors", "FullArena"]
 
@@ -74,7 +74,7 @@ def full_layout(spec: CheckpointSpec, worker: Worker, names: Sequence[str] | Non
     pass ``buffers`` of an earlier call to share its BufferSpecs between workers.
     """
     if buffers is None:
-        from wb.deployments import _buffer, _copy
+        from wb.layouts.deployments import _buffer, _copy
 
         buffers = {n: _buffer(spec.shape(n), _copy(spec, n), spec.dtype(n))
                    for n in (spec.names if names is None else names)}
@@ -90,7 +90,7 @@ def broadcast_plans(spec: CheckpointSpec, trainers: Sequence[Layout], rollouts: 
     0's GPU); ``broadcast`` sends those whole tensors to every rollout worker, each receiving every
     tensor the rollouts need. Each rollout then cuts its buffers out with :meth:`FullArena.load`.
     """
-    from wb.planner import plan
+    from wb.algorithms.planner import plan
 
     t0 = trainers[0].worker
     needed = needed_tensors(spec, rollouts)
@@ -132,7 +132,7 @@ class FullArena:
     """
 
     def __init__(self, spec: CheckpointSpec, names: Sequence[str], *, xp=np):
-        from wb.dtypes import dtype_info
+        from wb.data.dtypes import dtype_info
 
         dts = {spec.dtype(n) for n in names}
         if len(dts) != 1:

@@ -9,7 +9,7 @@ rollouts' own parameters, which must come out bit-identical to what the rollouts
 of the same checkpoint. ``--trainer torch --rollout jax`` swaps the sides. Transfers between
 processes then do it for real: spawned trainer and rollout processes probe their own load
 paths, agree on a plan, and run a few training steps in each of the four sync modes over UCX,
-checking every rollout buffer after every update (see :mod:`wb.demo_workers`).
+checking every rollout buffer after every update (see :mod:`wb.cli.demo.workers`).
 
 The frameworks are imported only when the demo runs: ``import wb`` never imports torch or jax.
 """
@@ -25,8 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 import wb
-from wb.layout import BufferSpec, Layout, Worker
-from wb.presets import TINY, spec_from_config
+from wb.data.layout import BufferSpec, Layout, Worker
+from wb.cli.demo.checkpoint import random_checkpoint
+from wb.layouts.presets import TINY, spec_from_config
 
 __all__ = ["run_demo", "jax_layouts", "torch_layouts"]
 
@@ -76,7 +77,7 @@ def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int
     per_rank = []
     for r in range(tp):
         model = TinyRollout(cfg, tp_rank=r, tp_size=tp)
-        dtypes = {n: wb.dtypes.canonical_dtype(p.dtype) for n, p in model.named_parameters()}
+        dtypes = {n: wb.data.dtypes.canonical_dtype(p.dtype) for n, p in model.named_parameters()}
         per_rank.append({n: BufferSpec(sm, dtypes[n])
                          for n, sm in wb_torch.probe(model, spec).items() if sm.n_ids})
     out, loaded, fresh = [], {}, {}
@@ -103,13 +104,6 @@ def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt
     # A PyTorch trainer: 2 data-parallel replicas of a TP group (the reference sharding).
     return torch_layouts(TINY, role=role, tp=tp, copies=2 if role == "trainer" else copies,
                          first_rank=first_rank, node_prefix=prefix, ckpt=ckpt)
-
-
-def random_checkpoint(seed: int = 0) -> dict[str, np.ndarray]:
-    spec = spec_from_config(TINY)
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(spec.shape(n), dtype=np.float32).astype(
-        wb.dtypes.dtype_info(spec.dtype(n)).numpy) for n in spec.names}
 
 
 def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
@@ -182,7 +176,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         p = wb.plan(trainers, rollouts)
         p.verify()
         plan_s = time.perf_counter() - t2
-        from wb.planner import traffic_ratio
+        from wb.algorithms.planner import traffic_ratio
 
         ratio = traffic_ratio(p)
         wb.run_local(p, weights, targets)
@@ -194,7 +188,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     rt, rtot = _worker_table(f"{rollout} rollouts: buffers needed (per worker)", rollouts)
     console.print(tt)
     console.print(rt)
-    from wb.planner import bound_parts
+    from wb.algorithms.planner import bound_parts
 
     bound = bound_parts(p.corr, *p.table)  # M and each node's M_v, from the plan's cells
     needed = {"M": int((bound["sends"] * bound["cell_bytes"]).sum()), "nodes": bound["node_in"]}
@@ -278,8 +272,8 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
 
     from rich.progress import Progress
 
-    from wb.demo_workers import worker_main
-    from wb.planner import traffic_ratio
+    from wb.cli.demo.workers import worker_main
+    from wb.algorithms.planner import traffic_ratio
 
     with tempfile.TemporaryDirectory(prefix="wb-demo-") as tmp:
         work = Path(tmp)

@@ -11,11 +11,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from wb.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, summarize
+from wb.runtime.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, summarize
 from wb.errors import TransferError
-from wb.plan import Plan
-from wb.rendezvous import MemoryStore
-from wb.transport.local import LocalHub, LocalTransport
+from wb.data.plan import Plan
+from wb.runtime.rendezvous import MemoryStore
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 __all__ = ["LocalSession"]
 
@@ -27,7 +27,7 @@ class LocalSession:
         plan: the plan.
         trainer_buffers: ``{rank: {name: array}}`` of every trainer (read at each update).
         rollout_buffers: ``{rank: {name: array}}`` of every rollout (written in place).
-        mode: one of :data:`wb.coordinator.MODES` (``"sync"``, ``"sender"``, ``"receiver"``,
+        mode: one of :data:`wb.runtime.coordinator.MODES` (``"sync"``, ``"sender"``, ``"receiver"``,
             ``"both"``): which sides stage.
         timeout: seconds without progress before a transfer fails.
 

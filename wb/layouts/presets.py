@@ -12,26 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from wb.errors import SpecError
-from wb.spec import CheckpointSpec
+from wb.data.spec import CheckpointSpec
 
-__all__ = ["spec_from_config", "load_config", "MODELS_DIR", "TINY", "Deployment", "DEPLOYMENTS",
-           "deployment", "megatron_trainer", "fsdp_trainer", "jax_trainer", "vllm_rollout"]
+__all__ = ["spec_from_config", "load_config", "MODELS_DIR", "TINY"]
 
 #: The model architecture JSON files (copies of ``shared/models``, shipped with the package).
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
-# Layout generators and deployments live in wb.deployments (which builds on this module); they are
-# re-exported here lazily so ``wb.presets.deployment("kimi-k2")`` works without an import cycle.
-_FROM_DEPLOYMENTS = {"Deployment", "DEPLOYMENTS", "deployment", "megatron_trainer", "fsdp_trainer",
-                     "jax_trainer", "vllm_rollout"}
-
-
-def __getattr__(name: str):
-    if name in _FROM_DEPLOYMENTS:
-        from wb import deployments
-
-        return getattr(deployments, name)
-    raise AttributeError(f"module 'wb.presets' has no attribute {name!r}")
 
 
 def load_config(name: str, models_dir: Path | None = None) -> dict:

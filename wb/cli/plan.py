@@ -9,7 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from wb.layout import Cluster
+from wb.data.layout import Cluster
 
 __all__ = ["run_plan", "plot_links"]
 
@@ -21,10 +21,10 @@ def _peak_rss_mb() -> float:
 def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet: bool = False,
              models_dir=None) -> dict:
     """Builds the preset's maps and plan, simulates it and the baselines; returns the report."""
-    from wb.deployments import deployment
-    from wb.planner import plan as make_plan
-    from wb.planner import traffic_ratio
-    from wb.simulate import simulate, simulate_broadcast, simulate_p2p
+    from wb.layouts.deployments import deployment
+    from wb.algorithms.planner import plan as make_plan
+    from wb.algorithms.planner import traffic_ratio
+    from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
     console = Console(quiet=quiet)
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Transports: post tagged sends and receives of contiguous byte buffers between ranks.
 
-:class:`Transport` is the seam the executor talks to. :class:`~wb.transport.ucx.UcxTransport`
-moves bytes between processes and machines over UCX (``ucxx``); :class:`~wb.transport.local.
+:class:`Transport` is the seam the executor talks to. :class:`~wb.runtime.transport.ucx.UcxTransport`
+moves bytes between processes and machines over UCX (``ucxx``); :class:`~wb.runtime.transport.local.
 LocalTransport` between threads of one process (notebooks, tests). A buffer is a contiguous
 1-D ``uint8`` array: numpy on the host, or a CUDA array (``__cuda_array_interface__``, e.g. CuPy).
 """

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from wb.correspond import Correspondence, Slot, correspond
+from wb.data.correspondence import Correspondence, Slot, correspond
 from wb.errors import PlanError
-from wb.layout import (
+from wb.data.layout import (
     Cluster,
     Layout,
     Role,
@@ -169,6 +169,33 @@ class Plan:
         intra = moved & ~cross
         intra_node = {nodes[i]: int(v) for i, v in zip(*_sum_by(dn[intra], b[intra]))}
         return Traffic(trainer_out, node_in, node_out, intra_node)
+
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, Layout]:
+        return {lay.worker.rank: lay for lay in (*self.trainers, *self.rollouts)}
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every worker's rank, sorted."""
+        return sorted(self._by_rank)
+
+    def layout_of(self, rank: int) -> Layout:
+        """The layout of worker ``rank``.
+
+        Raises:
+            PlanError: ``rank`` is not a worker of this plan (names the plan's ranks).
+
+        Examples:
+            >>> import numpy as np, wb
+            >>> sm = wb.SourceMap.from_indices(np.arange(4))
+            >>> lay = lambda r, role: wb.Layout(wb.Worker(r, "n", role), {"w": wb.BufferSpec(sm, "float32")})
+            >>> wb.plan([lay(0, "trainer")], [lay(1, "rollout")]).layout_of(1).worker.role
+            <Role.ROLLOUT: 'rollout'>
+        """
+        lay = self._by_rank.get(int(rank))
+        if lay is None:
+            raise PlanError(f"rank {rank} has no layout in this plan (ranks {self.ranks})")
+        return lay
 
     def for_rank(self, rank: int) -> WorkerPlan:
         """The messages ``rank`` sends and receives, in plan order, with their transfers."""

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from wb.correspond import Correspondence, correspond
+from wb.data.correspondence import Correspondence, correspond
 from wb.errors import PlanError
-from wb.layout import Cluster, Layout
-from wb.plan import Messages, Pieces, Plan, Traffic, Transfers, slot_table
+from wb.data.layout import Cluster, Layout
+from wb.data.plan import Messages, Pieces, Plan, Traffic, Transfers, slot_table
 
 __all__ = ["plan", "lower_bound", "DEFAULT_CHUNK_BYTES"]
 

@@ -1,8 +1,8 @@
 """Run a plan across spawned processes over UCX: the harness of multi-process tests and benchmarks.
 
 The parent saves the plan (``Plan.save``); every child loads it, builds its buffers, runs
-:func:`wb.executor.execute` over :class:`wb.transport.ucx.UcxTransport` with a
-:class:`wb.rendezvous.DirectoryStore`, checks its rollout buffers bit for bit, and writes a JSON
+:func:`wb.runtime.executor.execute` over :class:`wb.runtime.transport.ucx.UcxTransport` with a
+:class:`wb.runtime.rendezvous.DirectoryStore`, checks its rollout buffers bit for bit, and writes a JSON
 result. Trainer weights are a fixed function of each element's id (:func:`weight_bits`), so every
 process can make and check them without shipping arrays. Faults can be injected per rank.
 """
@@ -20,68 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from wb.executor import _layout_of
+from wb.cli.bench.weights import buffers_for, mapped_for, version_bits, weight_bits
 
-__all__ = ["weight_bits", "buffers_for", "mapped_for", "Fault", "run_ranks", "child_main",
-           "raw_throughput"]
-
-
-def weight_bits(ids, dtype: np.dtype, xp=np):
-    """Deterministic, finite weight values of checkpoint ids (ids >= 0), as ``dtype``.
-
-    Bits are a hash of the id with the exponent field kept away from inf/nan. ``xp`` is numpy or
-    CuPy (values are made where the buffer lives).
-    """
-    item = np.dtype(dtype).itemsize
-    u = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[item]
-    h = (ids.astype(xp.uint64) * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
-    mask = {1: 0x3F, 2: 0x3FFF, 4: 0x3FFFFFFF, 8: 0x3FFFFFFFFFFFFFFF}[item]
-    bits = (h & xp.uint64(mask)).astype(u)
-    if item == 2:
-        bits |= xp.uint16(0x3C00)
-    return bits
-
-
-def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
-    """This rank's buffers, made on the host (numpy) or the device (CuPy): trainer weights
-    (``fill``, element by element from the source map's blocks, one block at a time) or zeros."""
-    from wb.dtypes import dtype_info
-
-    lay = _layout_of(plan, rank)
-    out = {}
-    for name, b in lay.buffers.items():
-        dt = dtype_info(b.dtype).numpy
-        raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
-        arr = xp.full(b.shape, 0, dtype=raw)  # resident, as live weights are (not lazy zero pages)
-        if fill:
-            rows, cols = b.sourcemap.view2d
-            v = arr.reshape(rows, cols)
-            bl = b.sourcemap.blocks
-            for k in range(bl.count):
-                i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
-                j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
-                ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
-                r0, c0 = int(bl.r0[k]), int(bl.c0[k])
-                v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
-        # CuPy has no bfloat16/float8: device buffers of those stay raw integer bits
-        out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
-    return out
-
-
-def mapped_for(plan, rank: int, xp=np) -> dict:
-    """Which elements of this rank's buffers the source map covers (bool arrays, made on the host
-    or the device block by block: no id per element is ever materialised, so it scales to
-    multi-GB buffers)."""
-    lay = _layout_of(plan, rank)
-    out = {}
-    for name, b in lay.buffers.items():
-        m = xp.zeros(b.shape, dtype=bool)
-        v = m.reshape(b.sourcemap.view2d)
-        bl = b.sourcemap.blocks
-        for r0, c0, nr, nc in zip(bl.r0.tolist(), bl.c0.tolist(), bl.nr.tolist(), bl.nc.tolist()):
-            v[r0:r0 + nr, c0:c0 + nc] = True
-        out[name] = m
-    return out
+__all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits", "Fault", "run_ranks",
+           "child_main", "raw_throughput", "coord_child_main"]
 
 
 @dataclass
@@ -133,10 +75,10 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     """One worker process (spawned)."""
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
     from wb.errors import TransferError
-    from wb.executor import execute
-    from wb.plan import Plan
-    from wb.rendezvous import DirectoryStore
-    from wb.transport.ucx import UcxTransport
+    from wb.runtime.executor import execute
+    from wb.data.plan import Plan
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
 
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank}
@@ -221,8 +163,8 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
 def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, result_dir: str,
                tls: str | None, cuda_device: int | None = None) -> None:
     """Raw UCX: rank 2k sends ``reps`` messages of ``nbytes`` to rank 2k+1 (no packing)."""
-    from wb.rendezvous import DirectoryStore
-    from wb.transport.ucx import UcxTransport
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
 
     xp = np
     if isinstance(cuda_device, (tuple, list)):  # (sender's device, receiver's device)
@@ -280,26 +222,15 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
 
 
-def version_bits(base: dict, version: int, mapped: dict, xp=np) -> dict:
-    """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
-    mapped (``mapped[name]``: bool array), unchanged elsewhere (bitwise distinct per version;
-    nothing interprets them as numbers). ``xp``: numpy, or CuPy for device arrays."""
-    out = {}
-    for k, a in base.items():
-        u = a.view(f"u{a.dtype.itemsize}")
-        out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
-    return out
-
-
 def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                      options: dict) -> None:
     """One worker of a multi-version run through wb.Sender / wb.Receiver (spawned): trainers push
     ``versions`` updates; rollouts apply each and check it; a fault may kill a trainer in one."""
     import wb
     from wb.errors import TransferError
-    from wb.plan import Plan
-    from wb.rendezvous import DirectoryStore
-    from wb.transport.ucx import UcxTransport
+    from wb.data.plan import Plan
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
 
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank, "applied": [], "checks": []}

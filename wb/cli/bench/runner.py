@@ -7,12 +7,12 @@ Every worker is its own spawned process over UCX, and all three methods run the 
 transport, in one run, in a rotating order:
 
 - **wb**: :func:`wb.plan`.
-- **naive P2P**: :func:`wb.baselines.p2p_plan`.
-- **broadcast**: :func:`wb.baselines.broadcast_plans` (gather at one trainer rank, then whole
+- **naive P2P**: :func:`wb.cli.bench.baselines.p2p_plan`.
+- **broadcast**: :func:`wb.cli.bench.baselines.broadcast_plans` (gather at one trainer rank, then whole
   tensors to every rollout worker, which cuts its slices with its loader).
 
 One machine has no per-GPU NICs: every process shares the same cores and loopback. So the links
-of the cluster are emulated (:class:`wb.transport.shaped.ShapedTransport`): each worker's NIC and
+of the cluster are emulated (:class:`wb.cli.bench.shaped.ShapedTransport`): each worker's NIC and
 NVLink run at the given rates, chosen well below what the machine can carry in aggregate, and a
 probe in the same run measures them as the executor sees them. The ideal is the plan's lower
 bound over those measured rates. AGST is measured through :class:`wb.Sender` /
@@ -35,12 +35,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 import wb
-from wb.baselines import broadcast_plans, needed_tensors, p2p_plan
-from wb.deployments import megatron_trainer, vllm_rollout
-from wb.layout import Cluster
-from wb.planner import traffic_ratio
-from wb.presets import TINY, load_config, spec_from_config
-from wb.simulate import ideal_s, simulate
+from wb.cli.bench.baselines import broadcast_plans, needed_tensors, p2p_plan
+from wb.layouts.deployments import megatron_trainer, vllm_rollout
+from wb.data.layout import Cluster
+from wb.algorithms.planner import traffic_ratio
+from wb.layouts.presets import TINY, load_config, spec_from_config
+from wb.algorithms.simulate import ideal_s, simulate
 
 __all__ = ["run_bench", "PROFILES"]
 
@@ -112,7 +112,7 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         out_dir: also write ``bench.json`` (and ``bench.png`` with matplotlib) there.
         timeout: seconds allowed per replica count.
         trace: with ``out_dir``, also write ``trace_r{R}.json``: every rank's per-message times in
-            its last wb run (:func:`wb.executor.execute`'s ``trace``), for finding where an
+            its last wb run (:func:`wb.runtime.executor.execute`'s ``trace``), for finding where an
             update's time goes.
         overrides: any :data:`PROFILES` field.
     """
@@ -222,7 +222,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
                       probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda),
                       trace=trace)
-        from wb.bench_workers import bench_main
+        from wb.cli.bench.workers import bench_main
 
         ctx = mp.get_context("spawn")
         role = {r: "trainer" for r in ranks[:G + 1]}

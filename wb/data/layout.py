@@ -11,9 +11,9 @@ from types import MappingProxyType
 
 import numpy as np
 
-from wb.dtypes import canonical_dtype, dtype_info
+from wb.data.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
-from wb.sourcemap import MAX_ID, SourceMap
+from wb.data.sourcemap import MAX_ID, SourceMap
 
 __all__ = [
     "BufferSpec",

@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from wb.dtypes import canonical_dtype
+from wb.data.dtypes import canonical_dtype
 from wb.errors import TransferError
-from wb.layout import Layout
-from wb.plan import Plan
+from wb.data.layout import Layout
+from wb.data.plan import Plan
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "connect", "execute", "plan_fingerprint",
            "plan_peers"]
@@ -151,7 +151,7 @@ _NO_NATIVE = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 def _raw_bits_ok(xp, dtype, want: str) -> bool:
     """CUDA arrays of bf16/fp8 travel as same-width integers (CuPy has no such dtypes, and torch's
     ``__cuda_array_interface__`` refuses them): accept exactly that case, nothing else."""
-    from wb.dtypes import dtype_info
+    from wb.data.dtypes import dtype_info
 
     return (xp is not np and want in _NO_NATIVE and np.dtype(dtype).kind in "ui"
             and np.dtype(dtype).itemsize == dtype_info(want).itemsize)
@@ -433,7 +433,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
         rank: this worker's rank.
         buffers: ``{buffer name: array}`` of this worker's layout: numpy or DLPack host arrays, or
             CUDA arrays (packing then runs on the device, with CuPy). Filled in place on rollouts.
-        transport: a connected-on-demand :class:`wb.transport.Transport` for this rank.
+        transport: a connected-on-demand :class:`wb.runtime.transport.Transport` for this rank.
         layout: this worker's own layout (as it probed it); refused if the plan's differs.
         staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
         timeout: seconds without any progress before raising :class:`wb.TransferError`.

@@ -86,7 +86,7 @@ class _ShapedRecv:
 
 
 class ShapedTransport:
-    """Wraps ``inner`` (any :class:`wb.transport.Transport`) with emulated link rates.
+    """Wraps ``inner`` (any :class:`wb.runtime.transport.Transport`) with emulated link rates.
 
     Args:
         inner: the real transport of this rank.

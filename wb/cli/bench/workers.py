@@ -46,8 +46,8 @@ def _barrier(store, key: str, ranks, rank: int, timeout: float, *,
 
 class _Ctx:
     def __init__(self, job):
-        from wb.plan import Plan
-        from wb.rendezvous import DirectoryStore
+        from wb.data.plan import Plan
+        from wb.runtime.rendezvous import DirectoryStore
 
         self.job, self.rank = job, job["rank"]
         self.store = DirectoryStore(job["store_dir"])
@@ -68,9 +68,9 @@ class _Ctx:
 
     def transport(self, session: str, plan):
         """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
-        from wb.executor import connect, plan_peers
-        from wb.transport.shaped import ShapedTransport
-        from wb.transport.ucx import UcxTransport
+        from wb.runtime.executor import connect, plan_peers
+        from wb.cli.bench.shaped import ShapedTransport
+        from wb.runtime.transport.ucx import UcxTransport
 
         if not plan_peers(plan, self.rank):
             return None
@@ -115,10 +115,10 @@ def _same(xp, bufs, want) -> bool:
 
 
 def _run(c: _Ctx, result: dict) -> None:
-    from wb.baselines import FullArena
-    from wb.executor import execute
-    from wb.presets import spec_from_config
-    from wb.testing.multiproc import buffers_for
+    from wb.cli.bench.baselines import FullArena
+    from wb.runtime.executor import execute
+    from wb.layouts.presets import spec_from_config
+    from wb.cli.bench.weights import buffers_for
 
     job, rank, xp = c.job, c.rank, c.xp
     P = c.plans
@@ -199,7 +199,7 @@ def _run(c: _Ctx, result: dict) -> None:
 
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
     import wb
-    from wb.testing.multiproc import mapped_for, version_bits
+    from wb.cli.bench.weights import mapped_for, version_bits
 
     mapped = mapped_for(P["wb"], rank, xp) if role else {}
     for mode in job["modes"]:
@@ -260,8 +260,8 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int], phase: str) 
     """Plain sends of ``probe_bytes`` from ``a`` to ``b`` through the benchmark's transport (shaped
     or not), 4 in flight, all pairs of the probe's ``phase`` at once: a link's rate as the
     executor sees it."""
-    from wb.transport.shaped import ShapedTransport
-    from wb.transport.ucx import UcxTransport
+    from wb.cli.bench.shaped import ShapedTransport
+    from wb.runtime.transport.ucx import UcxTransport
 
     job, xp = c.job, c.xp
     peer = b if c.rank == a else a

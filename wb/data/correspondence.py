@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from wb.errors import PlanError
-from wb.layout import Layout, Role
-from wb.sourcemap import Blocks
+from wb.data.layout import Layout, Role
+from wb.data.sourcemap import Blocks
 
 __all__ = ["Slot", "Correspondence", "Overlaps", "correspond"]
 

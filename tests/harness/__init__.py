@@ -1,0 +1,1 @@
+"""Test harnesses: multi-process runs over UCX with fault injection, CUDA children."""

@@ -1,0 +1,1 @@
+"""Algorithms over the data: probing a load function, planning, simulating a plan."""

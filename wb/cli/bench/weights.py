@@ -1,0 +1,78 @@
+"""Synthetic weights of a plan's workers: every element's value is a fixed function of its checkpoint
+id, so every process of a benchmark (or test) makes and checks its own buffers without shipping
+arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wb.data.dtypes import dtype_info
+
+__all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits"]
+
+
+def weight_bits(ids, dtype: np.dtype, xp=np):
+    """Deterministic, finite weight values of checkpoint ids (ids >= 0), as ``dtype``.
+
+    Bits are a hash of the id with the exponent field kept away from inf/nan. ``xp`` is numpy or
+    CuPy (values are made where the buffer lives).
+    """
+    item = np.dtype(dtype).itemsize
+    u = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[item]
+    h = (ids.astype(xp.uint64) * xp.uint64(0x9E3779B97F4A7C15)) >> xp.uint64(17)
+    mask = {1: 0x3F, 2: 0x3FFF, 4: 0x3FFFFFFF, 8: 0x3FFFFFFFFFFFFFFF}[item]
+    bits = (h & xp.uint64(mask)).astype(u)
+    if item == 2:
+        bits |= xp.uint16(0x3C00)
+    return bits
+
+
+def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
+    """This rank's buffers, made on the host (numpy) or the device (CuPy): trainer weights
+    (``fill``, element by element from the source map's blocks, one block at a time) or zeros."""
+    lay = plan.layout_of(rank)
+    out = {}
+    for name, b in lay.buffers.items():
+        dt = dtype_info(b.dtype).numpy
+        raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
+        arr = xp.full(b.shape, 0, dtype=raw)  # resident, as live weights are (not lazy zero pages)
+        if fill:
+            rows, cols = b.sourcemap.view2d
+            v = arr.reshape(rows, cols)
+            bl = b.sourcemap.blocks
+            for k in range(bl.count):
+                i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
+                j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
+                ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
+                r0, c0 = int(bl.r0[k]), int(bl.c0[k])
+                v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
+        # CuPy has no bfloat16/float8: device buffers of those stay raw integer bits
+        out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
+    return out
+
+
+def mapped_for(plan, rank: int, xp=np) -> dict:
+    """Which elements of this rank's buffers the source map covers (bool arrays, made on the host
+    or the device block by block: no id per element is ever materialised, so it scales to
+    multi-GB buffers)."""
+    lay = plan.layout_of(rank)
+    out = {}
+    for name, b in lay.buffers.items():
+        m = xp.zeros(b.shape, dtype=bool)
+        v = m.reshape(b.sourcemap.view2d)
+        bl = b.sourcemap.blocks
+        for r0, c0, nr, nc in zip(bl.r0.tolist(), bl.c0.tolist(), bl.nr.tolist(), bl.nc.tolist()):
+            v[r0:r0 + nr, c0:c0 + nc] = True
+        out[name] = m
+    return out
+
+
+def version_bits(base: dict, version: int, mapped: dict, xp=np) -> dict:
+    """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
+    mapped (``mapped[name]``: bool array), unchanged elsewhere (bitwise distinct per version;
+    nothing interprets them as numbers). ``xp``: numpy, or CuPy for device arrays."""
+    out = {}
+    for k, a in base.items():
+        u = a.view(f"u{a.dtype.itemsize}")
+        out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
+    return out
