@@ -24,25 +24,13 @@ PRESETS = ("moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 def one_case(preset: str, replicas: int | None) -> dict:
     """Runs in the child: build maps, plan, simulate; report."""
     import wb
-    from wb.layouts.deployments import _PLANS, deployment, megatron_trainer, vllm_rollout
     from wb.algorithms.planner import traffic_ratio
-    from wb.layouts.presets import load_config
     from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
+    from wb.layouts import deployment
 
     t0 = time.perf_counter()
-    if replicas is None:
-        dep = deployment(preset)
-        trainers, rollouts = dep.trainers, dep.rollouts
-    else:
-        pl = _PLANS[preset]
-        cfg = load_config(pl.model)
-        trainers = megatron_trainer(cfg, tp=pl.tp, pp=pl.pp, ep=pl.ep, etp=pl.etp,
-                                    nodes=[f"trainer{i}" for i in range(pl.trainer_nodes)],
-                                    gpus_per_node=pl.gpus_per_node)
-        rollouts = vllm_rollout(cfg, tp=pl.r_tp, ep=pl.r_ep, replicas=replicas,
-                                nodes_per_replica=pl.nodes_per_replica,
-                                gpus_per_replica=pl.gpus_per_replica,
-                                gpus_per_node=pl.gpus_per_node, first_rank=len(trainers))
+    dep = deployment(preset, replicas=replicas)  # None: the preset's own replica count
+    trainers, rollouts = dep.trainers, dep.rollouts
     maps_s = time.perf_counter() - t0
     p = wb.plan(trainers, rollouts)
     plan_s = time.perf_counter() - t0

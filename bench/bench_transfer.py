@@ -46,7 +46,7 @@ def model(hidden: int, layers: int, experts: int) -> dict:
 
 
 def build(cfg: dict, replicas: int, shape: str = "tp2"):
-    from wb.layouts.deployments import megatron_trainer, vllm_rollout
+    from wb.layouts import megatron_trainer, vllm_rollout
 
     if shape == "single":  # one link: the executor's own overhead against raw UCX
         trainers = megatron_trainer(cfg, tp=1, pp=1, ep=1, nodes=["trainer0"], gpus_per_node=1)

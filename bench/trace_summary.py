@@ -29,7 +29,8 @@ def summarize(traces: dict) -> list[str]:
         msgs = v["messages"]
         if not msgs:
             continue
-        # (message, stage, peer, outgoing, nbytes, ready, posted, done)
+        # wb.runtime.update.TraceEntry: (message, stage, peer, outgoing, nbytes, ready, posted,
+        # done), a list in JSON
         ready, posted, done = (np.array([m[i] for m in msgs], float) - t0 for i in (5, 6, 7))
         nbytes = sum(m[4] for m in msgs)
         n_out = sum(bool(m[3]) for m in msgs)

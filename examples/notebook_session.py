@@ -40,19 +40,20 @@ load = make_load_fn(TINY, mesh)
 params = load(ckpt)
 maps = wb_jax.probe(load, spec)
 devices = list(mesh.devices.flat)
-trial = wb_jax.layouts(params, maps, ranks={d: i for i, d in enumerate(devices)}, node="t0",
+trial = wb_jax.layouts(params, maps, {d: i for i, d in enumerate(devices)}, node="t0",
                        role="trainer")
 holders = [d for d, lay in zip(devices, trial) if lay.buffers]  # replica 0's shards
 t_ranks = {d: i for i, d in enumerate(holders)}
-trainers = wb_jax.layouts(params, maps, ranks=t_ranks, node="t0", role="trainer")
+trainers = wb_jax.layouts(params, maps, t_ranks, node="t0", role="trainer")
 
 models, rollouts = {}, []
 for replica in range(2):
     for tp_rank in range(2):
         rank = len(trainers) + len(rollouts)
         model = TinyRollout(TINY, tp_rank=tp_rank, tp_size=2)
-        worker = wb.Worker(rank=rank, node=f"rollout{replica}", role="rollout", local_rank=tp_rank)
-        rollouts.append(wb_torch.layout(model, spec, worker))  # probes model.load_weights
+        rmaps = wb_torch.probe(model, spec)  # runs model.load_weights (overwrites the weights)
+        rollouts += wb_torch.layouts(model, rmaps, rank, node=f"rollout{replica}", role="rollout",
+                                     local_rank=tp_rank)
         models[rank] = model
 print(f"{len(trainers)} trainer workers, {len(rollouts)} rollout workers")
 
@@ -83,12 +84,12 @@ print(f"wrote {out_png}")
 # in place). Each step changes the trainer's weights, pushes, and applies on the rollouts.
 
 # %%
-live = {lay.worker.rank: wb_torch.buffers(models[lay.worker.rank], list(lay.buffers))
-        for lay in rollouts}
-session = wb.LocalSession(plan, wb_jax.shard_buffers(params, t_ranks), live, mode="both")
+live = {r: bufs for lay in rollouts
+        for r, bufs in wb_torch.buffers(models[lay.worker.rank], lay.worker.rank).items()}
+session = wb.LocalSession(plan, wb_jax.buffers(params, t_ranks), live, mode="both")
 for step in range(1, 4):
     params = train_step(params)  # a training step (w <- -2 w): a new pytree
-    summary = session.update(wb_jax.shard_buffers(params, t_ranks))
+    summary = session.update(wb_jax.buffers(params, t_ranks))
     print(f"step {step}: EWTT {summary.ewtt_s * 1e3:.2f} ms, AGST {summary.agst_s * 1e3:.2f} ms")
 session.close()
 

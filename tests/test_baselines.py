@@ -4,8 +4,7 @@ import numpy as np
 
 import wb
 from wb.cli.bench.baselines import FullArena, broadcast_plans, needed_tensors, p2p_plan
-from wb.layouts.deployments import megatron_trainer, vllm_rollout
-from wb.layouts.presets import TINY, spec_from_config
+from wb.layouts import TINY, megatron_trainer, spec_from_config, vllm_rollout
 from harness.multiproc import buffers_for
 
 SPEC = spec_from_config(TINY)

@@ -169,7 +169,8 @@ def test_receiver_staging_never_exposes_half_a_version():
         s.push()  # version 1, in the background (sender staging)
     # some bytes of version 1 have landed in staging, the rest is held back
     deadline = time.monotonic() + 10
-    while not any(any(a.view(np.uint8).any() for a in rx._stage.values()) for rx in receivers):
+    while not any(any(a.view(np.uint8).any() for a in rx._path.staging.values())
+                  for rx in receivers):
         assert time.monotonic() < deadline, "no bytes landed"
         time.sleep(0.01)
     time.sleep(0.2)

@@ -1,17 +1,20 @@
 """The executor's send schedule and its staging budget, in one process over the local transport.
 
 The multi-process paths (UCX, faults) are in test_transfer_ucx.py; here: the order a worker sends
-in (`_schedule`) and that any staging budget, however small, still delivers every byte.
+in (`schedule`), that any staging budget, however small, still delivers every byte, and that a
+rank's `Program` runs update after update.
 """
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 import wb
-from wb.runtime.executor import _schedule, execute
-from wb.layouts.deployments import megatron_trainer, vllm_rollout
+from wb.runtime.executor import connect, execute
+from wb.runtime.program import Program, schedule
+from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
 from harness.multiproc import buffers_for
 from wb.runtime.transport.local import LocalHub, LocalTransport
@@ -46,7 +49,7 @@ def strided_plan():
 
 def test_trainers_interleave_their_destinations(plan):
     M = plan.messages
-    when = _schedule(M)
+    when = schedule(M)
     for src in {lay.worker.rank for lay in plan.trainers}:
         mine = np.flatnonzero((M.src_rank == src) & (M.parent < 0))
         dsts = np.unique(M.dst_rank[mine])
@@ -65,7 +68,7 @@ def test_trainers_interleave_their_destinations(plan):
 
 def test_forwards_go_after_what_they_forward(plan):
     M = plan.messages
-    when = _schedule(M)
+    when = schedule(M)
     fwd = np.flatnonzero(M.parent >= 0)
     assert fwd.size  # 3 replicas: stage 2 and 3 forwards exist
     assert (when[fwd] > when[M.parent[fwd]]).all()
@@ -115,28 +118,43 @@ def test_any_staging_budget_delivers_every_byte(which, staging_bytes, request):
         assert max(s.staging_peak for s in stats.values()) > 0
 
 
-def test_later_updates_reuse_the_rank_program_and_skip_the_check_of_the_same_arrays(
-        plan, monkeypatch):
-    """A Sender/Receiver runs one plan many times: a rank's messages and schedule are worked out
-    once, and the very same arrays given again are not checked again. New arrays are; so is an
-    array whose dtype changed in place, which is then refused."""
-    import wb.runtime.executor as ex
+def _each(ranks, fn):
+    """``fn(rank)`` for every rank at once (each rank is a thread); raises the first error."""
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        for f in [pool.submit(fn, r) for r in ranks]:
+            f.result(timeout=60)
+
+
+def test_a_program_runs_many_updates_and_skips_the_check_of_the_same_arrays(plan, monkeypatch):
+    """A Sender/Receiver runs one plan many times over one connected transport: its rank's
+    Program is worked out once, and the very same arrays given again are not checked again. New
+    arrays are; so is an array whose dtype changed in place, which is then refused."""
+    import wb.runtime.program as program_module
 
     checked = []
-    real = ex._check_buffers
-    monkeypatch.setattr(ex, "_check_buffers", lambda p, r, *a: checked.append(r) or real(p, r, *a))
-    ranks = [lay.worker.rank for lay in (*plan.trainers, *plan.rollouts)]
+    real = program_module.check_buffers
+    monkeypatch.setattr(program_module, "check_buffers", lambda mine, *a, **k: (
+        checked.append(mine.worker.rank) or real(mine, *a, **k)))
+    ranks = plan.ranks
+    hub = LocalHub()
+    transports = {r: LocalTransport(r, hub, timeout=20) for r in ranks}
+    programs = {r: Program(plan, r) for r in ranks}
+    _each(ranks, lambda r: connect(plan, r, transports[r]))
     bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
-    _run_threads(plan, 1 << 20, bufs)
+
+    def update(v):
+        _each(ranks, lambda r: programs[r].run(bufs[r], transports[r], tag_base=v << 32,
+                                               staging_bytes=1 << 20, timeout=20))
+
+    update(0)
     assert sorted(checked) == sorted(ranks)
-    progs = {r: ex._program(plan, r) for r in ranks}
-    for rep in range(2):  # the same arrays, zeroed: no check, same programs, every byte again
+    for v in (1, 2):  # the same arrays, zeroed: no check, every byte again
         checked.clear()
         for lay in plan.rollouts:
             for a in bufs[lay.worker.rank].values():
                 a[...] = 0
-        _run_threads(plan, 1 << 20, bufs)
-        assert checked == [] and all(ex._program(plan, r) is progs[r] for r in ranks)
+        update(v)
+        assert checked == []
         for lay in plan.rollouts:
             want = buffers_for(plan, lay.worker.rank, fill=True)
             for k, a in want.items():
@@ -146,11 +164,24 @@ def test_later_updates_reuse_the_rank_program_and_skip_the_check_of_the_same_arr
     k = next(iter(bufs[r]))
     bufs[r][k] = bufs[r][k].copy()  # a new array: checked again
     checked.clear()
-    _run_threads(plan, 1 << 20, bufs)
+    update(3)
     assert checked == [r]
     bufs[r][k].dtype = np.int32 if bufs[r][k].dtype == np.float32 else np.float32  # in place
     with pytest.raises(wb.TransferError, match="refusing before any byte moves"):
-        execute(plan, r, bufs[r], LocalTransport(r, LocalHub(), timeout=1), timeout=1)
+        programs[r].run(bufs[r], transports[r], tag_base=4 << 32, timeout=1)
+    _each(ranks, lambda r: transports[r].close())
+
+
+def test_programs_are_values_their_owners_hold(plan):
+    """No cache behind the caller's back: each Program is made by whoever runs it and holds only
+    its own rank's part; an unknown rank is refused with the plan's ranks."""
+    a, b = Program(plan, 0), Program(plan, 0)
+    assert a is not b and a.messages.keys() == b.messages.keys()
+    assert all(g.peer != 0 or g.local for g in a.messages.values())
+    M = plan.messages
+    assert sorted(a.messages) == np.flatnonzero((M.src_rank == 0) | (M.dst_rank == 0)).tolist()
+    with pytest.raises(wb.TransferError, match=r"rank 99 has no layout in this plan \(ranks"):
+        Program(plan, 99)
 
 
 def test_trace_times_every_message_of_the_rank_in_order(plan):
@@ -193,9 +224,9 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     """The CUDA path's deferrals, on host buffers: every pack, unpack and local copy is followed by
     an event the loop polls; a send is posted, and a message counts as landed, only once it passed.
     Everything still arrives, bit for bit."""
-    import wb.runtime.executor
+    import wb.runtime.update
 
-    monkeypatch.setattr(wb.runtime.executor, "_fencer", lambda xp: _SlowEvent)
+    monkeypatch.setattr(wb.runtime.update, "fencer", lambda xp: _SlowEvent)
     _SlowEvent.made = []
     bufs, stats = _run_threads(strided_plan, 256 << 20)
     for lay in strided_plan.rollouts:
@@ -216,12 +247,13 @@ class _Req:
 
 
 def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
-    from wb.runtime.executor import _Inflight, _Msg
+    from wb.runtime.program import Message
+    from wb.runtime.update import Inflight
 
-    inf = _Inflight()
+    inf = Inflight()
     reqs = [_Req() for _ in range(40)]
     for i, r in enumerate(reqs):  # 2 peers x 20 receives, in posting order
-        inf.add(r, _Msg(i, 1, i % 2, 8, None, -1, True, True, False, False), None)
+        inf.add(r, Message(i, 1, i % 2, 8, None, -1, True, True, False, False), None)
     assert len(inf) == 40 and inf.completed(full=False) == []
     reqs[0].finished = reqs[1].finished = True  # the heads complete: a window poll sees them
     assert sorted(g.m for _, g, _ in inf.completed(full=False)) == [0, 1]

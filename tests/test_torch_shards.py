@@ -1,4 +1,4 @@
-"""wb_torch.shard_layout: the maps of DTensor / FSDP2 local shards and of plain blocks."""
+"""wb_torch.checkpoint_layouts: the maps of DTensor / FSDP2 local shards and of plain blocks."""
 
 import multiprocessing as mp
 
@@ -19,23 +19,25 @@ def _ids(name):
 
 def test_plain_blocks_with_offsets():
     t = {"w": torch.zeros(3, 2), "b": torch.zeros(5, dtype=torch.bfloat16)}
-    lay = wb_torch.shard_layout(t, SPEC, wb.Worker(0, "n", "trainer", 0), offsets={"w": (3, 2)})
+    (lay,) = wb_torch.checkpoint_layouts(t, SPEC, 0, node="n", role="trainer",
+                                         offsets={"w": (3, 2)})
     assert np.array_equal(lay.buffers["w"].sourcemap.to_indices(), _ids("w")[3:6, 2:4])
     assert np.array_equal(lay.buffers["b"].sourcemap.to_indices(), _ids("b"))
     assert lay.buffers["b"].dtype == "bfloat16"
     with pytest.raises(wb.SpecError, match="does not fit"):
-        wb_torch.shard_layout(t, SPEC, wb.Worker(0, "n", "trainer", 0), offsets={"w": (4, 0)})
+        wb_torch.checkpoint_layouts(t, SPEC, 0, node="n", role="trainer", offsets={"w": (4, 0)})
     with pytest.raises(wb.SpecError, match="not in the checkpoint spec"):
-        wb_torch.shard_layout({"x": torch.zeros(1)}, SPEC, wb.Worker(0, "n", "trainer", 0))
+        wb_torch.checkpoint_layouts({"x": torch.zeros(1)}, SPEC, 0, node="n", role="trainer")
 
 
 def test_buffers_share_memory_and_refuse_non_contiguous():
     m = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    bufs = wb_torch.buffers(m)
-    bufs["weight"][...] = 0
+    bufs = wb_torch.buffers(m, 7)
+    assert list(bufs) == [7] and set(bufs[7]) == {"weight", "bias"}
+    bufs[7]["weight"][...] = 0
     assert float(m.weight.detach().abs().sum()) == 0  # written in place: the parameter's own storage
     with pytest.raises(wb.TransferError, match="not contiguous"):
-        wb_torch.buffers({"t": torch.zeros(4, 4).t()})
+        wb_torch.buffers({"t": torch.zeros(4, 4).t()}, 0)
 
 
 def _dtensor_child(rank, port, out):
@@ -50,9 +52,10 @@ def _dtensor_child(rank, port, out):
         full = {"w": torch.zeros(6, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
         dts = {"w": distribute_tensor(full["w"], mesh, [Shard(1)]),
                "b": distribute_tensor(full["b"], mesh, [Shard(0)])}  # uneven: 3 + 2
-        lay = wb_torch.shard_layout(dts, SPEC, wb.Worker(rank, "n", "trainer", rank))
+        (lay,) = wb_torch.checkpoint_layouts(dts, SPEC, rank, node="n", role="trainer",
+                                             local_rank=rank)
         out[rank] = {n: b.sourcemap.to_indices().tolist() for n, b in lay.buffers.items()}
-        bufs = wb_torch.buffers(dts)
+        bufs = wb_torch.buffers(dts, rank)[rank]
         out[f"shape{rank}"] = {n: list(a.shape) for n, a in bufs.items()}
     finally:
         dist.destroy_process_group()
@@ -79,3 +82,13 @@ def test_dtensor_local_shards_map_to_their_global_offsets():
     assert np.array_equal(out[0]["w"], w[:, :2]) and np.array_equal(out[1]["w"], w[:, 2:])
     assert np.array_equal(out[0]["b"], b[:3]) and np.array_equal(out[1]["b"], b[3:])
     assert out["shape1"] == {"w": [6, 2], "b": [2]}
+
+
+def test_the_0_1_names_still_work_and_say_they_are_deprecated():
+    t = {"w": torch.zeros(3, 2)}
+    with pytest.warns(DeprecationWarning, match="checkpoint_layouts"):
+        lay = wb_torch.shard_layout(t, SPEC, wb.Worker(4, "n", "trainer", 1),
+                                    offsets={"w": (3, 2)})
+    (new,) = wb_torch.checkpoint_layouts(t, SPEC, 4, node="n", role="trainer", local_rank=1,
+                                         offsets={"w": (3, 2)})
+    assert lay == new

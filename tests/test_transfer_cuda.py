@@ -38,7 +38,7 @@ def test_torch_sender_receiver_on_cuda_tensors(tmp_path, staging):
     import json
     import multiprocessing as mp
 
-    from wb_torch.testing import cuda_sender_receiver_child
+    from harness.cuda import cuda_sender_receiver_child
 
     ctx = mp.get_context("spawn")
     (tmp_path / "res").mkdir()

@@ -17,9 +17,15 @@ from wb.data.plan import Plan, Traffic, run_local
 from wb.data.sourcemap import Blocks, SourceMap
 from wb.data.spec import CheckpointSpec
 from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
-from wb.runtime.coordinator import (MODES, Receiver, Sender, Summary, UpdateStats, agree_plan,
-                                    summarize)
-from wb.runtime.executor import ExecStats, connect, execute
+from wb.runtime.buffers import aligned_empty
+from wb.runtime.coordinator import MODES, SyncMode, agree_plan
+from wb.runtime.executor import connect, execute
+from wb.runtime.group import ReceiverGroup, SenderGroup
+from wb.runtime.program import Program
+from wb.runtime.receiver import Receiver
+from wb.runtime.sender import Sender
+from wb.runtime.stats import Summary, UpdateStats, summarize
+from wb.runtime.update import ExecStats, TraceEntry
 from wb.runtime.rendezvous import DirectoryStore, JaxStore, MemoryStore, Store, TorchStore
 from wb.runtime.session import LocalSession
 from wb.runtime.transport import Transport
@@ -33,8 +39,9 @@ __all__ = [
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
     # runtime
-    "Sender", "Receiver", "MODES", "LocalSession", "agree_plan", "UpdateStats", "Summary",
-    "summarize", "execute", "connect", "ExecStats",
+    "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "MODES", "SyncMode", "LocalSession",
+    "agree_plan", "UpdateStats", "Summary", "summarize", "aligned_empty",
+    "execute", "connect", "Program", "ExecStats", "TraceEntry",
     "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",
     "Transport", "UcxTransport", "LocalTransport", "LocalHub",
     # errors

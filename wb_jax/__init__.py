@@ -1,45 +1,111 @@
-"""JAX shim of WeightBridge: probe a JAX trainer's load function; maps of each addressable shard;
-:class:`Sender` over a params pytree of sharded arrays and :class:`Receiver` whose ``apply()``
-returns a new pytree built zero-copy from the received buffers.
+"""JAX shim of WeightBridge: the same functions, names and signatures as :mod:`wb_torch`.
 
-A JAX process drives several devices, each a wb worker (rank) with its own transport: the shim
-runs one :class:`wb.Sender` / :class:`wb.Receiver` per device, in threads.
+=========================  ==============================================================
+``probe``                  source maps of the params a load function builds, by running it
+                           on id-encoded checkpoint arrays
+``layouts``                one :class:`wb.Layout` per rank (device) from probed maps
+``checkpoint_layouts``     layouts of arrays named like the checkpoint (each device's shard
+                           of a sharded ``jax.Array`` is a block of it)
+``buffers``                ``{rank: {name: array}}``: each device's shard, no copy
+``Sender`` / ``Receiver``  the trainer's and the rollout's end of every update
+``to_numpy`` / ``from_numpy``  arrays <-> numpy
+=========================  ==============================================================
+
+``params`` is a pytree of ``jax.Array`` (keys: ``jax.tree_util.keystr`` of each leaf's path);
+``ranks`` is an int (every leaf lives on one device, which is this rank) or ``{device: rank}``: a
+JAX process drives several devices, each a wb worker with its own transport. JAX-only helpers:
+:func:`shard_maps`, :func:`device_maps`, :func:`device_arrays`, :func:`use_cpu_devices`.
 
 The reference JAX trainer layout used by tests and the demo is in :mod:`wb_jax.testing`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Union
 
 import jax
 import numpy as np
 
 import wb
 
-__all__ = ["probe", "shard_maps", "device_maps", "device_arrays", "use_cpu_devices", "layouts",
-           "shard_buffers", "Sender", "Receiver"]
+__all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
+           "to_numpy", "from_numpy",
+           # JAX only
+           "leaves", "shard_maps", "device_maps", "device_arrays", "use_cpu_devices"]
+
+Ranks = Union[int, Mapping[Any, int]]
 
 
 def use_cpu_devices(n: int) -> int:
     """Asks JAX for ``n`` emulated CPU devices (for meshes on one machine); returns how many exist.
 
-    Only works before JAX starts its backend (the first computation); afterwards the devices that
-    exist are kept, and the caller gets their count to check.
+    Works before JAX starts its backend (the first computation). Afterwards the devices that
+    exist are kept: enough of them is fine, too few is an error.
+
+    Args:
+        n: the number of CPU devices wanted.
+
+    Returns:
+        The number of devices JAX has.
+
+    Raises:
+        wb.SpecError: JAX has already started with fewer than ``n`` devices.
     """
     try:
         jax.config.update("jax_num_cpu_devices", max(int(n), 1))
-    except RuntimeError:
-        pass  # backend already started (a notebook, a test session): keep what exists
+    except RuntimeError as e:  # the backend has started (a notebook, a test session)
+        have = len(jax.devices())
+        if have < n:
+            raise wb.SpecError(
+                f"JAX has already started with {have} devices, fewer than the {n} asked for; "
+                f"call use_cpu_devices({n}) before the first JAX computation, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n}") from e
     return len(jax.devices())
 
 
-def _leaves(tree: Any) -> dict[str, Any]:
+def leaves(params: Any) -> dict[str, Any]:
+    """``{jax.tree_util.keystr(path): leaf}`` of a pytree: the names this shim gives its leaves.
+
+    Examples:
+        >>> list(leaves({"a": {"b": 1}}))
+        ["['a']['b']"]
+    """
     return {jax.tree_util.keystr(path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def to_numpy(x: jax.Array) -> np.ndarray:
+    """A numpy array of ``x``'s values in the same dtype (gathered from its devices).
+
+    Args:
+        x: an array (bfloat16 and float8 stay ml_dtypes dtypes).
+
+    Returns:
+        The numpy array.
+
+    Examples:
+        >>> to_numpy(jax.numpy.ones(2, dtype=jax.numpy.bfloat16)).dtype
+        dtype(bfloat16)
+    """
+    return np.asarray(x)
+
+
+def from_numpy(a: np.ndarray, device: Any = None) -> jax.Array:
+    """A ``jax.Array`` of ``a``'s values in the same dtype.
+
+    Args:
+        a: a numpy array.
+        device: where to put it (a device or sharding; default: JAX's default device).
+
+    Returns:
+        The array.
+
+    Examples:
+        >>> from_numpy(np.arange(3, dtype=np.float32)).tolist()
+        [0.0, 1.0, 2.0]
+    """
+    return jax.device_put(a, device)
 
 
 def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.CheckpointSpec, *,
@@ -54,18 +120,18 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
         progress: show a progress bar over passes.
 
     Returns:
-        ``{jax.tree_util.keystr(path): SourceMap}`` of each leaf's global array. Use
-        :func:`shard_maps` for the map of each addressable shard.
+        ``{jax.tree_util.keystr(path): SourceMap}`` of each leaf's global array (:func:`layouts`
+        cuts them into each device's shard).
 
     Raises:
         wb.ProbeError: ``load_fn`` raised (names the checkpoint tensor it was being fed) or is not
             pure data movement (names the leaf and its first bad element).
     """
-    return wb.probe(spec, lambda ckpt: _leaves(load_fn(ckpt)), progress=progress)
+    return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress)
 
 
 def shard_maps(sourcemap: wb.SourceMap, sharding: jax.sharding.Sharding) -> dict[Any, wb.SourceMap]:
-    """The source map of each addressable shard of an array with ``sharding``.
+    """The source map of each addressable shard of an array with ``sharding`` (JAX only).
 
     Args:
         sourcemap: the map of the global array (from :func:`probe`).
@@ -80,67 +146,61 @@ def shard_maps(sourcemap: wb.SourceMap, sharding: jax.sharding.Sharding) -> dict
     return {dev: wb.SourceMap.from_indices(full[idx]) for dev, idx in index.items()}
 
 
-def device_maps(params: Any, maps: Mapping[str, wb.SourceMap]) -> dict[Any, dict[str, tuple[wb.SourceMap, str]]]:
-    """Per addressable device, ``{leaf key: (shard map, dtype)}`` of every leaf of ``params``.
+def device_maps(params: Any, maps: Mapping[str, wb.SourceMap]
+                ) -> dict[Any, dict[str, tuple[wb.SourceMap, str]]]:
+    """Per addressable device, ``{leaf key: (shard map, dtype)}`` of every leaf (JAX only).
 
-    These are a trainer's holders: one dict per device, ready for ``wb.Layout`` buffers.
+    Args:
+        params: the params pytree.
+        maps: the global arrays' maps (:func:`probe`).
+
+    Returns:
+        ``{device: {leaf key: (SourceMap, dtype name)}}``.
+
+    Raises:
+        wb.SpecError: a leaf has no map.
     """
     out: dict[Any, dict[str, tuple[wb.SourceMap, str]]] = {}
-    for key, leaf in _leaves(params).items():
+    for key, leaf in leaves(params).items():
         if key not in maps:
             raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn")
-        dtype = wb.data.dtypes.canonical_dtype(leaf.dtype)
+        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
         for dev, sm in shard_maps(maps[key], leaf.sharding).items():
             out.setdefault(dev, {})[key] = (sm, dtype)
     return out
 
 
 def device_arrays(params: Any) -> dict[Any, dict[str, np.ndarray]]:
-    """Per addressable device, ``{leaf key: numpy copy of that device's shard}`` of ``params``
-    (the same devices and keys, in the same order, as :func:`device_maps`)."""
+    """Per addressable device, ``{leaf key: numpy copy of that device's shard}`` (JAX only; the
+    same devices and keys, in the same order, as :func:`device_maps`).
+
+    Args:
+        params: the params pytree.
+
+    Returns:
+        ``{device: {leaf key: numpy array}}``.
+    """
     out: dict[Any, dict[str, np.ndarray]] = {}
-    for key, leaf in _leaves(params).items():
+    for key, leaf in leaves(params).items():
         for shard in leaf.addressable_shards:
             out.setdefault(shard.device, {})[key] = np.asarray(shard.data)
     return out
 
 
-def layouts(params: Any, maps: Mapping[str, wb.SourceMap], *, ranks: Mapping[Any, int],
-            node: str, role: str, holders: str = "replica0") -> list[wb.Layout]:
-    """One :class:`wb.Layout` per device of ``ranks`` (``{device: rank}``).
-
-    Args:
-        params: the params pytree (its leaves' shardings give each device's shard).
-        maps: the global arrays' maps (:func:`probe`).
-        ranks: the rank of each addressable device that is a worker.
-        node: the node (machine) of these devices.
-        role: ``"trainer"`` or ``"rollout"``.
-        holders: for a trainer, ``"replica0"`` (default) keeps only shards with replica id 0:
-            the other replicas hold the same bytes, and leaving them out keeps data-parallel
-            devices free to train on; ``"all"`` offers every replica to the planner. Rollouts
-            need every shard.
-
-    Returns:
-        Layouts in the order of ``ranks``; leaves whose shard maps no id are left out.
-    """
-    if holders not in ("replica0", "all"):
-        raise wb.SpecError(f"holders must be 'replica0' or 'all', got {holders!r}")
-    per_dev: dict[Any, dict[str, wb.BufferSpec]] = {d: {} for d in ranks}
-    for key, leaf in _leaves(params).items():
-        if key not in maps:
-            raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn")
-        dtype = wb.data.dtypes.canonical_dtype(leaf.dtype)
-        sms = shard_maps(maps[key], leaf.sharding)
-        for shard in leaf.addressable_shards:
-            if shard.device not in per_dev:
-                continue
-            if role == "trainer" and holders == "replica0" and shard.replica_id != 0:
-                continue
-            sm = sms[shard.device]
-            if sm.n_ids:
-                per_dev[shard.device][key] = wb.BufferSpec(sm, dtype)
-    return [wb.Layout(wb.Worker(rank=r, node=node, role=role, local_rank=i), per_dev[d])
-            for i, (d, r) in enumerate(ranks.items())]
+# --- params -> ranks ---------------------------------------------------------------------------
+def _devices(params: Any, ranks: Ranks) -> dict[Any, int]:
+    """``{device: rank}``; an int ``ranks`` is the rank of the one device every leaf lives on."""
+    if isinstance(ranks, Mapping):
+        return {d: int(r) for d, r in ranks.items()}
+    if not isinstance(ranks, (int, np.integer)) or isinstance(ranks, bool):
+        raise TypeError(f"ranks must be an int (the rank of the one device of params) or "
+                        f"{{device: rank}}, got {type(ranks).__name__}")
+    devs = {d for leaf in leaves(params).values() for d in leaf.sharding.device_set}
+    if len(devs) != 1:
+        raise wb.SpecError(f"ranks={ranks} names one rank, but params live on {len(devs)} "
+                           f"devices; give ranks={{device: rank}} for every device of this "
+                           f"process")
+    return {devs.pop(): int(ranks)}
 
 
 def _host_or_device(a):
@@ -151,125 +211,275 @@ def _host_or_device(a):
     return a
 
 
-def shard_buffers(params: Any, ranks: Mapping[Any, int]) -> dict[int, dict[str, Any]]:
-    """``{rank: {leaf key: that device's shard}}`` (no copy where the backend allows)."""
-    out: dict[int, dict[str, Any]] = {r: {} for r in ranks.values()}
-    for key, leaf in _leaves(params).items():
+def buffers(params: Any, ranks: Ranks) -> dict[int, dict[str, Any]]:
+    """Each device's shard of every leaf, per rank, as :mod:`wb` takes them (no copy where the
+    backend allows: numpy views on the CPU backend, the device arrays on GPUs).
+
+    Args:
+        params: the params pytree.
+        ranks: the rank of the one device of ``params``, or ``{device: rank}``.
+
+    Returns:
+        ``{rank: {leaf key: array}}``.
+
+    Examples:
+        >>> buffers({"w": jax.numpy.zeros((2, 3))}, 0)[0]["['w']"].shape
+        (2, 3)
+    """
+    by_dev = _devices(params, ranks)
+    out: dict[int, dict[str, Any]] = {r: {} for r in by_dev.values()}
+    for key, leaf in leaves(params).items():
         for shard in leaf.addressable_shards:
-            if shard.device in ranks:
-                out[ranks[shard.device]][key] = _host_or_device(shard.data)
+            if shard.device in by_dev:
+                out[by_dev[shard.device]][key] = _host_or_device(shard.data)
     return out
 
 
-class _PerDevice:
-    def __init__(self, make: dict[int, Callable[[], Any]]):
-        self._pool = ThreadPoolExecutor(max_workers=max(len(make), 1),
-                                        thread_name_prefix="wb-jax")
-        # each worker connects to its peers (possibly this process's other devices) when made
-        futs = {r: self._pool.submit(f) for r, f in make.items()}
-        self.workers = {r: f.result() for r, f in futs.items()}
+def layouts(params: Any, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, node: str,
+            role: str, local_rank: int = 0, holders: str = "replica0") -> list[wb.Layout]:
+    """One :class:`wb.Layout` per rank (device), from the maps :func:`probe` found.
 
-    def _all(self, fn):
-        return list(self._pool.map(fn, self.workers.values()))
+    Args:
+        params: the params pytree (its leaves' shardings give each device's shard).
+        maps: the global arrays' maps (:func:`probe`).
+        ranks: the rank of the one device of ``params``, or ``{device: rank}``.
+        node: the node (machine) of these devices.
+        role: ``"trainer"`` or ``"rollout"``.
+        local_rank: the GPU (NIC) index on the node of the first rank; the others follow.
+        holders: for a trainer, ``"replica0"`` (default) keeps only shards with replica id 0:
+            the other replicas hold the same bytes, and leaving them out keeps data-parallel
+            devices free to train on; ``"all"`` offers every replica to the planner. Rollouts
+            need every shard.
+
+    Returns:
+        Layouts in the order of ``ranks``; leaves whose shard maps hold no id are left out.
+
+    Raises:
+        wb.SpecError: a leaf has no map, or ``holders`` is unknown.
+    """
+    if holders not in ("replica0", "all"):
+        raise wb.SpecError(f"holders must be 'replica0' or 'all', got {holders!r}")
+    by_dev = _devices(params, ranks)
+    per_dev: dict[Any, dict[str, wb.BufferSpec]] = {d: {} for d in by_dev}
+    for key, leaf in leaves(params).items():
+        if key not in maps:
+            raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn "
+                               f"(maps has {sorted(maps)[:5]}...)")
+        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
+        sms = shard_maps(maps[key], leaf.sharding)
+        for shard in leaf.addressable_shards:
+            if shard.device not in per_dev:
+                continue
+            if role == "trainer" and holders == "replica0" and shard.replica_id != 0:
+                continue
+            sm = sms[shard.device]
+            if sm.n_ids:
+                per_dev[shard.device][key] = wb.BufferSpec(sm, dtype)
+    return [wb.Layout(wb.Worker(rank=r, node=node, role=role, local_rank=local_rank + i),
+                      per_dev[d]) for i, (d, r) in enumerate(by_dev.items())]
+
+
+def checkpoint_layouts(params: Mapping[str, jax.Array], spec: wb.CheckpointSpec, ranks: Ranks, *,
+                       node: str, role: str, local_rank: int = 0,
+                       offsets: Mapping[str, tuple[int, ...]] | None = None) -> list[wb.Layout]:
+    """Layouts of arrays named like the checkpoint, each device's shard a block of the tensor (its
+    index from the sharding; plus ``offsets[name]`` when the array itself is a block of the
+    checkpoint tensor). Nothing is probed.
+
+    Args:
+        params: ``{checkpoint name: jax.Array}``.
+        spec: the checkpoint's tensors.
+        ranks: the rank of the one device of ``params``, or ``{device: rank}``.
+        node, role, local_rank: as :func:`layouts`.
+        offsets: where each array starts in its checkpoint tensor (default: offset 0).
+
+    Returns:
+        Layouts in the order of ``ranks``; buffers are named as :func:`leaves` names them
+        (``"['name']"``), like every buffer of this shim.
+
+    Raises:
+        wb.SpecError: a name not in ``spec``, or a block that does not fit its tensor.
+    """
+    by_dev = _devices(params, ranks)
+    per_dev: dict[Any, dict[str, wb.BufferSpec]] = {d: {} for d in by_dev}
+    for name, arr in params.items():
+        if name not in spec:
+            raise wb.SpecError(f"array `{name}` is not in the checkpoint spec; "
+                               f"checkpoint_layouts needs checkpoint names (use probe and "
+                               f"layouts for a load function instead)")
+        key = jax.tree_util.keystr((jax.tree_util.DictKey(name),))  # as leaves() names it
+        base = tuple((offsets or {}).get(name, (0,) * arr.ndim))
+        dtype = wb.dtypes.canonical_dtype(arr.dtype)
+        for dev, idx in arr.sharding.addressable_devices_indices_map(arr.shape).items():
+            if dev not in per_dev:
+                continue
+            start = [s.indices(n)[0] for s, n in zip(idx, arr.shape)]
+            stop = [s.indices(n)[1] for s, n in zip(idx, arr.shape)]
+            off = tuple(b + a for b, a in zip(base, start))
+            shape = tuple(e - a for a, e in zip(start, stop))
+            per_dev[dev][key] = wb.BufferSpec(
+                wb.SourceMap.from_indices(spec.block_ids(name, off, shape)), dtype)
+    return [wb.Layout(wb.Worker(rank=r, node=node, role=role, local_rank=local_rank + i),
+                      per_dev[d]) for i, (d, r) in enumerate(by_dev.items())]
+
+
+# --- Sender / Receiver -------------------------------------------------------------------------
+def _planned(plan: wb.Plan, params: Any, ranks: Mapping[Any, int]) -> dict[int, dict[str, Any]]:
+    """Each rank's shards that its layout in ``plan`` names (others are not moved)."""
+    return {r: {k: v for k, v in b.items() if k in plan.layout_of(r).buffers}
+            for r, b in buffers(params, ranks).items()}
+
+
+class Sender:
+    """The trainer's end: ``push(params)`` after each training step sends them as a new version.
+
+    One :class:`wb.Sender` per device rank of this process (:class:`wb.SenderGroup`).
+
+    Args:
+        params: the current params pytree (their shards are checked against the plan).
+        plan: the plan every worker runs.
+        ranks: the rank of the one device of ``params``, or ``{device: rank}``.
+        transports: one :class:`wb.Transport`, or ``{rank: Transport}``.
+        store: the rendezvous store every worker shares.
+        staging: sender staging: ``push`` returns after a local copy (see :data:`wb.MODES`).
+        options: keyword options of :class:`wb.Sender` (``timeout=``, ``name=``, ...).
+
+    Raises:
+        wb.TransferError: shards that do not fit the plan, a peer running another plan.
+    """
+
+    def __init__(self, params: Any, plan: wb.Plan, ranks: Ranks, *, transports, store,
+                 staging: bool = True, **options):
+        self.params, self.plan, self._ranks = params, plan, _devices(params, ranks)
+        self.group = wb.SenderGroup(plan, _planned(plan, params, self._ranks),
+                                    transports=transports, store=store, staging=staging,
+                                    **options)
+
+    def push(self, params: Any = None) -> int:
+        """Sends ``params`` (JAX makes a new pytree every training step; default: the last ones
+        given) as the next version; returns it.
+
+        Args:
+            params: the params pytree to send.
+
+        Returns:
+            The version number.
+
+        Raises:
+            wb.TransferError: this or the previous update failed.
+        """
+        if params is None:
+            params = self.params
+        self.params = params
+        for leaf in leaves(params).values():
+            leaf.block_until_ready()
+        return self.group.push(_planned(self.plan, params, self._ranks))
+
+    def wait(self) -> None:
+        """Blocks until the last pushed version is sent (with staging)."""
+        self.group.wait()
 
     @property
     def version(self) -> int:
-        return min(w.version for w in self.workers.values())
+        """The last version pushed."""
+        return self.group.version
 
     @property
-    def stats(self) -> list:
-        return [x for w in self.workers.values() for x in w.stats]
+    def stats(self) -> list[wb.UpdateStats]:
+        """Every rank's records (for :func:`wb.summarize`)."""
+        return self.group.stats
 
     def close(self) -> None:
-        self._all(lambda w: w.close())
-        self._pool.shutdown()
+        """Waits for the last send and closes the transports."""
+        self.group.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class Sender(_PerDevice):
-    """Sends a params pytree of sharded ``jax.Array``s: one :class:`wb.Sender` per device rank.
+class Receiver:
+    """The rollout's end: ``ready()`` between generation steps, then ``apply()`` returns the new
+    params.
 
-    Args:
-        params: the current params (their shards are checked against the plan).
-        plan: the plan.
-        ranks: ``{device: rank}`` of this process's trainer workers.
-        transports: ``{rank: Transport}``.
-        kwargs: as :class:`wb.Sender` (``store=``, ``staging=``, ``timeout=``, ...).
-    """
-
-    def __init__(self, params: Any, plan: wb.Plan, ranks: Mapping[Any, int], *,
-                 transports: Mapping[int, Any], **kwargs):
-        self.ranks = dict(ranks)
-        bufs = self._buffers(params, plan)
-        super().__init__({r: functools.partial(wb.Sender, plan, r, bufs[r],
-                                               transport=transports[r], **kwargs)
-                          for r in self.ranks.values()})
-
-    def _buffers(self, params, plan):
-        bufs = shard_buffers(params, self.ranks)
-        names = {lay.worker.rank: set(lay.buffers) for lay in plan.trainers}
-        return {r: {k: v for k, v in b.items() if k in names.get(r, ())} for r, b in bufs.items()}
-
-    def push(self, params: Any) -> int:
-        """Pushes ``params`` (a new pytree each training step) from every device; returns the
-        version. Blocks as :meth:`wb.Sender.push` does for the staging mode."""
-        bufs = self._buffers(params, next(iter(self.workers.values())).plan)
-        for leaf in _leaves(params).values():
-            leaf.block_until_ready()
-        return self._all(lambda w: w.push(buffers=bufs[w.rank]))[0]
-
-    def wait(self) -> None:
-        self._all(lambda w: w.wait())
-
-
-class Receiver(_PerDevice):
-    """Receives into new buffers every version; ``apply()`` returns a new params pytree made from
-    them without copying (``jax.make_array_from_single_device_arrays`` over 64-byte aligned host
-    buffers on the CPU backend; the received device buffers on GPUs).
+    JAX arrays are immutable: every version lands in new buffers, and ``apply()`` returns a new
+    pytree made from them without copying (``jax.make_array_from_single_device_arrays`` over
+    64-byte aligned host buffers on the CPU backend; a copy to the device on GPUs). One
+    :class:`wb.Receiver` per device rank (:class:`wb.ReceiverGroup`).
 
     Args:
-        params: a template pytree with the target shardings (its values are kept only for leaves
-            no checkpoint id reaches, such as padding).
-        plan, ranks, transports, kwargs: as :class:`Sender` (``staging=`` is receiver staging).
+        params: a template pytree with the target shardings (its values are kept only for
+            elements no checkpoint id reaches, such as padding).
+        plan, ranks, transports, store, staging, options: as :class:`Sender` (``staging`` is
+            receiver staging); ``allocate=`` as :class:`wb.Receiver`.
+
+    Raises:
+        wb.TransferError: shards that do not fit the plan, a peer running another plan.
     """
 
-    def __init__(self, params: Any, plan: wb.Plan, ranks: Mapping[Any, int], *,
-                 transports: Mapping[int, Any], allocate=None, **kwargs):
-        from wb.runtime.coordinator import aligned_empty
-
-        self.ranks = dict(ranks)
-        self._template = params
-        alloc = allocate or aligned_empty
-        names = {lay.worker.rank: set(lay.buffers) for lay in plan.rollouts}
+    def __init__(self, params: Any, plan: wb.Plan, ranks: Ranks, *, transports, store,
+                 staging: bool = True, **options):
+        self.plan, self._template, self._ranks = plan, params, _devices(params, ranks)
+        alloc = options.pop("allocate", None) or wb.aligned_empty
         first = {}  # the template's values: what elements no id reaches keep
-        for r, bufs in shard_buffers(params, self.ranks).items():
+        for r, bufs in _planned(plan, params, self._ranks).items():
             first[r] = {}
             for k, v in bufs.items():
-                if k in names.get(r, ()):
-                    first[r][k] = alloc(v.shape, wb.data.dtypes.canonical_dtype(v.dtype))
-                    first[r][k][...] = v
-        super().__init__({r: functools.partial(wb.Receiver, plan, r, first[r],
-                                               transport=transports[r], handoff=True,
-                                               allocate=alloc, **kwargs)
-                          for r in self.ranks.values()})
+                first[r][k] = alloc(v.shape, wb.dtypes.canonical_dtype(v.dtype))
+                first[r][k][...] = v
+        self.group = wb.ReceiverGroup(plan, first, transports=transports, store=store,
+                                      staging=staging, handoff=True, allocate=alloc, **options)
+        self.params = params
 
     def ready(self) -> bool:
-        """Whether every device has the next version ready (see :meth:`wb.Receiver.ready`)."""
-        return all(w.ready() for w in self.workers.values())
+        """Whether every device has the next version ready (never blocks)."""
+        return self.group.ready()
 
     def apply(self) -> Any:
-        """Installs the next version on every device; returns the new params pytree."""
-        self._all(lambda w: w.apply())
-        by_rank = {r: w.buffers for r, w in self.workers.items()}
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(self._template)
+        """Installs the next version on every device; returns the new params pytree.
+
+        Raises:
+            wb.TransferError: the update failed (the previous params stay valid with staging).
+        """
+        self.group.apply()
+        by_rank = self.group.buffers
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self._template)
         out = []
-        for path, leaf in leaves:
+        for path, leaf in flat:
             key = jax.tree_util.keystr(path)
             shards = []
             for shard in leaf.addressable_shards:
-                r = self.ranks.get(shard.device)
+                r = self._ranks.get(shard.device)
                 buf = by_rank.get(r, {}).get(key) if r is not None else None
                 # jax.device_put aliases an aligned host buffer on the CPU backend (no copy)
                 shards.append(shard.data if buf is None else jax.device_put(buf, shard.device))
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
                                                                 shards))
-        return jax.tree_util.tree_unflatten(treedef, out)
+        self.params = jax.tree_util.tree_unflatten(treedef, out)
+        return self.params
+
+    @property
+    def version(self) -> int:
+        """The last version applied."""
+        return self.group.version
+
+    @property
+    def stats(self) -> list[wb.UpdateStats]:
+        """Every rank's records (for :func:`wb.summarize`)."""
+        return self.group.stats
+
+    def close(self) -> None:
+        """Stops receiving and closes the transports."""
+        self.group.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+#: The 0.1 name of :func:`buffers`.
+shard_buffers = buffers

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -48,9 +47,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wb.data.dtypes import dtype_info
-from wb.errors import SpecError
-from wb.layouts.presets import TINY, spec_from_config
 from wb.data.spec import CheckpointSpec
+from wb.errors import SpecError
+from wb.layouts import TINY, ModelDims, spec_from_config
 
 __all__ = ["make_mesh", "make_load_fn", "expected_maps", "checkpoint_arrays"]
 
@@ -59,65 +58,18 @@ __all__ = ["make_mesh", "make_load_fn", "expected_maps", "checkpoint_arrays"]
 VOCAB_MULTIPLE = 8
 
 
-@dataclass(frozen=True, slots=True)
-class _Dims:
-    """The config numbers the layout depends on (read once, checked once)."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    n_dense: int  # layers 0 .. n_dense-1 have a dense MLP, the rest are MoE
-    intermediate: int  # dense MLP width; 0 when there are no dense layers
-    heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int  # 0 when there are no MoE layers
-    moe_intermediate: int  # 0 when there are no MoE layers
-    tied: bool  # tie_word_embeddings: no lm_head.weight in the checkpoint
-
-    @classmethod
-    def of(cls, cfg: Mapping) -> _Dims:
-        arch = cfg.get("architecture")
-        if arch != "qwen3_moe":
-            raise SpecError(
-                f"`cfg['architecture']` is {arch!r}; the JAX reference trainer models only "
-                f"'qwen3_moe' (GQA attention with per-head norms), so pass a qwen3_moe config "
-                f"such as wb.layouts.presets.TINY")
-
-        def num(key: str, *fallbacks: str) -> int:
-            for k in (key, *fallbacks):
-                if k in cfg:
-                    return int(cfg[k])
-            raise SpecError(f"`cfg` has no `{key}`, which the JAX reference layout needs")
-
-        layers = num("num_hidden_layers")
-        n_dense = min(int(cfg.get("first_k_dense_replace", 0)), layers)
-        has_moe = n_dense < layers
-        dims = cls(
-            vocab=num("vocab_size"), hidden=num("hidden_size"), layers=layers, n_dense=n_dense,
-            intermediate=num("intermediate_size") if n_dense else 0,
-            heads=num("num_attention_heads"), kv_heads=num("num_key_value_heads"),
-            head_dim=num("head_dim"),
-            experts=num("num_experts", "n_routed_experts") if has_moe else 0,
-            moe_intermediate=num("moe_intermediate_size") if has_moe else 0,
-            tied=bool(cfg.get("tie_word_embeddings", False)))
-        if has_moe and dims.experts < 1:
-            raise SpecError(
-                f"`cfg` has MoE layers ({n_dense}..{layers - 1}) but `num_experts` is "
-                f"{dims.experts}; give at least 1 expert or set first_k_dense_replace={layers}")
-        return dims
-
-    @property
-    def has_moe(self) -> bool:
-        return self.n_dense < self.layers
+def _dims(cfg: Mapping) -> ModelDims:
+    """The dimensions of ``cfg``, which must be a qwen3_moe config (SpecError otherwise)."""
+    arch = cfg.get("architecture")
+    if arch != "qwen3_moe":
+        raise SpecError(
+            f"`cfg['architecture']` is {arch!r}; the JAX reference trainer models only "
+            f"'qwen3_moe' (GQA attention with per-head norms), so pass a qwen3_moe config "
+            f"such as wb.layouts.TINY")
+    return ModelDims.of(cfg)
 
 
-def _padded_vocab(vocab: int, tp: int) -> int:
-    multiple = VOCAB_MULTIPLE * tp
-    return -(-vocab // multiple) * multiple
-
-
-def _check_fits(d: _Dims, dp: int, tp: int) -> None:
+def _check_fits(d: ModelDims, dp: int, tp: int) -> None:
     """Raises one SpecError listing every leaf dimension that dp or tp does not divide."""
     rules = [(d.hidden, "hidden_size", "dp", dp, "`attn.q`, `attn.o` and a dense `mlp.gate_up` "
               "shard h over dp"),
@@ -212,11 +164,11 @@ def make_load_fn(cfg: Mapping = TINY,
         >>> params["layers"][1]["mlp"]["gate_up"].shape  # [2, E, h, mi]
         (2, 4, 32, 16)
     """
-    d = _Dims.of(cfg)
+    d = _dims(cfg)
     dp, tp = _mesh_axes(mesh)
     _check_fits(d, dp, tp)
     spec = spec_from_config(cfg)
-    vp = _padded_vocab(d.vocab, tp)
+    vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
     # kv heads are few; when tp does not divide them, trainers replicate k and v rather than pad.
     kv_spec = P(None, "tp", None) if d.kv_heads % tp == 0 else P()
 
@@ -316,9 +268,9 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1) -> dict[str, np.ndarray]:
     """
     if tp < 1:
         raise SpecError(f"expected_maps(tp={tp}): tp must be >= 1")
-    d = _Dims.of(cfg)
+    d = _dims(cfg)
     spec = spec_from_config(cfg)
-    vp = _padded_vocab(d.vocab, tp)
+    vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
     h, nh, kv, hd = d.hidden, d.heads, d.kv_heads, d.head_dim
 
     def padded_rows(name: str) -> np.ndarray:

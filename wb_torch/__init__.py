@@ -1,23 +1,40 @@
-"""PyTorch shim of WeightBridge: probe a model's own ``load_weights``; tensors <-> numpy views;
-:class:`Sender` over a module or named tensors (DTensor / FSDP2 local shards included) and
-:class:`Receiver` into a model's own parameter storage.
+"""PyTorch shim of WeightBridge: the same functions, names and signatures as :mod:`wb_jax`.
+
+=========================  ==============================================================
+``probe``                  source maps of a model's parameters, by running its own
+                           ``load_weights`` on id-encoded tensors
+``layouts``                one :class:`wb.Layout` per rank from probed maps
+``checkpoint_layouts``     layouts of tensors named like the checkpoint, each a block of
+                           it (DTensor / FSDP2 local shards, or plain tensors + offsets)
+``buffers``                ``{rank: {name: array}}`` sharing memory with the tensors
+``Sender`` / ``Receiver``  the trainer's and the rollout's end of every update
+``to_numpy`` / ``from_numpy``  tensors <-> numpy, bfloat16 and float8 included
+=========================  ==============================================================
+
+``params`` is an ``nn.Module`` (its ``named_parameters()``) or ``{name: tensor}``; ``ranks`` is an
+int (this process is one worker: every tensor belongs to that rank) or ``{device: rank}`` (tensors
+grouped by their device). The shim converts tensors to zero-copy arrays and calls :mod:`wb`.
 
 The reference vLLM-style rollout model used by tests and the demo is in :mod:`wb_torch.testing`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Union
 
 import ml_dtypes
 import numpy as np
 import torch
 
 import wb
-from wb.data.dtypes import canonical_dtype
 
-__all__ = ["probe", "to_numpy", "from_numpy", "buffers", "layout", "shard_layout", "Sender",
-           "Receiver"]
+__all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
+           "to_numpy", "from_numpy"]
+
+Params = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
+Ranks = Union[int, Mapping[Any, int]]
 
 # Same-size integer views: numpy has no bfloat16/float8, ml_dtypes does; torch <-> ml_dtypes goes
 # through the raw bits.
@@ -28,14 +45,20 @@ _TORCH = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
           "float8_e5m2": torch.float8_e5m2}
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy array of ``t``'s values in the same dtype (zero-copy on CPU; a copy from GPU).
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A numpy array of ``x``'s values in the same dtype (zero-copy on CPU; a copy from a GPU).
+
+    Args:
+        x: a tensor (bfloat16 and float8 become ml_dtypes arrays).
+
+    Returns:
+        The numpy array.
 
     Examples:
         >>> to_numpy(torch.ones(2, dtype=torch.bfloat16)).dtype
         dtype(bfloat16)
     """
-    t = t.detach()
+    t = x.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype in _BITS:
@@ -44,16 +67,28 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def from_numpy(a: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A torch tensor of ``a``'s values in the same dtype (bfloat16 and float8 included)."""
-    name = canonical_dtype(a.dtype)
+def from_numpy(a: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
+    """A tensor of ``a``'s values in the same dtype (bfloat16 and float8 included).
+
+    Args:
+        a: a numpy array.
+        device: where to put it (default: the CPU, sharing ``a``'s memory when contiguous).
+
+    Returns:
+        The tensor.
+
+    Examples:
+        >>> from_numpy(np.arange(3, dtype=np.float32)).tolist()
+        [0.0, 1.0, 2.0]
+    """
+    name = wb.dtypes.canonical_dtype(a.dtype)
     if name in _TORCH:
         raw = _BITS[_TORCH[name]][0]
         t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if raw == torch.int16
                                                            else np.uint8)).view(_TORCH[name])
     else:
         t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.to(device)
+    return t if device is None else t.to(device)
 
 
 class _ParamViews(Mapping):
@@ -78,9 +113,9 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
     """Source maps of every parameter of ``model``, found by running its own ``load_weights``.
 
     ``load_weights`` follows vLLM's contract: it takes an iterable of ``(hf_name, full tensor)`` and
-    copies into the parameters in place. Before each pass every parameter is zeroed (0 is the probe's
-    "never written" value), so **probing overwrites the model's weights**: probe first, then load or
-    receive real weights.
+    copies into the parameters in place. Before each pass every parameter is zeroed (0 is the
+    probe's "never written" value), so **probing overwrites the model's weights**: probe first,
+    then load or receive real weights.
 
     Args:
         model: the module; its ``named_parameters()`` names key the result.
@@ -92,8 +127,9 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
         ``{parameter name: SourceMap}``; elements ``load_weights`` never writes map to ``-1``.
 
     Raises:
-        wb.ProbeError: ``load_weights`` raised (names the checkpoint tensor it was being fed) or is
-            not pure data movement (names the parameter and its first bad element).
+        wb.ProbeError: ``model`` has no parameters or no ``load_weights``, ``load_weights`` raised
+            (names the checkpoint tensor it was being fed) or is not pure data movement (names the
+            parameter and its first bad element).
     """
     if load_weights is None:
         if not hasattr(model, "load_weights"):
@@ -115,13 +151,14 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
     return wb.probe(spec, load, progress=progress)
 
 
-def _named(tensors) -> dict[str, torch.Tensor]:
-    if isinstance(tensors, torch.nn.Module):
-        return dict(tensors.named_parameters())
-    if isinstance(tensors, Mapping):
-        return dict(tensors)
-    raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, got "
-                    f"{type(tensors).__name__}")
+# --- params -> ranks ---------------------------------------------------------------------------
+def _named(params: Params) -> dict[str, torch.Tensor]:
+    if isinstance(params, torch.nn.Module):
+        return dict(params.named_parameters())
+    if isinstance(params, Mapping):
+        return dict(params)
+    raise TypeError(f"params must be an nn.Module or a mapping of name -> tensor, got "
+                    f"{type(params).__name__}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,106 +167,315 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
-def buffers(tensors, names: Iterable[str] | None = None) -> dict[str, object]:
-    """Arrays that share memory with ``tensors`` (no copy), as ``wb.Sender`` / ``wb.Receiver`` take.
+def _by_rank(params: Params, ranks: Ranks) -> dict[int, dict[str, torch.Tensor]]:
+    """``{rank: {name: tensor}}``: every tensor for an int ``ranks``, else grouped by device."""
+    named = _named(params)
+    if isinstance(ranks, Mapping):
+        want = {torch.device(d): int(r) for d, r in ranks.items()}
+        out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in want.values()}
+        for name, t in named.items():
+            r = want.get(_local(t).device)
+            if r is not None:
+                out[r][name] = t
+        return out
+    if isinstance(ranks, (int, np.integer)) and not isinstance(ranks, bool):
+        return {int(ranks): named}
+    raise TypeError(f"ranks must be an int (this process's one rank) or {{device: rank}}, got "
+                    f"{type(ranks).__name__}")
+
+
+def _array(name: str, t: torch.Tensor):
+    """A zero-copy array of ``t``'s storage as wb takes it."""
+    t = _local(t)
+    if not t.is_contiguous():
+        raise wb.TransferError(f"tensor `{name}` is not contiguous; wb reads and writes a "
+                               f"tensor's own storage, which must be one dense block")
+    if t.device.type == "cpu":
+        return to_numpy(t)
+    # CUDA: the tensor itself (__cuda_array_interface__); bf16/fp8 as same-width integers,
+    # which the executor moves as raw bits
+    return t.view(_BITS[t.dtype][0]) if t.dtype in _BITS else t
+
+
+def buffers(params: Params, ranks: Ranks) -> dict[int, dict[str, Any]]:
+    """Arrays that share memory with the tensors (no copy), per rank, as :mod:`wb` takes them.
 
     CPU tensors become numpy views (bfloat16 / float8 through ml_dtypes); CUDA tensors stay
     tensors (``__cuda_array_interface__``), bfloat16 / float8 viewed as same-width integers, which
     the executor moves as raw bits. DTensors give their local shard.
 
     Args:
-        tensors: an ``nn.Module`` (its ``named_parameters()``) or ``{name: tensor}``.
-        names: which ones (default: all).
+        params: an ``nn.Module`` (its ``named_parameters()``) or ``{name: tensor}``.
+        ranks: this process's rank (every tensor), or ``{device: rank}``.
+
+    Returns:
+        ``{rank: {name: array}}``.
 
     Raises:
         wb.TransferError: a tensor is not contiguous (its storage cannot be written in place).
+
+    Examples:
+        >>> buffers({"w": torch.zeros(2, 3)}, 0)[0]["w"].shape
+        (2, 3)
     """
-    named = _named(tensors)
-    out = {}
-    for name in (named if names is None else names):
-        t = _local(named[name])
-        if not t.is_contiguous():
-            raise wb.TransferError(f"tensor `{name}` is not contiguous; wb reads and writes a "
-                                   f"tensor's own storage, which must be one dense block")
-        if t.device.type == "cpu":
-            out[name] = to_numpy(t)
-        else:
-            out[name] = t.view(_BITS[t.dtype][0]) if t.dtype in _BITS else t
+    return {r: {n: _array(n, t) for n, t in ts.items()} for r, ts in _by_rank(params, ranks).items()}
+
+
+def layouts(params: Params, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, node: str,
+            role: str, local_rank: int = 0, holders: str = "replica0") -> list[wb.Layout]:
+    """One :class:`wb.Layout` per rank, from the maps :func:`probe` found.
+
+    Args:
+        params: the probed model (or ``{name: tensor}``): gives each buffer's dtype and device.
+        maps: ``{parameter name: SourceMap}`` from :func:`probe`.
+        ranks: this process's rank, or ``{device: rank}``.
+        node: the node (machine) of this process.
+        role: ``"trainer"`` or ``"rollout"``.
+        local_rank: the GPU (NIC) index on the node of the first rank; the others follow.
+        holders: ``"replica0"`` or ``"all"``: which data-parallel copies a trainer offers (as in
+            :func:`wb_jax.layouts`; in PyTorch each process is one copy, so both are the same).
+
+    Returns:
+        Layouts in the order of ``ranks``; parameters whose maps hold no id are left out.
+
+    Raises:
+        wb.SpecError: a parameter has no map, or ``holders`` is unknown.
+    """
+    _check_holders(holders)
+    out = []
+    for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
+        bufs = {}
+        for n, t in named.items():
+            if n not in maps:
+                raise wb.SpecError(f"parameter `{n}` has no source map; probe the same model "
+                                   f"(maps has {sorted(maps)[:5]}...)")
+            if maps[n].n_ids:
+                bufs[n] = wb.BufferSpec(maps[n], wb.dtypes.canonical_dtype(_local(t).dtype))
+        out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i), bufs))
     return out
 
 
-def layout(model: torch.nn.Module, spec: wb.CheckpointSpec, worker: wb.Worker, *,
-           load_weights=None) -> wb.Layout:
-    """This worker's :class:`wb.Layout`: its parameters' source maps, probed through its own
-    ``load_weights`` (**overwrites the weights**: probe, then load or receive). Parameters the
-    loader never writes are left out."""
-    maps = probe(model, spec, load_weights)
-    params = dict(model.named_parameters())
-    return wb.Layout(worker, {n: wb.BufferSpec(sm, canonical_dtype(params[n].dtype))
-                              for n, sm in maps.items() if sm.n_ids})
+def _check_holders(holders: str) -> None:
+    if holders not in ("replica0", "all"):
+        raise wb.SpecError(f"holders must be 'replica0' or 'all', got {holders!r}")
 
 
-def shard_layout(tensors, spec: wb.CheckpointSpec, worker: wb.Worker, *,
-                 offsets: Mapping[str, tuple[int, ...]] | None = None) -> wb.Layout:
-    """The layout of a trainer whose tensors are named like the checkpoint and each hold one
-    rectangular block of it: DTensor / FSDP2 local shards (offsets from their mesh and placements)
-    or plain tensors with ``offsets[name]`` (default: the whole tensor, offset 0).
+def checkpoint_layouts(params: Params, spec: wb.CheckpointSpec, ranks: Ranks, *, node: str,
+                       role: str, local_rank: int = 0,
+                       offsets: Mapping[str, tuple[int, ...]] | None = None) -> list[wb.Layout]:
+    """Layouts of tensors named like the checkpoint, each holding one rectangular block of it:
+    DTensor / FSDP2 local shards (offsets from their mesh and placements) or plain tensors with
+    ``offsets[name]`` (default: the whole tensor, offset 0). Nothing is probed.
+
+    Args:
+        params: ``{checkpoint name: tensor}`` (or a module whose parameter names are checkpoint
+            names).
+        spec: the checkpoint's tensors.
+        ranks: this process's rank, or ``{device: rank}``.
+        node, role, local_rank: as :func:`layouts`.
+        offsets: the block's offset in the checkpoint tensor, for plain tensors.
+
+    Returns:
+        Layouts in the order of ``ranks``.
 
     Raises:
         wb.SpecError: a name not in ``spec``, or a block that does not fit its tensor.
     """
-    named = _named(tensors)
-    out = {}
-    for name, t in named.items():
-        if name not in spec.names:
-            raise wb.SpecError(f"tensor `{name}` is not in the checkpoint spec; shard_layout needs "
-                               f"checkpoint names (use wb_torch.layout to probe a loader instead)")
-        local = _local(t)
-        if hasattr(t, "placements") and hasattr(t, "device_mesh"):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            _, off = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        else:
-            off = tuple((offsets or {}).get(name, (0,) * local.dim()))
-        full = spec.shape(name)
-        if len(off) != len(full) or any(o + n > f for o, n, f in zip(off, local.shape, full)):
-            raise wb.SpecError(f"tensor `{name}`: block at offset {tuple(off)} of shape "
-                               f"{tuple(local.shape)} does not fit the checkpoint's {full}")
-        ids = spec.offset(name) + np.arange(int(np.prod(full)), dtype=np.int64).reshape(full)
-        block = ids[tuple(slice(o, o + n) for o, n in zip(off, local.shape))]
-        out[name] = wb.BufferSpec(wb.SourceMap.from_indices(block),
-                                  canonical_dtype(local.dtype))
-    return wb.Layout(worker, out)
+    out = []
+    for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
+        bufs = {}
+        for name, t in named.items():
+            if name not in spec:
+                raise wb.SpecError(f"tensor `{name}` is not in the checkpoint spec; "
+                                   f"checkpoint_layouts needs checkpoint names (use probe and "
+                                   f"layouts for a loader instead)")
+            ids = spec.block_ids(name, _offset(name, t, offsets), tuple(_local(t).shape))
+            bufs[name] = wb.BufferSpec(wb.SourceMap.from_indices(ids),
+                                       wb.dtypes.canonical_dtype(_local(t).dtype))
+        out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i), bufs))
+    return out
 
 
-class Sender(wb.Sender):
-    """:class:`wb.Sender` over a module's parameters or named tensors (read in place at each
-    ``push``; optimizers update them in place). Same arguments as :class:`wb.Sender` after
-    ``tensors``."""
+def _offset(name: str, t: torch.Tensor, offsets) -> tuple[int, ...]:
+    if hasattr(t, "placements") and hasattr(t, "device_mesh"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    def __init__(self, tensors, plan: wb.Plan, rank: int, **kwargs):
-        lay = next((x for x in plan.trainers if x.worker.rank == rank), None)
-        names = list(lay.buffers) if lay is not None else None
-        named = _named(tensors)
-        self._cuda = sorted({t.device for n, t in named.items()
-                             if t.device.type == "cuda" and (names is None or n in names)},
-                            key=str)
-        super().__init__(plan, rank, buffers(tensors, names), **kwargs)
+        return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                           t.placements)[1])
+    return tuple((offsets or {}).get(name, (0,) * _local(t).dim()))
 
-    def push(self, *args, **kwargs) -> int:
-        """As :meth:`wb.Sender.push`, after the kernels queued on the parameters' devices (the
-        optimizer step) have finished: wb reads the weights on other streams."""
+
+# --- Sender / Receiver -------------------------------------------------------------------------
+def _planned(plan: wb.Plan, by_rank: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's tensors that its layout in ``plan`` names (others are not moved)."""
+    return {r: {n: ts[n] for n in plan.layout_of(r).buffers if n in ts}
+            for r, ts in by_rank.items()}
+
+
+def _legacy_transport(transports, options: dict):
+    if "transport" in options:
+        warnings.warn("transport= is now transports= (one Transport or {rank: Transport})",
+                      DeprecationWarning, stacklevel=3)
+        return options.pop("transport")
+    return transports
+
+
+class Sender:
+    """The trainer's end: ``push()`` after each training step sends the weights as a new version.
+
+    One :class:`wb.Sender` per rank of this process (:class:`wb.SenderGroup`). Tensors are read in
+    place at each ``push`` (optimizers update them in place); after the kernels queued on their
+    CUDA devices have finished, since wb reads them on other streams.
+
+    Args:
+        params: an ``nn.Module`` or ``{name: tensor}`` of this process's trainer ranks.
+        plan: the plan every worker runs.
+        ranks: this process's rank, or ``{device: rank}``.
+        transports: one :class:`wb.Transport`, or ``{rank: Transport}``.
+        store: the rendezvous store every worker shares.
+        staging: sender staging: ``push`` returns after a local copy (see :data:`wb.MODES`).
+        options: keyword options of :class:`wb.Sender` (``timeout=``, ``name=``, ...).
+
+    Raises:
+        wb.TransferError: tensors that do not fit the plan, a peer running another plan.
+    """
+
+    def __init__(self, params: Params, plan: wb.Plan, ranks: Ranks, *, transports=None, store,
+                 staging: bool = True, **options):
+        transports = _legacy_transport(transports, options)
+        self.params, self.plan, self._ranks = params, plan, ranks
+        by_rank = _planned(plan, _by_rank(params, ranks))
+        self._cuda = sorted({_local(t).device for ts in by_rank.values() for t in ts.values()
+                             if _local(t).device.type == "cuda"}, key=str)
+        bufs = {r: {n: _array(n, t) for n, t in ts.items()} for r, ts in by_rank.items()}
+        self.group = wb.SenderGroup(plan, bufs, transports=transports, store=store,
+                                    staging=staging, **options)
+
+    def push(self, params: Params | None = None) -> int:
+        """Sends the weights as the next version; returns it.
+
+        Args:
+            params: new tensors to send from now on (default: the ones given so far, as they are
+                now).
+
+        Returns:
+            The version number.
+
+        Raises:
+            wb.TransferError: this or the previous update failed.
+        """
         for d in self._cuda:
             torch.cuda.synchronize(d)
-        return super().push(*args, **kwargs)
+        if params is None:
+            return self.group.push()
+        self.params = params
+        by_rank = _planned(self.plan, _by_rank(params, self._ranks))
+        return self.group.push({r: {n: _array(n, t) for n, t in ts.items()}
+                                for r, ts in by_rank.items()})
+
+    def wait(self) -> None:
+        """Blocks until the last pushed version is sent (with staging)."""
+        self.group.wait()
+
+    @property
+    def version(self) -> int:
+        """The last version pushed."""
+        return self.group.version
+
+    @property
+    def stats(self) -> list[wb.UpdateStats]:
+        """Every rank's records (for :func:`wb.summarize`)."""
+        return self.group.stats
+
+    def close(self) -> None:
+        """Waits for the last send and closes the transports."""
+        self.group.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class Receiver(wb.Receiver):
-    """:class:`wb.Receiver` writing into ``model``'s own parameter storage (addresses unchanged,
-    as CUDA graphs need); with ``staging=True``, ``apply()`` is one device copy per parameter.
-    Same arguments as :class:`wb.Receiver` after ``model``."""
+class Receiver:
+    """The rollout's end: ``ready()`` between generation steps, then ``apply()``.
 
-    def __init__(self, model, plan: wb.Plan, rank: int, **kwargs):
-        lay = next((x for x in plan.rollouts if x.worker.rank == rank), None)
-        names = list(lay.buffers) if lay is not None else None
-        super().__init__(plan, rank, buffers(model, names), **kwargs)
+    Writes into the model's own parameter storage (addresses unchanged, as CUDA graphs need);
+    with ``staging=True`` the next version lands in the background and ``apply()`` is one device
+    copy per parameter. One :class:`wb.Receiver` per rank (:class:`wb.ReceiverGroup`).
+
+    Args:
+        params: the rollout model (or ``{name: tensor}``) whose storage receives the weights.
+        plan, ranks, transports, store, staging, options: as :class:`Sender` (``staging`` is
+            receiver staging).
+
+    Raises:
+        wb.TransferError: tensors that do not fit the plan, a peer running another plan.
+    """
+
+    def __init__(self, params: Params, plan: wb.Plan, ranks: Ranks, *, transports=None, store,
+                 staging: bool = True, **options):
+        transports = _legacy_transport(transports, options)
+        self.params, self.plan = params, plan
+        by_rank = _planned(plan, _by_rank(params, ranks))
+        bufs = {r: {n: _array(n, t) for n, t in ts.items()} for r, ts in by_rank.items()}
+        self.group = wb.ReceiverGroup(plan, bufs, transports=transports, store=store,
+                                      staging=staging, **options)
+
+    def ready(self) -> bool:
+        """Whether ``apply()`` has a new version to install (never blocks)."""
+        return self.group.ready()
+
+    def apply(self) -> Params:
+        """Installs the next version into the parameters' storage; returns ``params`` (the same
+        object, its tensors now holding the new version; :attr:`version` says which).
+
+        Raises:
+            wb.TransferError: the update failed (see :meth:`wb.Receiver.apply` for what the
+                parameters hold then).
+        """
+        self.group.apply()
+        return self.params
+
+    @property
+    def version(self) -> int:
+        """The last version applied."""
+        return self.group.version
+
+    @property
+    def stats(self) -> list[wb.UpdateStats]:
+        """Every rank's records (for :func:`wb.summarize`)."""
+        return self.group.stats
+
+    def close(self) -> None:
+        """Stops receiving and closes the transports."""
+        self.group.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- names of 0.1, kept for existing code (see CHANGELOG.md) -------------------------------------
+def layout(model: torch.nn.Module, spec: wb.CheckpointSpec, worker: wb.Worker, *,
+           load_weights=None) -> wb.Layout:
+    """Deprecated since 0.2: :func:`probe`, then :func:`layouts` of one ``worker``."""
+    warnings.warn("wb_torch.layout is now wb_torch.probe + wb_torch.layouts", DeprecationWarning,
+                  stacklevel=2)
+    (lay,) = layouts(model, probe(model, spec, load_weights), worker.rank, node=worker.node,
+                     role=worker.role.value, local_rank=worker.local_rank)
+    return lay
+
+
+def shard_layout(tensors: Params, spec: wb.CheckpointSpec, worker: wb.Worker, *,
+                 offsets: Mapping[str, tuple[int, ...]] | None = None) -> wb.Layout:
+    """Deprecated since 0.2: :func:`checkpoint_layouts` of one ``worker``."""
+    warnings.warn("wb_torch.shard_layout is now wb_torch.checkpoint_layouts", DeprecationWarning,
+                  stacklevel=2)
+    (lay,) = checkpoint_layouts(tensors, spec, worker.rank, node=worker.node,
+                                role=worker.role.value, local_rank=worker.local_rank,
+                                offsets=offsets)
+    return lay

@@ -30,18 +30,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from wb.layouts.presets import TINY, spec_from_config
 from wb.data.spec import CheckpointSpec
+from wb.layouts import TINY, ModelDims, spec_from_config
+from wb.layouts.vllm import VOCAB_PADDING
 
 __all__ = ["TinyRollout", "expected_maps", "checkpoint_tensors"]
 
-# vLLM's VocabParallelEmbedding pads the vocabulary to this multiple before splitting it.
-_VOCAB_PAD = 64
-
 
 # --- arguments -----------------------------------------------------------------------------------
-def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> None:
-    """Raises ValueError unless ``cfg`` is a qwen3_moe config that ``tp_size`` ranks can split."""
+def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> ModelDims:
+    """The dimensions of ``cfg``, after checking that it is a qwen3_moe config that ``tp_size``
+    ranks can split (ValueError, or its subclass SpecError, otherwise)."""
     if cfg.get("architecture") != "qwen3_moe":
         raise ValueError(f"`cfg['architecture']` is {cfg.get('architecture')!r}; TinyRollout only "
                          f"models 'qwen3_moe' (use wb.layouts.presets.TINY or a copy of it)")
@@ -50,7 +49,8 @@ def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> None:
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"`tp_rank` must be an int in [0, {tp_size}) for tp_size={tp_size}, "
                          f"got {tp_rank!r}")
-    nh, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    d = ModelDims.of(cfg)
+    nh, kv = d.heads, d.kv_heads
     if nh % tp_size:
         raise ValueError(f"`tp_size`={tp_size} must divide num_attention_heads={nh}; "
                          f"pick a tp_size among the divisors of {nh}")
@@ -58,25 +58,18 @@ def _check_args(cfg: Mapping, tp_rank: int, tp_size: int) -> None:
         raise ValueError(f"`tp_size`={tp_size} and num_key_value_heads={kv} must divide one "
                          f"another (kv heads are split when tp_size <= {kv} and replicated when "
                          f"tp_size is a multiple of {kv})")
-    E = int(cfg.get("num_experts", 0))
-    if int(cfg["num_hidden_layers"]) > int(cfg.get("first_k_dense_replace", 0)) and (
-            E < 1 or E % tp_size):
+    E = d.experts
+    if d.has_moe and E % tp_size:
         raise ValueError(f"`tp_size`={tp_size} must divide num_experts={E} (experts are split "
                          f"whole over the TP ranks); pick a tp_size among the divisors of {E}")
-    if int(cfg.get("first_k_dense_replace", 0)) > 0:
-        inter = int(cfg["intermediate_size"])
-        if inter % tp_size:
-            raise ValueError(f"`tp_size`={tp_size} must divide intermediate_size={inter} (the "
-                             f"dense MLP layers are split over the TP ranks)")
-    vp = _padded_vocab(int(cfg["vocab_size"]))
+    if d.n_dense and d.intermediate % tp_size:
+        raise ValueError(f"`tp_size`={tp_size} must divide intermediate_size={d.intermediate} "
+                         f"(the dense MLP layers are split over the TP ranks)")
+    vp = d.padded_vocab(VOCAB_PADDING)
     if vp % tp_size:
         raise ValueError(f"`tp_size`={tp_size} must divide the padded vocabulary {vp} "
-                         f"(vocab_size={cfg['vocab_size']} rounded up to a multiple of "
-                         f"{_VOCAB_PAD})")
-
-
-def _padded_vocab(vocab: int) -> int:
-    return -(-vocab // _VOCAB_PAD) * _VOCAB_PAD
+                         f"(vocab_size={d.vocab} rounded up to a multiple of {VOCAB_PADDING})")
+    return d
 
 
 # --- weight loaders (vLLM attaches one to each parameter as `param.weight_loader`) ---------------
@@ -160,10 +153,9 @@ class _KVCacheScales(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
         super().__init__()
-        h, hd = int(cfg["hidden_size"]), int(cfg["head_dim"])
-        nh, kv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        h, hd, nh, kv = d.hidden, d.head_dim, d.heads, d.kv_heads
         nq = nh // tp_size
         kv_local = max(1, kv // tp_size)
         kv_shard = tp_rank // max(1, tp_size // kv)  # which group of kv_local heads this rank holds
@@ -180,58 +172,53 @@ class _SelfAttention(nn.Module):
 
 
 class _DenseMLP(nn.Module):
-    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
         super().__init__()
-        h, n = int(cfg["hidden_size"]), int(cfg["intermediate_size"]) // tp_size
+        h, n = d.hidden, d.intermediate // tp_size
         self.gate_up_proj = _Weight(
             (2 * n, h), functools.partial(_load_merged, rows=n, start=tp_rank * n), **kw)
         self.down_proj = _Weight((h, n), functools.partial(_load_columns, start=tp_rank * n), **kw)
 
 
 class _FusedExperts(nn.Module):
-    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, *, dtype, device):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, dtype, device):
         super().__init__()
-        h, mi = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
-        n = int(cfg["num_experts"]) // tp_size
+        h, mi = d.hidden, d.moe_intermediate
+        n = d.experts // tp_size
         loader = functools.partial(_load_expert, first_expert=tp_rank * n, inter=mi)
         self.w13_weight = _parameter((n, 2 * mi, h), loader, dtype=dtype, device=device)
         self.w2_weight = _parameter((n, h, mi), loader, dtype=dtype, device=device)
 
 
 class _MoE(nn.Module):
-    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
         super().__init__()
-        self.gate = _Weight((int(cfg["num_experts"]), int(cfg["hidden_size"])), _load_replicated,
-                            **kw)
-        self.experts = _FusedExperts(cfg, tp_rank, tp_size, **kw)
+        self.gate = _Weight((d.experts, d.hidden), _load_replicated, **kw)
+        self.experts = _FusedExperts(d, tp_rank, tp_size, **kw)
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, cfg: Mapping, dense: bool, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, dense: bool, tp_rank: int, tp_size: int, **kw):
         super().__init__()
-        h = int(cfg["hidden_size"])
-        self.input_layernorm = _Weight((h,), _load_replicated, **kw)
-        self.self_attn = _SelfAttention(cfg, tp_rank, tp_size, **kw)
-        self.post_attention_layernorm = _Weight((h,), _load_replicated, **kw)
-        self.mlp = (_DenseMLP if dense else _MoE)(cfg, tp_rank, tp_size, **kw)
+        self.input_layernorm = _Weight((d.hidden,), _load_replicated, **kw)
+        self.self_attn = _SelfAttention(d, tp_rank, tp_size, **kw)
+        self.post_attention_layernorm = _Weight((d.hidden,), _load_replicated, **kw)
+        self.mlp = (_DenseMLP if dense else _MoE)(d, tp_rank, tp_size, **kw)
 
 
 class _Model(nn.Module):
-    def __init__(self, cfg: Mapping, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
         super().__init__()
-        h = int(cfg["hidden_size"])
-        self.embed_tokens = _vocab_parallel(cfg, tp_rank, tp_size, **kw)
-        n_dense = int(cfg.get("first_k_dense_replace", 0))
+        self.embed_tokens = _vocab_parallel(d, tp_rank, tp_size, **kw)
         self.layers = nn.ModuleList(
-            _DecoderLayer(cfg, i < n_dense, tp_rank, tp_size, **kw)
-            for i in range(int(cfg["num_hidden_layers"])))
-        self.norm = _Weight((h,), _load_replicated, **kw)
+            _DecoderLayer(d, i < d.n_dense, tp_rank, tp_size, **kw) for i in range(d.layers))
+        self.norm = _Weight((d.hidden,), _load_replicated, **kw)
 
 
-def _vocab_parallel(cfg: Mapping, tp_rank: int, tp_size: int, **kw) -> _Weight:
-    rows = _padded_vocab(int(cfg["vocab_size"])) // tp_size
-    return _Weight((rows, int(cfg["hidden_size"])),
-                   functools.partial(_load_vocab_rows, start=tp_rank * rows), **kw)
+def _vocab_parallel(d: ModelDims, tp_rank: int, tp_size: int, **kw) -> _Weight:
+    rows = d.padded_vocab(VOCAB_PADDING) // tp_size
+    return _Weight((rows, d.hidden), functools.partial(_load_vocab_rows, start=tp_rank * rows),
+                   **kw)
 
 
 # (parameter, checkpoint name part, shard id), as in vLLM's Qwen3MoeModel.load_weights.
@@ -282,16 +269,16 @@ class TinyRollout(nn.Module):
     def __init__(self, cfg: Mapping = TINY, *, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device="cpu"):
         super().__init__()
-        _check_args(cfg, tp_rank, tp_size)
+        d = _check_args(cfg, tp_rank, tp_size)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"`dtype` must be a floating torch.dtype, got {dtype!r}")
         self.spec: CheckpointSpec = spec_from_config(cfg)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self._num_experts = int(cfg.get("num_experts", 0))
+        self._num_experts = d.experts
         kw = dict(dtype=dtype, device=device)
-        self.model = _Model(cfg, tp_rank, tp_size, **kw)
-        self.lm_head = _vocab_parallel(cfg, tp_rank, tp_size, **kw)
-        if cfg.get("tie_word_embeddings", False):
+        self.model = _Model(d, tp_rank, tp_size, **kw)
+        self.lm_head = _vocab_parallel(d, tp_rank, tp_size, **kw)
+        if d.tied:
             # As vLLM does: one parameter, listed once by named_parameters() as embed_tokens.
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -376,15 +363,15 @@ def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
         >>> maps["model.embed_tokens.weight"][35:39, 0]  # rows 99..102 of the padded 128
         array([3168,   -1,   -1,   -1])
     """
-    _check_args(cfg, tp_rank, tp_size)
+    d = _check_args(cfg, tp_rank, tp_size)
     spec = spec_from_config(cfg)
     r, tp = tp_rank, tp_size
-    nh, kv, hd = (int(cfg[k]) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    kv, hd = d.kv_heads, d.head_dim
     out: dict[str, np.ndarray] = {}
 
     def vocab_rows(name: str) -> np.ndarray:
         ids = spec.ids(name)
-        padded = np.full((_padded_vocab(ids.shape[0]), ids.shape[1]), -1, dtype=np.int64)
+        padded = np.full((d.padded_vocab(VOCAB_PADDING), ids.shape[1]), -1, dtype=np.int64)
         padded[:ids.shape[0]] = ids
         return np.split(padded, tp)[r]
 
@@ -394,7 +381,7 @@ def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
         return np.concatenate([heads[g] for g in mine])
 
     out["model.embed_tokens.weight"] = vocab_rows("model.embed_tokens.weight")
-    for i in range(int(cfg["num_hidden_layers"])):
+    for i in range(d.layers):
         p = f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
                      "self_attn.k_norm"):
@@ -405,7 +392,7 @@ def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
         out[p + "self_attn.o_proj.weight"] = np.split(spec.ids(p + "self_attn.o_proj.weight"), tp,
                                                       axis=1)[r]
         out[p + "self_attn.attn.k_scale"] = np.full((1,), -1, dtype=np.int64)
-        if i < int(cfg.get("first_k_dense_replace", 0)):
+        if i < d.n_dense:
             out[p + "mlp.gate_up_proj.weight"] = np.concatenate([
                 np.split(spec.ids(p + "mlp.gate_proj.weight"), tp)[r],
                 np.split(spec.ids(p + "mlp.up_proj.weight"), tp)[r]])
@@ -413,7 +400,7 @@ def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
                                                        axis=1)[r]
         else:
             out[p + "mlp.gate.weight"] = spec.ids(p + "mlp.gate.weight")
-            E = int(cfg["num_experts"])
+            E = d.experts
             mine = range(r * E // tp, (r + 1) * E // tp)
             e = p + "mlp.experts."
             out[e + "w13_weight"] = np.stack([
@@ -468,53 +455,3 @@ def train_step_(model: nn.Module, factor: float = -2.0) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(factor)
-
-
-def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, options: dict) -> None:
-    """wb_torch.Sender (rank 0) -> wb_torch.Receiver (rank 1) on CUDA tensors (spawned): a small
-    bf16 model, ``versions`` updates (``w <- -2 w`` in place), the receiver checked after each."""
-    import json
-    import traceback
-    from pathlib import Path
-
-    import wb
-    import wb_torch
-    from wb.runtime.rendezvous import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
-
-    result: dict = {"rank": rank, "checks": [], "same_ptr": []}
-    try:
-        spec = wb.CheckpointSpec({"a": ((256, 512), "bfloat16"), "b": ((300,), "float32")})
-        torch.manual_seed(0)
-        full = {n: torch.randn(spec.shape(n)).to(getattr(torch, spec.dtype(n))).cuda()
-                for n in spec.names}
-        workers = [wb.Worker(0, "t0", "trainer"), wb.Worker(1, "r0", "rollout")]
-        me = workers[rank]
-        params = {n: (t.clone() if rank == 0 else torch.zeros_like(t)) for n, t in full.items()}
-        lay = wb_torch.shard_layout(params, spec, me)
-        store = DirectoryStore(store_dir)
-        plan = wb.agree_plan(store, [lay], world=2)
-        kw = dict(store=store, staging=options["staging"], timeout=60,
-                  transport=UcxTransport(rank, store, cuda_device=0))
-        if rank == 0:
-            tx = wb_torch.Sender(params, plan, 0, **kw)
-            for _ in range(options["versions"]):
-                with torch.no_grad():
-                    for t in params.values():
-                        t.mul_(-2)
-                torch.cuda.synchronize()
-                tx.push()
-            tx.close()
-        else:
-            ptrs = {n: t.data_ptr() for n, t in params.items()}
-            rx = wb_torch.Receiver(params, plan, 1, **kw)
-            for v in range(1, options["versions"] + 1):
-                assert rx.apply() == v
-                result["checks"].append(all(torch.equal(params[n], full[n] * (-2) ** v)
-                                            for n in spec.names))
-                result["same_ptr"].append(all(params[n].data_ptr() == ptrs[n] for n in ptrs))
-            rx.close()
-        result["ok"] = True
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
-        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
-    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))

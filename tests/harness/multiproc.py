@@ -74,9 +74,10 @@ class _FaultyTransport:
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
     """One worker process (spawned)."""
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
+    from wb.data.layout import Role
+    from wb.data.plan import Plan
     from wb.errors import TransferError
     from wb.runtime.executor import execute
-    from wb.data.plan import Plan
     from wb.runtime.rendezvous import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
@@ -84,7 +85,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     result: dict = {"rank": rank}
     try:
         plan = Plan.load(fault.other_plan or plan_path)
-        trainer = any(lay.worker.rank == rank for lay in plan.trainers)
+        trainer = plan.layout_of(rank).worker.role == Role.TRAINER
         cuda = options.get("cuda_device")
         if isinstance(cuda, dict):  # per role: {"trainer": 0, "rollout": 1} puts them apart
             cuda = cuda["trainer" if trainer else "rollout"]
@@ -103,8 +104,8 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         if options.get("barrier"):  # start together: EWTT then measures the transfer alone
             store = DirectoryStore(store_dir)
             store.set(f"go/{rank}", b"1")
-            for lay in (*plan.trainers, *plan.rollouts):
-                store.get(f"go/{lay.worker.rank}", options.get("timeout", 60.0))
+            for r in plan.ranks:
+                store.get(f"go/{r}", options.get("timeout", 60.0))
         t0 = time.time()
         stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
                         staging_bytes=options.get("staging_bytes", 256 << 20))
@@ -227,8 +228,9 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
     """One worker of a multi-version run through wb.Sender / wb.Receiver (spawned): trainers push
     ``versions`` updates; rollouts apply each and check it; a fault may kill a trainer in one."""
     import wb
-    from wb.errors import TransferError
+    from wb.data.layout import Role
     from wb.data.plan import Plan
+    from wb.errors import TransferError
     from wb.runtime.rendezvous import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
@@ -236,7 +238,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
     result: dict = {"rank": rank, "applied": [], "checks": []}
     try:
         plan = Plan.load(plan_path)
-        trainer = any(lay.worker.rank == rank for lay in plan.trainers)
+        trainer = plan.layout_of(rank).worker.role == Role.TRAINER
         store = DirectoryStore(store_dir)
         timeout = options.get("timeout", 60.0)
         transport = UcxTransport(rank, store, timeout=timeout)

@@ -1,5 +1,7 @@
 """The three-stage planner: every needed byte leaves the trainers once and enters each node once.
 
+Long because routing, piece cutting and the lower bound share per-cell helpers and one data flow.
+
 For every cell of the correspondence (a set of ids with all its holders and needs), per rollout node
 that needs it, one of three cases holds:
 
@@ -22,6 +24,7 @@ piece lands; pieces are packed into messages per pair of ranks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,10 +33,23 @@ from wb.errors import PlanError
 from wb.data.layout import Cluster, Layout
 from wb.data.plan import Messages, Pieces, Plan, Traffic, Transfers, slot_table
 
-__all__ = ["plan", "lower_bound", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["plan", "lower_bound", "plan_from_routes", "Routes", "DEFAULT_CHUNK_BYTES"]
 
 #: Piece size: large enough that per-message costs vanish, small enough to pipeline stages.
 DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+class Routes(NamedTuple):
+    """How every needed cell travels: one row per route, a hop of one whole cell. Incidences
+    index ``corr.inc_*`` (:class:`~wb.data.correspondence.Correspondence`): holders are trainer
+    buffers, needs rollout buffers; a forwarded route starts at a need an earlier one filled."""
+
+    cell: np.ndarray  # (r,) int64 cell of the correspondence
+    stage: np.ndarray  # (r,) int64 1: from a trainer (or local copy), 2: node to node, 3: in a node
+    src: np.ndarray  # (r,) int64 source incidence (holder, or an earlier route's destination)
+    dst: np.ndarray  # (r,) int64 destination need incidence
+    parent: np.ndarray  # (r,) int64 route that must deliver to ``src`` first; -1: none
+    level: np.ndarray  # (r,) int64 forwarding depth: 0 without parent, else the parent's + 1
 
 
 def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluster | None = None,
@@ -70,9 +86,39 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
     corr = correspond(trainers, rollouts)
     tab, nodes = slot_table(corr.slots, trainers, rollouts)
     routes = _route(corr, tab, nodes, cluster, chunk_bytes)
-    pieces = _cut(corr, tab, chunk_bytes)
-    transfers, messages = _expand(corr, tab, routes, pieces, chunk_bytes)
-    return Plan(trainers, rollouts, cluster, int(chunk_bytes), corr, pieces, transfers, messages)
+    return plan_from_routes(trainers, rollouts, routes, corr=corr, table=tab, cluster=cluster,
+                            chunk_bytes=chunk_bytes)
+
+
+def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], routes: Routes, *,
+                     corr: Correspondence, table, cluster: Cluster | None = None,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+    """The plan that moves every needed cell along ``routes``: cells cut into pieces of at most
+    ``chunk_bytes`` that follow their cell's routes, packed into messages per pair of ranks.
+    :func:`plan` passes its three-stage routes; the baselines of ``wb bench`` their own.
+
+    Args:
+        trainers: trainer layouts, as for :func:`plan`.
+        rollouts: rollout layouts, as for :func:`plan`.
+        routes: how each needed cell travels; every need incidence must be the destination of
+            exactly one route (the plan's ``verify()`` checks the result).
+        corr: ``correspond(trainers, rollouts)``.
+        table: ``slot_table(corr.slots, trainers, rollouts)[0]`` (:mod:`wb.data.plan`).
+        cluster: bandwidths (default :class:`wb.Cluster`).
+        chunk_bytes: largest piece, in bytes.
+
+    Returns:
+        The :class:`wb.Plan`.
+
+    Raises:
+        PlanError: ``chunk_bytes`` is not positive.
+    """
+    if chunk_bytes < 1:
+        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    pieces = _cut(corr, table, chunk_bytes)
+    transfers, messages = _expand(corr, table, routes, pieces, chunk_bytes)
+    return Plan(tuple(trainers), tuple(rollouts), cluster or Cluster(), int(chunk_bytes), corr,
+                pieces, transfers, messages)
 
 
 # --- per-cell facts -----------------------------------------------------------------------------
@@ -93,8 +139,8 @@ def _key_in(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, chunk_bytes: int
-           ) -> dict:
-    """Routes per cell: arrays of (cell, stage, src incidence, dst incidence, parent route, level)."""
+           ) -> Routes:
+    """The three-stage routes of every needed cell (the module docstring's L, W and V cases)."""
     role = tab.role[corr.inc_slot]
     n_cells = corr.cell_id0.size
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
@@ -232,7 +278,7 @@ def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, chunk_
     out = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in routes.items()}
     if (out["parent"][out["stage"] != 1] < 0).any():
         raise PlanError("internal: a forward without a parent route")
-    return out
+    return Routes(**out)
 
 
 def _gpu_nodes(tab, n_gpus: int) -> np.ndarray:
@@ -288,24 +334,24 @@ def _cut(corr: Correspondence, tab, chunk_bytes: int) -> Pieces:
     return Pieces(cells[c], i0, j0, pna, pnb, pna * pnb * item[c])
 
 
-def _expand(corr: Correspondence, tab, routes: dict, pieces: Pieces, chunk_bytes: int
+def _expand(corr: Correspondence, tab, routes: Routes, pieces: Pieces, chunk_bytes: int
             ) -> tuple[Transfers, Messages]:
     """Routes x pieces -> transfers in execution order, grouped into messages."""
     n_cells = corr.cell_id0.size
     per_cell = np.bincount(pieces.cell, minlength=n_cells)
     first_piece = np.r_[0, np.cumsum(per_cell)[:-1]]  # pieces are sorted by cell
-    r_cell = routes["cell"]
+    r_cell = routes.cell
     cnt = per_cell[r_cell]
     r = np.repeat(np.arange(r_cell.size), cnt)
     k = np.arange(r.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)  # piece number within the cell
     piece = first_piece[r_cell[r]] + k
     # transfer index of (route, k): routes expand in route order
     route_first = np.r_[0, np.cumsum(cnt)[:-1]]
-    parent_route = routes["parent"][r]
+    parent_route = routes.parent[r]
     after = np.where(parent_route >= 0, route_first[np.maximum(parent_route, 0)] + k, -1)
-    level = routes["level"][r]
-    src_inc, dst_inc = routes["src"][r], routes["dst"][r]
-    stage = routes["stage"][r].astype(np.int8)
+    level = routes.level[r]
+    src_inc, dst_inc = routes.src[r], routes.dst[r]
+    stage = routes.stage[r].astype(np.int8)
     src_slot, dst_slot = corr.inc_slot[src_inc], corr.inc_slot[dst_inc]
     i0, j0 = pieces.i0[piece], pieces.j0[piece]
     nbytes = pieces.nbytes[piece]
@@ -377,12 +423,18 @@ def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traff
 
     M_v: bytes of the ids some GPU of node v needs that no trainer on v holds (they must enter v
     over its NICs). M: for each id, one send if no rollout node has it on the node (held by a
-    trainer there), plus one NVLink send into each node where a trainer on another GPU holds it and
-    no GPU both holds and needs it; ids a GPU needs and holds itself (colocated) cost nothing. Without
-    colocation M is simply the bytes of all needed ids.
+    trainer there), plus one NVLink send into each node where a trainer on another GPU holds it
+    and no GPU both holds and needs it; ids a GPU needs and holds itself (colocated) cost nothing.
+    Without colocation M is simply the bytes of all needed ids.
 
-    ``trainer_out`` splits M evenly over each id's holders (one balanced assignment); ``node_out``
-    and ``intra_node`` are left empty (no per-node minimum is defined for them).
+    Args:
+        trainers: trainer layouts, as for :func:`plan`.
+        rollouts: rollout layouts, as for :func:`plan`.
+
+    Returns:
+        A :class:`wb.Traffic`: ``trainer_out`` splits M evenly over each id's holders (one
+        balanced assignment), ``node_in`` is M_v per node; ``node_out`` and ``intra_node`` are
+        empty (no per-node minimum is defined for them).
     """
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     corr = correspond(trainers, rollouts)
@@ -403,8 +455,18 @@ def lower_bound(trainers: Sequence[Layout], rollouts: Sequence[Layout]) -> Traff
 
 
 def bound_parts(corr: Correspondence, tab, nodes: list[str]) -> dict:
-    """Per cell: its bytes, the trainer sends the bound requires, and whether it must leave the
-    trainers' nodes over a NIC; per node: M_v."""
+    """The parts of the bound, per cell and per node.
+
+    Args:
+        corr: the correspondence of a plan's layouts.
+        tab: ``slot_table(corr.slots, ...)[0]``.
+        nodes: node names, as ``slot_table`` returns them.
+
+    Returns:
+        ``{"cell_bytes", "sends", "offnode"}``: per cell, ``(c,)`` arrays of its bytes, the
+        trainer sends the bound requires and whether it must leave the trainers' nodes over a
+        NIC; ``"node_in"``: ``{node: M_v}``.
+    """
     role = tab.role[corr.inc_slot]
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
     n_nodes = len(nodes)
@@ -442,7 +504,15 @@ def _sum(keys, values):
 
 
 def traffic_ratio(plan: Plan) -> float:
-    """The largest of trainer bytes / M and node_in[v] / M_v over all v (1.0 is the bound)."""
+    """How far a plan's traffic is from :func:`lower_bound`.
+
+    Args:
+        plan: a plan (from :func:`plan` or a baseline).
+
+    Returns:
+        The largest of trainer bytes / M and node_in[v] / M_v over all nodes v: 1.0 is the
+        bound, ``inf`` where a plan sends bytes the bound says need not move.
+    """
     tab, nodes = plan.table
     b = bound_parts(plan.corr, tab, nodes)
     t = plan.traffic()

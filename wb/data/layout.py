@@ -6,7 +6,7 @@ import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from types import MappingProxyType
 
 import numpy as np
@@ -28,9 +28,25 @@ __all__ = [
 ]
 
 
-class Role(StrEnum):
+class Role(str, Enum):
+    """A worker's side of the update: a trainer's buffers hold ids, a rollout's need them.
+
+    A ``str`` (``Role.TRAINER == "trainer"``, JSON-dumps as ``"trainer"``) that prints and formats
+    as its value, like Python 3.11's ``StrEnum``, written out so ``wb`` imports on Python 3.10.
+
+    Examples:
+        >>> Role("rollout"), f"{Role.TRAINER}", Role.TRAINER == "trainer"
+        (<Role.ROLLOUT: 'rollout'>, 'trainer', True)
+    """
+
     TRAINER = "trainer"  # buffers *hold* ids
     ROLLOUT = "rollout"  # buffers *need* ids
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +58,10 @@ class Worker:
         <Role.TRAINER: 'trainer'>
     """
 
-    rank: int
-    node: str
-    role: Role
-    local_rank: int = 0
+    rank: int  # global rank, unique over trainers and rollouts of one plan
+    node: str  # machine name: GPUs of one node share NVLink, nodes talk over NICs
+    role: Role  # "trainer" (holds ids) or "rollout" (needs them); a str is converted
+    local_rank: int = 0  # GPU index on the node
 
     def __post_init__(self):
         try:
@@ -61,8 +77,8 @@ class Worker:
 class BufferSpec:
     """A buffer's source map and element dtype."""
 
-    sourcemap: SourceMap
-    dtype: str
+    sourcemap: SourceMap  # the checkpoint id of each element of the buffer (its shape)
+    dtype: str  # element dtype, canonical name ("bfloat16"); numpy/torch/jax dtypes converted
 
     def __post_init__(self):
         if not isinstance(self.sourcemap, SourceMap):
@@ -87,8 +103,8 @@ class BufferSpec:
 class Layout:
     """One worker's buffers by name: held ids for a trainer, needed ids for a rollout."""
 
-    worker: Worker
-    buffers: Mapping[str, BufferSpec] = field(default_factory=dict)
+    worker: Worker  # whose buffers
+    buffers: Mapping[str, BufferSpec] = field(default_factory=dict)  # name -> spec, read-only
 
     def __post_init__(self):
         for name, b in self.buffers.items():

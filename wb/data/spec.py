@@ -127,6 +127,31 @@ class CheckpointSpec:
         return np.arange(self._offsets[i], self._offsets[i + 1], dtype=np.int64).reshape(
             self._shapes[i])
 
+    def block_ids(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+        """The ids of the block of tensor ``name`` that starts at ``offset`` and has ``shape``, as
+        an int64 array of that shape (O(block elements): what a shard of the tensor holds).
+
+        Raises:
+            SpecError: ``name`` is not in the spec, or the block does not fit the tensor.
+
+        Examples:
+            >>> CheckpointSpec({"a": ((3, 4), "float32")}).block_ids("a", (1, 2), (2, 2)).tolist()
+            [[6, 7], [10, 11]]
+        """
+        i = self._position(name)
+        full, off, shape = self._shapes[i], tuple(int(o) for o in offset), tuple(map(int, shape))
+        if len(off) != len(full) or len(shape) != len(full) or any(
+                o < 0 or o + n > f for o, n, f in zip(off, shape, full)):
+            raise SpecError(f"tensor `{name}`: a block at offset {off} of shape {shape} does not "
+                            f"fit the checkpoint's {full}")
+        ids = np.full(shape, self._offsets[i], dtype=np.int64)
+        stride = 1
+        for d in range(len(full) - 1, -1, -1):  # C order: the last axis varies fastest
+            ax = np.arange(off[d], off[d] + shape[d], dtype=np.int64) * stride
+            ids += ax.reshape((-1,) + (1,) * (len(full) - 1 - d))
+            stride *= full[d]
+        return ids
+
     def _position(self, name: str) -> int:
         try:
             return self._index[name]

@@ -1,8 +1,8 @@
 """Checkpoint specs of real model architectures, built from their config numbers (no weights).
 
-Names and shapes follow the models' Hugging Face checkpoints (PyTorch ``[out, in]`` linear weights),
-as ``shared/models/README.md`` describes for the ``deepseek_v3`` and ``qwen3_moe`` architectures.
-Nothing of model size is ever allocated: a spec is names, shapes and dtypes.
+Names and shapes follow the Hugging Face checkpoints of the ``deepseek_v3`` and ``qwen3_moe``
+architectures (PyTorch ``[out, in]`` linear weights). Nothing of model size is ever allocated: a
+spec is names, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -11,18 +11,29 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from wb.errors import SpecError
 from wb.data.spec import CheckpointSpec
+from wb.errors import SpecError
+from wb.layouts.dims import ModelDims
 
 __all__ = ["spec_from_config", "load_config", "MODELS_DIR", "TINY"]
 
-#: The model architecture JSON files (copies of ``shared/models``, shipped with the package).
+#: The model config JSON files shipped with the package (``kimi-k2.json``, ...).
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 
+def load_config(name: str, models_dir: Path | str | None = None) -> dict:
+    """Reads a model config: ``{models_dir}/{name}.json``.
 
-def load_config(name: str, models_dir: Path | None = None) -> dict:
-    """Reads ``{models_dir}/{name}.json`` (for example ``"kimi-k2"``)."""
+    Args:
+        name: the model, e.g. ``"kimi-k2"`` (the files of :data:`MODELS_DIR`).
+        models_dir: where the JSON files are (default :data:`MODELS_DIR`).
+
+    Returns:
+        The config dict (Hugging Face config keys, plus ``name`` and ``architecture``).
+
+    Raises:
+        SpecError: there is no such file.
+    """
     path = Path(models_dir or MODELS_DIR) / f"{name}.json"
     if not path.exists():
         raise SpecError(f"no model config `{name}` at {path}; pass models_dir= to point at it")
@@ -33,8 +44,18 @@ def spec_from_config(cfg: Mapping) -> CheckpointSpec:
     """Builds the checkpoint spec of an architecture from its config fields.
 
     Supported ``cfg["architecture"]``: ``"qwen3_moe"`` and ``"deepseek_v3"``. ``qwen3_moe`` also
-    accepts ``first_k_dense_replace`` and ``intermediate_size`` (dense MLP in the first layers), which
-    the tiny reference models use to exercise fused dense ``gate_up``.
+    accepts ``first_k_dense_replace`` and ``intermediate_size`` (dense MLP in the first layers),
+    which the tiny reference models use to exercise fused dense ``gate_up``. The numbers are read
+    by :meth:`wb.layouts.dims.ModelDims.of`.
+
+    Args:
+        cfg: a model config (:func:`load_config`, :data:`TINY`).
+
+    Returns:
+        The :class:`~wb.data.spec.CheckpointSpec`: HF names, shapes and dtypes, in checkpoint order.
+
+    Raises:
+        SpecError: the architecture is not supported or a field it needs is missing.
 
     Examples:
         >>> tiny = dict(architecture="qwen3_moe", vocab_size=10, hidden_size=4, num_hidden_layers=1,
@@ -44,36 +65,28 @@ def spec_from_config(cfg: Mapping) -> CheckpointSpec:
         >>> spec.names[:3], spec.shape("model.layers.0.self_attn.k_proj.weight")
         (('model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight', 'model.layers.0.self_attn.q_proj.weight'), (2, 4))
     """
-    arch = cfg.get("architecture")
-    if arch not in ("qwen3_moe", "deepseek_v3"):
-        raise SpecError(f"architecture {arch!r} is not supported; use 'qwen3_moe' or 'deepseek_v3'")
-    dt = cfg.get("dtype", "bfloat16")
-    h, L = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    vocab = int(cfg["vocab_size"])
-    t: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((vocab, h), dt)}
-    n_dense = int(cfg.get("first_k_dense_replace", 0))
-    for i in range(L):
+    d = ModelDims.of(cfg)
+    dt, h = d.dtype, d.hidden
+    t: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((d.vocab, h), dt)}
+    for i in range(d.layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = ((h,), dt)
-        t.update(_attention(cfg, p + "self_attn.", h, dt, arch))
+        t.update(_attention(d, p + "self_attn."))
         t[p + "post_attention_layernorm.weight"] = ((h,), dt)
-        if i < n_dense:
-            inter = int(cfg["intermediate_size"])
-            t.update(_mlp(p + "mlp.", h, inter, dt))
+        if i < d.n_dense:
+            t.update(_mlp(p + "mlp.", h, d.intermediate, dt))
         else:
-            E, mi = int(cfg.get("num_experts", cfg.get("n_routed_experts", 0))), int(
-                cfg["moe_intermediate_size"])
+            E = d.experts
             t[p + "mlp.gate.weight"] = ((E, h), dt)
-            if arch == "deepseek_v3":
+            if d.mla:
                 t[p + "mlp.gate.e_score_correction_bias"] = ((E,), dt)
             for e in range(E):
-                t.update(_mlp(p + f"mlp.experts.{e}.", h, mi, dt))
-            n_shared = int(cfg.get("n_shared_experts", 0) or 0)
-            if n_shared:
-                t.update(_mlp(p + "mlp.shared_experts.", h, mi * n_shared, dt))
+                t.update(_mlp(p + f"mlp.experts.{e}.", h, d.moe_intermediate, dt))
+            if d.n_shared:
+                t.update(_mlp(p + "mlp.shared_experts.", h, d.shared_width, dt))
     t["model.norm.weight"] = ((h,), dt)
-    if not cfg.get("tie_word_embeddings", False):
-        t["lm_head.weight"] = ((vocab, h), dt)
+    if not d.tied:
+        t["lm_head.weight"] = ((d.vocab, h), dt)
     return CheckpointSpec(t)
 
 
@@ -82,21 +95,20 @@ def _mlp(p: str, h: int, inter: int, dt: str) -> dict:
             p + "down_proj.weight": ((h, inter), dt)}
 
 
-def _attention(cfg: Mapping, p: str, h: int, dt: str, arch: str) -> dict:
-    nh = int(cfg["num_attention_heads"])
-    if arch == "qwen3_moe":
-        kv, hd = int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+def _attention(d: ModelDims, p: str) -> dict:
+    h, nh, dt = d.hidden, d.heads, d.dtype
+    if not d.mla:
+        kv, hd = d.kv_heads, d.head_dim
         return {p + "q_proj.weight": ((nh * hd, h), dt), p + "k_proj.weight": ((kv * hd, h), dt),
                 p + "v_proj.weight": ((kv * hd, h), dt), p + "o_proj.weight": ((h, nh * hd), dt),
                 p + "q_norm.weight": ((hd,), dt), p + "k_norm.weight": ((hd,), dt)}
-    nope, rope, vh = (int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]),
-                      int(cfg["v_head_dim"]))
-    kvr, qr = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
+    nope, rope, vh = d.qk_nope_dim, d.qk_rope_dim, d.v_head_dim
+    kvr, qr = d.kv_lora_rank, d.q_lora_rank
     out: dict = {}
     if qr:
-        out[p + "q_a_proj.weight"] = ((int(qr), h), dt)
-        out[p + "q_a_layernorm.weight"] = ((int(qr),), dt)
-        out[p + "q_b_proj.weight"] = ((nh * (nope + rope), int(qr)), dt)
+        out[p + "q_a_proj.weight"] = ((qr, h), dt)
+        out[p + "q_a_layernorm.weight"] = ((qr,), dt)
+        out[p + "q_b_proj.weight"] = ((nh * (nope + rope), qr), dt)
     else:
         out[p + "q_proj.weight"] = ((nh * (nope + rope), h), dt)
     out[p + "kv_a_proj_with_mqa.weight"] = ((kvr + rope, h), dt)

@@ -65,6 +65,15 @@ class DirectoryStore:
 
     Each key is written to a temporary file and renamed into place, so a reader never sees half a
     value.
+
+    Args:
+        path: the directory (made if missing); one per session.
+        poll_s: seconds between looks for a key not there yet.
+
+    Examples:
+        >>> import tempfile
+        >>> s = DirectoryStore(tempfile.mkdtemp()); s.set("a/b", b"1"); s.get("a/b", timeout=1)
+        b'1'
     """
 
     def __init__(self, path: str | os.PathLike, *, poll_s: float = 0.005):
@@ -94,7 +103,12 @@ class DirectoryStore:
 
 
 class TorchStore:
-    """Adapter over a ``torch.distributed`` store (``TCPStore``, ``FileStore``, ...)."""
+    """Adapter over a ``torch.distributed`` store (``TCPStore``, ``FileStore``, ...).
+
+    Args:
+        store: the ``torch.distributed`` store every process shares.
+        prefix: put before every key (keeps wb's keys apart from the job's own).
+    """
 
     def __init__(self, store, *, prefix: str = "wb/"):
         self.store, self.prefix = store, prefix
@@ -112,7 +126,12 @@ class TorchStore:
 
 class JaxStore:
     """Adapter over JAX's distributed key-value client
-    (``jax._src.distributed.global_state.client`` after ``jax.distributed.initialize``)."""
+    (``jax._src.distributed.global_state.client`` after ``jax.distributed.initialize``).
+
+    Args:
+        client: the key-value client every process shares.
+        prefix: put before every key (keeps wb's keys apart from the job's own).
+    """
 
     def __init__(self, client, *, prefix: str = "wb/"):
         self.client, self.prefix = client, prefix

@@ -56,7 +56,7 @@ class LocalSession:
             if sorted(given) != sorted(want):
                 raise TransferError(f"{what} has ranks {sorted(given)}, the plan's are "
                                     f"{sorted(want)}; give one buffer dict per rank")
-        send_staging, recv_staging = MODES[mode]
+        sync = MODES[mode]
         self.mode = mode
         hub, store = LocalHub(), MemoryStore()
 
@@ -66,10 +66,10 @@ class LocalSession:
         self._pool = ThreadPoolExecutor(max_workers=len(t_ranks) + len(r_ranks),
                                         thread_name_prefix="wb-session")
         # every worker connects to its peers when made: make them all at once
-        s_futs = {r: self._pool.submit(Sender, plan, r, trainer_buffers[r], staging=send_staging,
-                                       **kw(r)) for r in t_ranks}
+        s_futs = {r: self._pool.submit(Sender, plan, r, trainer_buffers[r],
+                                       staging=sync.sender_staging, **kw(r)) for r in t_ranks}
         r_futs = {r: self._pool.submit(Receiver, plan, r, rollout_buffers[r],
-                                       staging=recv_staging, **kw(r)) for r in r_ranks}
+                                       staging=sync.receiver_staging, **kw(r)) for r in r_ranks}
         self.senders = {r: f.result() for r, f in s_futs.items()}
         self.receivers = {r: f.result() for r, f in r_futs.items()}
 

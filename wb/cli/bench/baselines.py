@@ -20,11 +20,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from wb.algorithms.planner import DEFAULT_CHUNK_BYTES, Routes, plan, plan_from_routes
 from wb.data.correspondence import correspond
 from wb.data.layout import Cluster, Layout, Worker
 from wb.data.plan import Plan, slot_table
-from wb.algorithms.planner import DEFAULT_CHUNK_BYTES, _cut, _expand
 from wb.data.spec import CheckpointSpec
+from wb.layouts.blocks import buffer_spec, slice_block
 
 __all__ = ["p2p_plan", "broadcast_plans", "full_layout", "needed_tensors", "FullArena"]
 
@@ -58,12 +59,9 @@ def p2p_plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cl
     fixed[hc[first]] = H[first]
     n_cell = corr.inc_cell[N]
     z = np.zeros(N.size, np.int64)
-    routes = {"cell": n_cell, "stage": z + 1, "src": fixed[n_cell], "dst": N, "parent": z - 1,
-              "level": z}
-    pieces = _cut(corr, tab, chunk_bytes)
-    transfers, messages = _expand(corr, tab, routes, pieces, chunk_bytes)
-    return Plan(trainers, rollouts, cluster or Cluster(), int(chunk_bytes), corr, pieces,
-                transfers, messages)
+    routes = Routes(cell=n_cell, stage=z + 1, src=fixed[n_cell], dst=N, parent=z - 1, level=z)
+    return plan_from_routes(trainers, rollouts, routes, corr=corr, table=tab, cluster=cluster,
+                            chunk_bytes=chunk_bytes)
 
 
 def full_layout(spec: CheckpointSpec, worker: Worker, names: Sequence[str] | None = None, *,
@@ -74,9 +72,7 @@ def full_layout(spec: CheckpointSpec, worker: Worker, names: Sequence[str] | Non
     pass ``buffers`` of an earlier call to share its BufferSpecs between workers.
     """
     if buffers is None:
-        from wb.layouts.deployments import _buffer, _copy
-
-        buffers = {n: _buffer(spec.shape(n), _copy(spec, n), spec.dtype(n))
+        buffers = {n: buffer_spec(spec.shape(n), slice_block(spec, n), spec.dtype(n))
                    for n in (spec.names if names is None else names)}
     return Layout(worker, buffers)
 
@@ -90,8 +86,6 @@ def broadcast_plans(spec: CheckpointSpec, trainers: Sequence[Layout], rollouts: 
     0's GPU); ``broadcast`` sends those whole tensors to every rollout worker, each receiving every
     tensor the rollouts need. Each rollout then cuts its buffers out with :meth:`FullArena.load`.
     """
-    from wb.algorithms.planner import plan
-
     t0 = trainers[0].worker
     needed = needed_tensors(spec, rollouts)
     g_worker = Worker(gather_rank, t0.node, "rollout", t0.local_rank)

@@ -76,8 +76,7 @@ class _Ctx:
             return None
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
                          cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
-        # as a Sender/Receiver does at set-up; the measured runs then skip this round
-        # (execute(connected=True))
+        # as a Sender/Receiver does at set-up; the measured runs (Program.run) then skip this round
         connect(plan, self.rank, t)
         job = self.job
         if job["links"] == "real":
@@ -101,13 +100,10 @@ def bench_main(job: dict) -> None:
 
 
 def _role(plan, rank):
-    for lay in plan.trainers:
-        if lay.worker.rank == rank:
-            return "trainer", lay
-    for lay in plan.rollouts:
-        if lay.worker.rank == rank:
-            return "rollout", lay
-    return None, None
+    if rank not in plan.ranks:
+        return None, None
+    lay = plan.layout_of(rank)
+    return lay.worker.role.value, lay
 
 
 def _same(xp, bufs, want) -> bool:
@@ -116,7 +112,7 @@ def _same(xp, bufs, want) -> bool:
 
 def _run(c: _Ctx, result: dict) -> None:
     from wb.cli.bench.baselines import FullArena
-    from wb.runtime.executor import execute
+    from wb.runtime.program import Program
     from wb.layouts.presets import spec_from_config
     from wb.cli.bench.weights import buffers_for
 
@@ -130,7 +126,7 @@ def _run(c: _Ctx, result: dict) -> None:
     arena = None
     if "broadcast" in job["methods"] and (is_gather or role == "rollout"):
         arena = FullArena(spec, job["bcast_names"], xp=xp)
-    kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"], close=False, connected=True)
+    kw = dict(timeout=c.timeout, staging_bytes=job["staging_bytes"])
 
     # --- the emulated links, measured: NIC (across nodes) and NVLink (within a node) ----------
     c.barrier("probe-setup")
@@ -146,11 +142,16 @@ def _run(c: _Ctx, result: dict) -> None:
         c.barrier(f"probe-{phase}")
 
     # --- EWTT: wb, naive P2P, broadcast (gather, broadcast, load), rotating order ---------------
-    # Each method keeps its transports over the repeats, as a Sender/Receiver does over updates:
-    # set up (and connected) once before its first run, then one tag range per run. The first
-    # run also pays for first-use costs (CUDA IPC mappings); the summary reports it apart.
+    # Each method keeps its transports and programs over the repeats, as a Sender/Receiver does
+    # over updates: set up (connected, programs worked out) once before its first run, then one
+    # tag range per run. The first run also pays for first-use costs (CUDA IPC mappings); the
+    # summary reports it apart.
     methods = list(job["methods"])
-    kept: dict[str, list] = {}
+    kept: dict[str, list] = {}  # method -> [(transport, program) or None per plan it runs]
+
+    def keep(session: str, key: str):
+        t = c.transport(session, P[key])
+        return None if t is None else (t, Program(P[key], rank))
     for rep in range(job["repeats"]):
         for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
             key = f"{rep}/{method}"
@@ -158,10 +159,9 @@ def _run(c: _Ctx, result: dict) -> None:
                 v[...] = 0
             _sync(xp)
             if method not in kept:
-                kept[method] = ([c.transport(f"{method}/g", P["gather"]),
-                                 c.transport(f"{method}/b", P["bcast"])]
-                                if method == "broadcast" else [c.transport(method, P[method])])
-            used = [t for t in kept[method] if t is not None]
+                kept[method] = ([keep(f"{method}/g", "gather"), keep(f"{method}/b", "bcast")]
+                                if method == "broadcast" else [keep(method, method)])
+            used = [k[0] for k in kept[method] if k is not None]
             for t in used:
                 if hasattr(t, "link_stats"):
                     t.link_stats(reset=True)
@@ -169,20 +169,21 @@ def _run(c: _Ctx, result: dict) -> None:
             runkw = dict(kw, tag_base=rep << 32)
             t0 = c.barrier(key, start=True)
             if method == "broadcast":
-                tg, tb = kept[method]
-                if tg is not None:
-                    execute(P["gather"], rank, weights if role == "trainer" else arena.views, tg,
-                            **runkw)
-                if tb is not None:
-                    execute(P["bcast"], rank, arena.views, tb, **runkw)
+                gather, bcast = kept[method]
+                if gather is not None:
+                    t, program = gather
+                    program.run(weights if role == "trainer" else arena.views, t, **runkw)
+                if bcast is not None:
+                    t, program = bcast
+                    program.run(arena.views, t, **runkw)
                 if role == "rollout":
                     arena.load(lay, targets)
                     _sync(xp)
             else:
-                t = kept[method][0]
-                if t is not None:
-                    execute(P[method], rank, weights if role == "trainer" else targets, t,
-                            trace=trace, **runkw)
+                if kept[method][0] is not None:
+                    t, program = kept[method][0]
+                    program.run(weights if role == "trainer" else targets, t, trace=trace,
+                                **runkw)
             end = time.time()
             ok = _same(xp, targets, weights) if role == "rollout" else None
             links = _merge_links([t.link_stats() for t in used if hasattr(t, "link_stats")])
@@ -191,10 +192,10 @@ def _run(c: _Ctx, result: dict) -> None:
             if trace is not None:
                 result["msg_trace"] = {"rep": rep, "t0": t0, "messages": trace}
             c.barrier(f"{key}/done")
-    for ts in kept.values():
-        for t in ts:
-            if t is not None:
-                t.close()
+    for ks in kept.values():
+        for k in ks:
+            if k is not None:
+                k[0].close()
     c.barrier("ewtt/closed")
 
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------

@@ -132,8 +132,8 @@ def _torch_trainer(job, store, spec, ckpt, result):
 
     tp, r = job["tp"], job["local_rank"]
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
-    lay = wb_torch.layout(model, spec, wb.Worker(rank=r, node="trainer0", role="trainer",
-                                                 local_rank=r))
+    (lay,) = wb_torch.layouts(model, wb_torch.probe(model, spec), r, node="trainer0",
+                              role="trainer", local_rank=r)
     dev = _cuda_device(job)
     if dev is not None:  # probed on the CPU (same module, same maps); trains on the GPU
         model.to(f"cuda:{dev}")
@@ -146,7 +146,7 @@ def _torch_trainer(job, store, spec, ckpt, result):
     for mode in job["modes"]:
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                                 transport=_ucx(r, store, mode, dev), layout=lay)
+                                 transports=_ucx(r, store, mode, dev), layout=lay)
         _train(job, mode, sender, lambda s: (train_step_(model), s.push()), result)
 
 
@@ -160,8 +160,8 @@ def _torch_rollout(job, store, spec, ckpt, result):
     first = _trainers_key(store)
     rank = first + job["first_rank"]
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
-    lay = wb_torch.layout(model, spec, wb.Worker(rank=rank, node=job["node"], role="rollout",
-                                                 local_rank=r))
+    (lay,) = wb_torch.layouts(model, wb_torch.probe(model, spec), rank, node=job["node"],
+                              role="rollout", local_rank=r)
     plan = wb.agree_plan(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
     dev = _cuda_device(job)
     if dev is not None:
@@ -172,12 +172,13 @@ def _torch_rollout(job, store, spec, ckpt, result):
     for mode in job["modes"]:
         rx = wb_torch.Receiver(model, plan, rank, store=store, staging=wb.MODES[mode][1],
                                name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                               transport=_ucx(rank, store, mode, dev), layout=lay)
+                               transports=_ucx(rank, store, mode, dev), layout=lay)
         checks = bad = 0
         while rx.version < job["steps"]:
             time.sleep(job["gen_s"])  # a decode step (emulated); reads the live weights
             if rx.ready():
-                v = rx.apply()
+                rx.apply()  # the model's own storage now holds the new version
+                v = rx.version
                 step += 1
                 ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
                 ref.load_weights((n, wb_torch.from_numpy(a))
@@ -221,8 +222,8 @@ def _jax_rollout(job, store, spec, ckpt, result):
             if rx.ready():
                 params = rx.apply()
                 step += 1
-                want = wb_jax._leaves(load(expected_checkpoint(ckpt, step + job["expect_offset"])))
-                got = wb_jax._leaves(params)
+                want = wb_jax.leaves(load(expected_checkpoint(ckpt, step + job["expect_offset"])))
+                got = wb_jax.leaves(params)
                 names = {k for lay in layouts for k in lay.buffers}
                 for k in names:
                     checks += 1
@@ -230,7 +231,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
                 # zero-copy: the new arrays are the received buffers themselves
                 k = sorted(names)[0]
                 for shard in got[k].addressable_shards:
-                    buf = rx.workers[ranks[shard.device]].buffers[k]
+                    buf = rx.group.buffers[ranks[shard.device]][k]
                     bad += shard.data.unsafe_buffer_pointer() != buf.ctypes.data
                 _progress(store, mode, rx.version, base)
         result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,

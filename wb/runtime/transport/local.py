@@ -66,7 +66,23 @@ class LocalHub:
 
 
 class LocalTransport:
-    """One thread's end of a :class:`LocalHub`."""
+    """One thread's end of a :class:`LocalHub`: the :class:`~wb.runtime.transport.Transport` of
+    ranks that are threads of one process (:class:`wb.LocalSession` builds them).
+
+    Args:
+        rank: this thread's global rank in the plan.
+        hub: the hub every rank of the plan shares.
+        timeout: seconds :meth:`connect` waits for the peers' hellos.
+
+    Examples:
+        >>> import numpy as np
+        >>> hub = LocalHub()
+        >>> a, b = LocalTransport(0, hub), LocalTransport(1, hub)
+        >>> dst = np.zeros(3, np.uint8)
+        >>> rx = b.recv(0, dst, tag=7)
+        >>> a.send(1, np.array([1, 2, 3], np.uint8), tag=7).done() and rx.done(), dst.tolist()
+        (True, [1, 2, 3])
+    """
 
     def __init__(self, rank: int, hub: LocalHub, *, timeout: float = 60.0):
         self.rank, self.hub, self.timeout = int(rank), hub, timeout

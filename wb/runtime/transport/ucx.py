@@ -27,6 +27,7 @@ import glob
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _CPU_TLS = "tcp,posix,sysv,self"
 _GPU_TLS = "cuda_ipc,cuda_copy,tcp,posix,sysv,self"
+_CLOSE_WAIT_S = 10.0  # for peers to close their endpoints, once all are done (they close at once)
 
 
 def default_tls() -> str:
@@ -120,12 +122,17 @@ class UcxTransport:
                 for p in sorted(set(int(p) for p in peers) - {self.rank})}
 
     def _start(self) -> None:
+        # ucxx sets UCX variables this UCX no longer reads (UCX_MEMTYPE_CACHE), so every process
+        # would print two warnings about unused variables. UCX reads UCX_WARN_UNUSED_ENV_VARS
+        # once, when ucxx first loads it: turn the warning off before that (and only then: set
+        # later, the variable is itself reported unused), unless the user set it.
+        if "ucxx" not in sys.modules:
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         try:
             import ucxx._lib.libucxx as ucx_api
         except ImportError as e:
             raise TransferError("the UCX transport needs ucxx: pip install 'weightbridge[ucx]' "
                                 "(or [ucx-cu12])") from e
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         self._api = ucx_api
         self._ctx = ucx_api.UCXContext(config_dict={"TLS": self.tls},
                                        feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
@@ -158,6 +165,7 @@ class UcxTransport:
     def close(self, *, barrier: bool = True) -> None:
         if self._worker is None:
             return
+        all_done = False
         try:
             if barrier:  # peers may still be receiving what UCX already counts as sent
                 self.store.set(f"{self.session}/done/{self.rank}", b"1")
@@ -167,6 +175,7 @@ class UcxTransport:
                     except TransferError as e:
                         raise TransferError(f"rank {self.rank}: peer {p} did not finish its part "
                                             f"of the plan within {self.timeout:.1f} s") from e
+                all_done = True
         finally:
             # Endpoints close through the progress thread (delayed submission): close them while
             # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
@@ -184,8 +193,23 @@ class UcxTransport:
                     log.warning("rank %d: UCX endpoints still closing after 2 s", self.rank)
                     break
             self._eps.clear()
+            if all_done:
+                self._closed_barrier()
             self._worker.stop_progress_thread()
             self._worker = self._ctx = None
+
+    def _closed_barrier(self) -> None:
+        # A peer that stops its worker while an endpoint of this rank to it still flushes on
+        # close resets the connection, and UCX prints "error during flush" on stderr (harmless,
+        # but noise in every benchmark run): every rank keeps its worker until all have closed.
+        self.store.set(f"{self.session}/closed/{self.rank}", b"1")
+        for p in self._peers:
+            try:
+                self.store.get(f"{self.session}/closed/{p}", min(self.timeout, _CLOSE_WAIT_S))
+            except TransferError:
+                log.warning("rank %d: peer %d had not closed its UCX endpoints after %.0f s",
+                            self.rank, p, min(self.timeout, _CLOSE_WAIT_S))
+                return
 
     def abort(self) -> None:
         """Drops everything in flight (after a failure); no barrier."""

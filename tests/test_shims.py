@@ -1,0 +1,132 @@
+"""wb_torch and wb_jax mirror each other: the same functions with the same signatures, the same
+layouts for the same blocks, and a PyTorch trainer feeding a JAX rollout (and the reverse) through
+the two shims' Sender and Receiver, bit for bit."""
+
+import inspect
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+import wb  # noqa: E402
+import wb_jax  # noqa: E402
+import wb_torch  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+MIRRORED = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver", "to_numpy",
+            "from_numpy"]
+SPEC = wb.CheckpointSpec({"w": ((4, 6), "float32"), "b": ((6,), "bfloat16")})
+
+
+def test_both_shims_export_the_same_functions():
+    assert wb_torch.__all__ == MIRRORED
+    assert wb_jax.__all__[:len(MIRRORED)] == MIRRORED  # then JAX-only helpers (shard maps, ...)
+
+
+@pytest.mark.parametrize("name", MIRRORED)
+def test_mirrored_functions_take_the_same_arguments(name):
+    def params(mod):
+        sig = inspect.signature(getattr(mod, name))
+        # PyTorch's probe also takes the model's loader (JAX's load function is its first arg)
+        return [(p.name if i else "first", p.kind) for i, p in enumerate(sig.parameters.values())
+                if not (name == "probe" and p.name == "load_weights")]
+    assert params(wb_torch) == params(wb_jax)
+
+
+def test_checkpoint_layouts_agree_on_the_same_blocks():
+    devs = jax.devices()[:2]
+    mesh = Mesh(np.array(devs), ("x",))
+    w = jax.device_put(np.zeros((4, 6), np.float32), NamedSharding(mesh, PartitionSpec(None, "x")))
+    jl = wb_jax.checkpoint_layouts({"w": w}, SPEC, {devs[0]: 0, devs[1]: 1}, node="n",
+                                   role="trainer")
+    tl = [wb_torch.checkpoint_layouts({"w": torch.zeros(4, 3)}, SPEC, r, node="n", role="trainer",
+                                      local_rank=r, offsets={"w": (0, 3 * r)})[0]
+          for r in (0, 1)]
+    # the same maps and dtypes; JAX names a leaf by its path in the pytree
+    for j, t in zip(jl, tl):
+        assert j.worker == t.worker
+        assert {n.strip("[']"): b for n, b in j.buffers.items()} == t.buffers
+    ids = SPEC.ids("w")
+    assert np.array_equal(jl[1].buffers["['w']"].sourcemap.to_indices(), ids[:, 3:])
+
+
+def test_one_rank_for_params_on_several_devices_is_refused():
+    devs = jax.devices()[:2]
+    x = jax.device_put(np.zeros(4, np.float32),
+                       NamedSharding(Mesh(np.array(devs), ("x",)), PartitionSpec("x")))
+    with pytest.raises(wb.SpecError, match="live on 2 devices"):
+        wb_jax.buffers({"x": x}, 0)
+    with pytest.raises(TypeError, match="ranks must be"):
+        wb_torch.buffers({"x": torch.zeros(2)}, "0")
+
+
+def _ckpt(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((4, 6), dtype=np.float32),
+            "b": rng.standard_normal(6, dtype=np.float32).astype(wb.dtypes.dtype_info("bfloat16").numpy)}
+
+
+def _together(*makers):
+    """Runs the constructors at once (each connects to the other) and returns their results."""
+    out, errors = [None] * len(makers), []
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(makers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
+@pytest.mark.parametrize("staging", [False, True])
+def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, staging):
+    ck = _ckpt(0)
+    dev = jax.devices()[0]
+    torch_params = {n: wb_torch.from_numpy(a.copy()) for n, a in ck.items()}
+    jax_params = {n: wb_jax.from_numpy(a.copy(), dev) for n, a in ck.items()}
+    t_kind, r_kind = direction.split("->")
+    shim = {"torch": wb_torch, "jax": wb_jax}
+    params = {"torch": torch_params, "jax": jax_params}
+    tl = shim[t_kind].checkpoint_layouts(params[t_kind], SPEC, 0, node="t", role="trainer")
+    rl = shim[r_kind].checkpoint_layouts(params[r_kind], SPEC, 1, node="r", role="rollout")
+    plan = wb.plan(tl, rl)
+    hub, store = wb.LocalHub(), wb.MemoryStore()
+    # the rollout starts from zeros
+    zeros = {"torch": {n: torch.zeros_like(t) for n, t in torch_params.items()},
+             "jax": {n: wb_jax.from_numpy(np.zeros_like(a), dev) for n, a in ck.items()}}
+    kw = dict(store=store, staging=staging, timeout=30, wait_timeout=30)
+    tx, rx = _together(
+        lambda: shim[t_kind].Sender(params[t_kind], plan, 0,
+                                    transports=wb.LocalTransport(0, hub, timeout=30), **kw),
+        lambda: shim[r_kind].Receiver(zeros[r_kind], plan, 1,
+                                      transports=wb.LocalTransport(1, hub, timeout=30), **kw))
+    with tx, rx:
+        got = _together(tx.push, rx.apply)[1]
+        assert tx.version == rx.version == 1
+        if r_kind == "torch":
+            assert got is zeros["torch"]  # written in place: the same tensors
+        for n, a in ck.items():
+            assert shim[r_kind].to_numpy(got[n]).tobytes() == a.tobytes(), n
+        # the next version: PyTorch updates in place, JAX makes new arrays
+        if t_kind == "torch":
+            with torch.no_grad():
+                for t in torch_params.values():
+                    t.mul_(-2)
+        else:
+            params["jax"] = {n: a * -2 for n, a in jax_params.items()}
+        got = _together(lambda: tx.push(params[t_kind]), rx.apply)[1]
+        assert rx.version == 2
+        for n, a in ck.items():
+            want = (a * np.asarray(-2, a.dtype)).astype(a.dtype)
+            assert shim[r_kind].to_numpy(got[n]).tobytes() == want.tobytes(), n

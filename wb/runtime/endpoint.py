@@ -1,0 +1,169 @@
+"""What a :class:`wb.Sender` and a :class:`wb.Receiver` share: one worker's end of a plan, kept
+across versions (:class:`Endpoint`), and how a background transfer hands its result back
+(:func:`in_thread`, :class:`Transferred`).
+
+Per version ``v``, every worker of the plan *joins* ``v`` (a key in the rendezvous store) and waits
+for the peers it exchanges bytes with; then its program runs with tags ``v << 32``. A trainer
+*announces* ``v`` when it is pushed, which is what a receiver without staging waits for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future
+from typing import Any, NamedTuple
+
+from wb.data.layout import Layout, Role
+from wb.data.plan import Plan
+from wb.errors import PlanError, TransferError
+from wb.runtime.executor import connect
+from wb.runtime.program import Program
+from wb.runtime.stats import UpdateStats
+from wb.runtime.update import ExecStats
+
+__all__ = ["Endpoint", "Transferred", "in_thread", "worker_layout"]
+
+
+class Transferred(NamedTuple):
+    """One version's transfer at one worker."""
+
+    joined_s: float  # time.time() when this worker joined the version
+    stats: ExecStats  # what its program's update did
+
+
+def in_thread(fn: Callable[..., Any], *args, name: str) -> Future:
+    """Runs ``fn(*args)`` in a new daemon thread; its result (or error) comes in the Future.
+
+    Daemon, not a pool's thread: a process must be able to exit while a background transfer
+    still waits for a peer that is gone (up to ``wait_timeout``)."""
+    fut: Future = Future()
+
+    def body():
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the Future
+            fut.set_exception(e)
+
+    threading.Thread(target=body, daemon=True, name=name).start()
+    return fut
+
+
+def worker_layout(plan: Plan, rank: int, role: Role) -> Layout:
+    """The layout of ``rank`` in ``plan``, which must be a worker of ``role``.
+
+    Raises:
+        TransferError: ``rank`` is not a ``role`` of ``plan`` (names the plan's ranks of that
+            role).
+    """
+    try:
+        lay = plan.layout_of(rank)
+    except PlanError:
+        lay = None
+    if lay is None or lay.worker.role != role:
+        mine = plan.trainers if role == Role.TRAINER else plan.rollouts
+        raise TransferError(f"rank {rank} is not a {role.value} of this plan "
+                            f"({role.value} ranks: {[x.worker.rank for x in mine]})")
+    return lay
+
+
+class Endpoint:
+    """One worker's end of a plan across versions: its program, its connected transport, its
+    store keys, joins and records.
+
+    Made once at set-up: checks the worker's role and buffers, works out its program, and connects
+    to its peers (refusing any that runs another plan), so updates pay for none of it.
+
+    Args:
+        plan: the plan every worker runs.
+        rank: this worker's rank.
+        buffers: ``{name: array}`` of the worker's buffers as given at set-up (checked now).
+        role: the role ``rank`` must have in ``plan``.
+        transport: this rank's transport, kept connected across updates.
+        store: the rendezvous store every worker shares.
+        name: prefix of this session's store keys.
+        staging_bytes: the executor's packing budget.
+        timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
+        wait_timeout: seconds to wait for peers to join (or trainers to announce) a version.
+        layout: the worker's layout as it probed it; refused if the plan's differs.
+
+    Raises:
+        TransferError: wrong role, wrong buffers, or a peer running another plan.
+    """
+
+    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any], *, role: Role,
+                 transport, store, name: str, staging_bytes: int, timeout: float,
+                 wait_timeout: float, layout: Layout | None):
+        self.layout = worker_layout(plan, rank, role)
+        self.plan, self.rank, self.role = plan, int(rank), role
+        self.program = Program(plan, self.rank)
+        # refuse wrong buffers now, at set-up, not at the first update
+        self.program.check(buffers, layout=layout)
+        self.transport, self.store, self.name = transport, store, name
+        self.staging_bytes, self.timeout, self.wait_timeout = staging_bytes, timeout, wait_timeout
+        self.trainers = [x.worker.rank for x in plan.trainers]
+        self.stats: list[UpdateStats] = []  # one per version, in order
+        # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
+        # for it, and refuse peers that run another plan before any update.
+        self.peers = connect(plan, self.rank, transport)
+
+    # --- the store ------------------------------------------------------------------------------
+    def key(self, *parts) -> str:
+        return "/".join((self.name, *map(str, parts)))
+
+    def announce(self, v: int) -> None:
+        """A trainer says version ``v`` exists (what a receiver without staging waits for)."""
+        self.store.set(self.key("version", v, self.rank), b"1")
+
+    def await_keys(self, keys: Mapping[int, str], late: Callable[[int], str], *,
+                   cancel: threading.Event | None = None) -> None:
+        """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store.
+
+        Raises:
+            CancelledError: ``cancel`` was set (the endpoint is closing).
+            TransferError: ``late(rank)``, the first key still missing at the deadline.
+        """
+        deadline = time.monotonic() + self.wait_timeout
+        for r, key in keys.items():
+            while True:
+                try:
+                    self.store.get(key, 0.2)
+                    break
+                except TransferError:
+                    if cancel is not None and cancel.is_set():
+                        raise CancelledError() from None
+                    if time.monotonic() > deadline:
+                        raise TransferError(late(r)) from None
+
+    def await_announced(self, v: int, *, cancel: threading.Event | None = None) -> None:
+        """Waits (up to ``wait_timeout``) until every trainer has announced ``v``."""
+        self.await_keys({r: self.key("version", v, r) for r in self.trainers},
+                        lambda r: f"rank {self.rank}: trainer {r} did not push version {v} "
+                                  f"within {self.wait_timeout:.0f} s", cancel=cancel)
+
+    def join(self, v: int, *, cancel: threading.Event | None = None) -> float:
+        """Joins version ``v`` and waits for every peer to join it; returns the join time."""
+        joined = time.time()
+        self.store.set(self.key("join", v, self.rank), b"1")
+        trainers = set(self.trainers)
+        self.await_keys({p: self.key("join", v, p) for p in self.peers}, lambda p: (
+            f"rank {self.rank}: peer {p} did not join version {v} within "
+            f"{self.wait_timeout:.0f} s (wait_timeout); is its "
+            f"{'push' if p in trainers else 'apply'} being called?"), cancel=cancel)
+        return joined
+
+    # --- the transfer ----------------------------------------------------------------------------
+    def run(self, v: int, arrays: Mapping[str, Any]) -> ExecStats:
+        """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
+        at set-up, joined for ``v``)."""
+        return self.program.run(arrays, self.transport, tag_base=v << 32,
+                                staging_bytes=self.staging_bytes, timeout=self.timeout)
+
+    def record(self, v: int, stall_s: float, t: Transferred) -> None:
+        """Records version ``v``: ``stall_s`` seconds blocked the caller."""
+        ex = t.stats
+        self.stats.append(UpdateStats(v, self.rank, self.role.value, stall_s, t.joined_s,
+                                      ex.start_s, ex.end_s, ex.bytes_sent, ex.bytes_received))

@@ -1,0 +1,263 @@
+"""A rank's part of a plan, worked out once: :class:`Program`.
+
+A Sender or Receiver runs the same plan many times, one update per version. Everything about a
+rank's part that does not depend on the buffers' contents is worked out here, once, when the
+program is made: the rank's messages (:class:`Message`), which of them move zero-copy, when each
+should go (:func:`schedule`), the forwards each message releases, and the receives to post into
+staging or straight into the buffers. :meth:`Program.run` then runs one update
+(:func:`wb.runtime.update.run_update`): it only posts and completes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from wb.data.layout import Layout
+from wb.data.plan import Plan
+from wb.errors import PlanError, TransferError
+from wb.runtime.buffers import check_buffers, fixed_memory
+from wb.runtime.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
+
+__all__ = ["Program", "Message", "schedule"]
+
+
+class Message:
+    """One message of a rank's program (a plan message this rank sends, receives or copies).
+
+    Attributes:
+        m: its index in ``plan.messages`` (its tag is ``tag_base + m`` on every rank).
+        stage: 1 (trainer -> rollout), 2 or 3 (a forward between rollouts).
+        peer: the other rank (this rank itself for a local copy).
+        nbytes: its size in bytes.
+        ts: ``(k,) int64`` its transfers, in message order.
+        parent: the message that brought its data here (a forward), or -1.
+        zc_src: its transfers are one contiguous range of the source buffer (sent zero-copy).
+        zc_dst: the same in the destination buffer (received zero-copy).
+        out: sent (or copied locally) by this rank.
+        local: source and destination are this rank (a local copy).
+    """
+
+    # slots: the update loop reads these fields a few times per message
+    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
+                 "local")
+
+    def __init__(self, m: int, stage: int, peer: int, nbytes: int, ts, parent: int,
+                 zc_src: bool, zc_dst: bool, out: bool, local: bool):
+        self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
+        self.parent, self.zc_src, self.zc_dst = parent, zc_src, zc_dst
+        self.out, self.local = out, local
+
+    def label(self) -> str:
+        return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
+
+
+def schedule(M) -> np.ndarray:
+    """When each message should move, as a fraction of its trainer's stream (0 first, 1 last).
+
+    A trainer sends to many rollout GPUs; sending all of one destination's messages before the
+    next (plan order) would feed one GPU at a time, and the GPUs fed last could only start their
+    forwards at the very end. Instead a trainer interleaves its destinations: its k-th message
+    to a GPU goes when that pair's stream is as far along as all its others, so every rollout
+    GPU receives (and forwards) at a steady rate from the start. A forwarded message inherits
+    the time of the stage-1 message it descends from (a hop later). Receivers post staged
+    receives in the same order.
+
+    Args:
+        M: ``plan.messages``.
+
+    Returns:
+        ``(messages,) float64``: each message's time.
+    """
+    n = M.nbytes.size
+    when = np.zeros(n, np.float64)
+    root = M.parent < 0
+    r = np.flatnonzero(root)
+    if r.size:
+        pair = M.src_rank[r].astype(np.int64) * (int(M.dst_rank.max()) + 1) + M.dst_rank[r]
+        o = np.lexsort((r, pair))  # by pair, then plan order within the pair
+        rs, ps, nb = r[o], pair[o], M.nbytes[r[o]].astype(np.float64)
+        starts = np.r_[True, ps[1:] != ps[:-1]]
+        grp = np.cumsum(starts) - 1
+        tot = np.bincount(grp, weights=nb)
+        before = np.cumsum(nb) - nb
+        first = before[starts][grp]
+        when[rs] = (before - first) / np.maximum(tot[grp], 1.0)
+    # forwards: their root's time, plus a little per hop (parents have lower ids than children)
+    child = np.flatnonzero(~root)
+    for _ in range(64):
+        if not child.size:
+            break
+        new = when[M.parent[child]] + 1e-6
+        if np.array_equal(new, when[child]):
+            break
+        when[child] = new
+    return when
+
+
+def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
+    """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
+    buffer: then the message is that range of the buffer itself, no packing."""
+    t0 = ts[0]
+    if (slot[ts] != slot[t0]).any():
+        return False
+    n = na * nb
+    each = ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+    if not each.all():
+        return False
+    return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
+
+
+class _Checked(NamedTuple):
+    """The arrays a program last checked, held weakly: the same ones again skip the check."""
+
+    layout: Layout | None  # the probed layout the check compared with (None: none)
+    refs: dict[str, tuple[weakref.ref, tuple]]  # name -> (array, (shape, dtype))
+    xp: Any  # their array module
+
+
+class Program:
+    """One rank's part of a plan, worked out once and run by every update.
+
+    A :class:`wb.Sender` / :class:`wb.Receiver` makes its program at set-up and owns it; each
+    update is :meth:`run`. Also remembers the last buffers it checked: an update with the same
+    numpy/CuPy arrays skips the check.
+
+    Args:
+        plan: the plan.
+        rank: a worker of ``plan``.
+
+    Attributes:
+        plan, rank: as given.
+        layout: ``rank``'s layout in the plan.
+        messages: ``{plan message index: Message}`` of the messages this rank sends, receives or
+            copies.
+        children: ``{message: [forwards]}``: the forwards this rank sends once a message landed.
+        when: ``(plan messages,) float64`` :func:`schedule` of the whole plan.
+        zero_copy_receives: receives straight into the buffers, in schedule order.
+        staged_receives: receives into staging (then unpacked), in schedule order.
+        roots: ``[(when, message)]`` of the sends that wait for no other message, sorted.
+        n_out: how many messages this rank sends or copies.
+
+    Raises:
+        TransferError: ``rank`` is not a worker of ``plan``.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> sm = wb.SourceMap.from_indices(np.arange(8))
+        >>> t = wb.Layout(wb.Worker(0, "n", "trainer"), {"w": wb.BufferSpec(sm, "float32")})
+        >>> r = wb.Layout(wb.Worker(1, "n", "rollout"), {"w": wb.BufferSpec(sm, "float32")})
+        >>> prog = Program(wb.plan([t], [r]), 1)
+        >>> len(prog.messages), prog.zero_copy_receives, prog.staged_receives
+        (1, [0], [])
+    """
+
+    def __init__(self, plan: Plan, rank: int):
+        try:
+            self.layout = plan.layout_of(rank)
+        except PlanError as e:
+            raise TransferError(str(e)) from None
+        self.plan, self.rank = plan, int(rank)
+        M, T, P = plan.messages, plan.transfers, plan.pieces
+        self.slot_buf = [s.buffer for s in plan.slots]  # slot -> buffer name
+        self.messages: dict[int, Message] = {}  # plan message index -> this rank's Message
+        self.children: dict[int, list[int]] = {}  # message -> the forwards it releases here
+        for m in np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank)).tolist():
+            f, c = int(M.first[m]), int(M.count[m])
+            ts = np.arange(f, f + c)
+            out = int(M.src_rank[m]) == rank
+            local = out and int(M.dst_rank[m]) == rank
+            na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+            zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts],
+                                     na, nb)
+            zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts],
+                                     na, nb)
+            peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
+            self.messages[m] = Message(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts,
+                                       int(M.parent[m]), zc_src, zc_dst, out, local)
+            if out and M.parent[m] >= 0:
+                self.children.setdefault(int(M.parent[m]), []).append(m)
+        when = self.when = schedule(M)  # (messages,) float64, of the whole plan
+        order_in = sorted((m for m, g in self.messages.items() if not g.out),
+                          key=lambda m: (when[m], m))  # receives, in schedule order
+        self.zero_copy_receives = [m for m in order_in if self.messages[m].zc_dst]
+        self.staged_receives = [m for m in order_in if not self.messages[m].zc_dst]
+        # (time, message) of the sends that need no other message first, sorted
+        self.roots = sorted((float(when[m]), m) for m, g in self.messages.items()
+                            if g.out and g.parent < 0)
+        self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
+        self._checked: _Checked | None = None
+
+    def check(self, buffers: Mapping[str, Any], *,
+              layout: Layout | None = None) -> tuple[dict[str, Any], Any]:
+        """:func:`wb.runtime.buffers.check_buffers` against this rank's layout; skipped when
+        given the very same numpy/CuPy arrays as last time, with the same shapes and dtypes
+        (their memory cannot have moved; framework tensors, whose storage can be swapped, are
+        checked every time). A check against a probed ``layout`` also stands for later checks
+        without one. Holds the arrays only weakly.
+
+        Returns:
+            ``({name: 1-D view}, array module)``.
+
+        Raises:
+            TransferError: as :func:`~wb.runtime.buffers.check_buffers`.
+        """
+        last = self._checked
+        if last is not None and (layout is None or last.layout is layout):
+            flat = {}
+            for n, (ref, shape) in last.refs.items():
+                a = buffers.get(n)
+                if a is None or ref() is not a or (tuple(a.shape), a.dtype) != shape:
+                    break
+                flat[n] = a.reshape(-1)
+            else:
+                return flat, last.xp
+        flat, xp = check_buffers(self.layout, buffers, layout=layout)
+        given = {n: buffers[n] for n in flat}
+        try:
+            refs = {n: (weakref.ref(a), (tuple(a.shape), a.dtype)) for n, a in given.items()
+                    if fixed_memory(a)}
+        except TypeError:  # an array type without weak references: check every time
+            refs = {}
+        self._checked = _Checked(layout, refs, xp) if len(refs) == len(given) else None
+        return flat, xp
+
+    def run(self, buffers: Mapping[str, Any], transport, *, tag_base: int = 0,
+            staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+            trace: list | None = None, layout: Layout | None = None) -> ExecStats:
+        """Runs one update: this rank's sends, receives, local copies and forwards.
+
+        Args:
+            buffers: ``{buffer name: array}`` of this worker's layout: numpy or DLPack host
+                arrays, or CUDA arrays (packing then runs on the device, with CuPy). Filled in
+                place on rollouts.
+            transport: this rank's transport, connected to its peers, which were checked to run
+                this same plan (:func:`wb.runtime.executor.connect`); left open.
+            tag_base: added to every tag (keeps updates of different versions apart).
+            staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
+            timeout: seconds without any progress before raising :class:`wb.TransferError`.
+            trace: a list to append one :class:`~wb.runtime.update.TraceEntry` per message of
+                this rank to (for finding where an update's time goes).
+            layout: this worker's own layout (as it probed it); refused if the plan's differs.
+
+        Returns:
+            :class:`~wb.runtime.update.ExecStats`.
+
+        Raises:
+            TransferError: bad buffers or a plan for other layouts (before any byte moves), a
+                failed or stalled transfer (naming the peer and plan step; the transport is
+                then aborted).
+        """
+        flat, xp = self.check(buffers, layout=layout)
+        if xp is not np and flat:
+            # CuPy's current device is per thread: staging and kernels must go to the buffers'
+            # own device, whichever thread runs this (a Sender's or Receiver's background thread
+            # starts on device 0)
+            with next(iter(flat.values())).device:
+                return run_update(self, flat, xp, transport, tag_base=tag_base,
+                                  staging_bytes=staging_bytes, timeout=timeout, trace=trace)
+        return run_update(self, flat, xp, transport, tag_base=tag_base,
+                          staging_bytes=staging_bytes, timeout=timeout, trace=trace)

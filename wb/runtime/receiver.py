@@ -1,0 +1,375 @@
+"""A rollout worker's end of a plan: :class:`Receiver`, the two ways a version arrives, and the two
+kinds of buffers it arrives in.
+
+How it arrives (receiver staging, chosen once at set-up):
+
+- :class:`_DirectReceive` (staging off): ``apply`` waits for every trainer to announce the
+  version, then receives it in the caller's thread, the rollout paused. A failure may leave a mix
+  of versions.
+- :class:`_BackgroundReceive` (staging on): the next version lands in staging in a thread while
+  the rollout generates; ``apply`` waits for it and installs it. A failure leaves the previous
+  version live.
+
+What it arrives in (``handoff``):
+
+- :class:`_InPlace`: the live buffers keep their addresses (CUDA graphs hold them): a version is
+  written into them, directly or by one copy from staging.
+- :class:`_Handoff`: every version lands in new buffers, handed over and never written again
+  (JAX wraps such host buffers as arrays without copying).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
+from typing import Any, Protocol
+
+from wb.data.layout import Layout, Role
+from wb.data.plan import Plan
+from wb.errors import TransferError
+from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of
+from wb.runtime.endpoint import Endpoint, Transferred, in_thread, worker_layout
+from wb.runtime.stats import UpdateStats
+from wb.runtime.update import DEFAULT_STAGING_BYTES
+
+__all__ = ["Receiver"]
+
+Live = dict[str, tuple[Any, Any]]  # name -> (array module, array) of the live weights
+
+
+# --- what a version arrives in ---------------------------------------------------------------
+class _Target(Protocol):
+    def arrays(self) -> dict[str, Any]:
+        """The live buffers (the newest applied version's)."""
+
+    def landing(self) -> dict[str, Any]:
+        """Where a direct receive writes."""
+
+    def adopt(self, arrays: dict[str, Any]) -> None:
+        """``arrays`` (from :meth:`landing`) now hold the newest version."""
+
+    def spare(self) -> dict[str, Any]:
+        """New staging, holding the live values (a transfer writes only mapped elements)."""
+
+    def install(self, staged: dict[str, Any]) -> dict[str, Any]:
+        """Makes the version in ``staged`` live; returns staging for the next version."""
+
+
+class _InPlace:
+    """The live buffers keep their addresses: versions are written into them."""
+
+    def __init__(self, live: Live):
+        self.live = live
+
+    def arrays(self) -> dict[str, Any]:
+        return {n: a for n, (_, a) in self.live.items()}
+
+    def landing(self) -> dict[str, Any]:
+        return self.arrays()
+
+    def adopt(self, arrays: dict[str, Any]) -> None:
+        pass  # already in place
+
+    def spare(self) -> dict[str, Any]:
+        return copy_of(self.live)
+
+    def install(self, staged: dict[str, Any]) -> dict[str, Any]:
+        for n, (xp, a) in self.live.items():
+            copy(xp, a, staged[n])
+        return staged  # the same staging serves the next version
+
+
+class _Handoff:
+    """Every version lands in new buffers made by ``allocate(shape, dtype name)``."""
+
+    def __init__(self, live: Live, layout: Layout, allocate: Callable, rank: int):
+        self.live, self.layout, self.allocate, self.rank = live, layout, allocate, rank
+
+    def arrays(self) -> dict[str, Any]:
+        return {n: a for n, (_, a) in self.live.items()}
+
+    def landing(self) -> dict[str, Any]:
+        return self.spare()
+
+    def adopt(self, arrays: dict[str, Any]) -> None:
+        self.live = {n: as_array(n, a, rank=self.rank) for n, a in arrays.items()}
+
+    def spare(self) -> dict[str, Any]:
+        return _allocated(self.layout, self.allocate, self.live, rank=self.rank)
+
+    def install(self, staged: dict[str, Any]) -> dict[str, Any]:
+        self.adopt(staged)  # the staging buffers become the live ones; new staging next time
+        return self.spare()
+
+
+def _allocated(layout: Layout, allocate: Callable, live: Live | None, *,
+               rank: int) -> dict[str, Any]:
+    """New buffers for ``layout`` holding the ``live`` values (zeros without)."""
+    out = {}
+    for n, b in layout.buffers.items():
+        out[n] = allocate(b.shape, b.dtype)
+        xp, a = as_array(n, out[n], rank=rank)
+        if live is None:
+            a[...] = 0
+        else:
+            copy(xp, a, live[n][1])
+    return out
+
+
+# --- how a version arrives ------------------------------------------------------------------
+class _NotArrived(TransferError):
+    """The version did not come within ``wait_timeout``; nothing failed (apply may be retried)."""
+
+
+class _ReceivePath(Protocol):
+    keeps_live: bool  # a failed update leaves the previous version in the live buffers
+
+    def start(self, v: int) -> None:
+        """Starts receiving version ``v`` ahead of ``apply``, if this path does."""
+
+    def ready(self, v: int) -> bool:
+        """Whether ``receive(v)`` has something to install (never blocks)."""
+
+    def receive(self, v: int) -> Transferred:
+        """Version ``v``, live when this returns."""
+
+    def close(self, timeout: float) -> None:
+        """Stops waiting for a next version."""
+
+
+class _DirectReceive:
+    """Receiver staging off: ``apply`` receives the version into the target in the caller's
+    thread, once every trainer announced it."""
+
+    keeps_live = False
+
+    def __init__(self, end: Endpoint, target: _Target):
+        self.end, self.target = end, target
+        self.announced: set[tuple[int, int]] = set()  # (version, trainer rank) seen
+
+    def start(self, v: int) -> None:
+        pass  # nothing moves before apply()
+
+    def ready(self, v: int) -> bool:
+        end = self.end
+        for r in end.trainers:
+            if (v, r) not in self.announced:
+                try:
+                    end.store.get(end.key("version", v, r), 0.001)
+                except TransferError:
+                    return False
+                self.announced.add((v, r))
+        return True
+
+    def receive(self, v: int) -> Transferred:
+        self.end.await_announced(v)
+        joined = self.end.join(v)
+        arrays = self.target.landing()
+        ex = self.end.run(v, arrays)
+        self.target.adopt(arrays)
+        return Transferred(joined, ex)
+
+    def close(self, timeout: float) -> None:
+        pass  # nothing runs in the background
+
+
+class _BackgroundReceive:
+    """Receiver staging on: the next version lands in staging in a thread (a Future) while the
+    rollout generates; ``receive`` waits for it and installs it into the target."""
+
+    keeps_live = True
+
+    def __init__(self, end: Endpoint, target: _Target):
+        self.end, self.target = end, target
+        self.staging = target.spare()
+        self.cancel = threading.Event()  # set by close(): stop waiting for trainers
+        self.moving = threading.Event()  # the version's peers joined: its bytes are moving
+        self.future: Future | None = None  # of Transferred, for the version being received
+
+    def start(self, v: int) -> None:
+        if self.future is None:
+            self.moving.clear()
+            self.future = in_thread(self._receive, v, name=f"wb-recv-{self.end.rank}-v{v}")
+
+    def _receive(self, v: int) -> Transferred:
+        self.end.await_announced(v, cancel=self.cancel)
+        joined = self.end.join(v, cancel=self.cancel)
+        self.moving.set()
+        return Transferred(joined, self.end.run(v, self.staging))
+
+    def ready(self, v: int) -> bool:
+        return self.future is not None and self.future.done()
+
+    def receive(self, v: int) -> Transferred:
+        self.start(v)
+        fut = self.future
+        # waiting for the trainers is bounded by wait_timeout; a transfer under way by the
+        # executor's own inactivity timeout
+        deadline = time.monotonic() + self.end.wait_timeout
+        while not fut.done() and (self.moving.is_set() or time.monotonic() < deadline):
+            wait([fut], 0.05)
+        if not fut.done():
+            raise _NotArrived(f"rank {self.end.rank}: version {v} did not arrive within "
+                              f"{self.end.wait_timeout:.0f} s (wait_timeout); has the trainer "
+                              f"pushed it?")
+        self.future = None
+        moved = fut.result()  # raises the transfer's error
+        self.staging = self.target.install(self.staging)
+        return moved
+
+    def close(self, timeout: float) -> None:
+        self.cancel.set()
+        if self.future is not None:
+            wait([self.future], timeout)
+
+
+class Receiver:
+    """A rollout worker's end: ``ready()`` between generation steps, then ``apply()``.
+
+    Args:
+        plan, rank, transport, store, name, staging_bytes, timeout, wait_timeout, layout: as
+            :class:`wb.Sender` (``rank`` a rollout of ``plan``).
+        buffers: the live weights the rollout reads (written in place: their addresses never
+            change).
+        staging: receiver staging (see :mod:`wb.runtime.coordinator`): the next version is
+            received in the background into a staging copy as soon as the previous one is
+            applied (or at once).
+        handoff: for frameworks whose arrays are immutable (JAX): ``buffers`` may be ``None``;
+            every version lands in new buffers made by ``allocate(shape, dtype name)`` (default:
+            64-byte aligned host arrays, which JAX wraps without copying), and after ``apply()``
+            :attr:`buffers` are the newest version's, handed over, never written again.
+        allocate: see ``handoff``.
+
+    Raises:
+        TransferError: ``rank`` is not a rollout of ``plan``, wrong or missing buffers, or a peer
+            runs another plan (at set-up, before any update).
+
+    Examples:
+        See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
+    """
+
+    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any] | None, *, transport,
+                 store, staging: bool = True, name: str = "wb",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+                 wait_timeout: float = 600.0, layout: Layout | None = None,
+                 handoff: bool = False, allocate: Callable | None = None):
+        self.staging, self.handoff = bool(staging), bool(handoff)
+        allocate = allocate or aligned_empty
+        if buffers is None:
+            if not self.handoff:
+                raise TransferError(f"rank {rank}: Receiver needs the live buffers (or "
+                                    f"handoff=True to receive into new ones every version)")
+            buffers = _allocated(worker_layout(plan, rank, Role.ROLLOUT), allocate, None,
+                                 rank=rank)
+        self._end = Endpoint(plan, rank, buffers, role=Role.ROLLOUT, transport=transport,
+                             store=store, name=name, staging_bytes=staging_bytes,
+                             timeout=timeout, wait_timeout=wait_timeout, layout=layout)
+        live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._end.layout.buffers}
+        self._target: _Target = (_Handoff(live, self._end.layout, allocate, self.rank)
+                                 if self.handoff else _InPlace(live))
+        self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
+                                    else _DirectReceive(self._end, self._target))
+        self.version = 0
+        self._error: TransferError | None = None  # the failure every later call raises
+        self._closed = False
+        self._path.start(1)  # with staging, version 1 starts landing now
+
+    @property
+    def plan(self) -> Plan:
+        return self._end.plan
+
+    @property
+    def rank(self) -> int:
+        return self._end.rank
+
+    @property
+    def stats(self) -> list[UpdateStats]:
+        """One record per version applied, in order."""
+        return self._end.stats
+
+    @property
+    def wait_timeout(self) -> float:
+        """Seconds ``apply`` waits for a version that is not moving yet."""
+        return self._end.wait_timeout
+
+    @property
+    def buffers(self) -> dict[str, Any]:
+        """The live buffers (with ``handoff``: the newest applied version's)."""
+        return self._target.arrays()
+
+    def ready(self) -> bool:
+        """Whether ``apply()`` has a new version to install (never blocks).
+
+        With staging: the next version has fully landed in staging (or failed: then ``apply``
+        raises). Without: every trainer has announced the next version (``apply`` will receive it).
+        """
+        return self._error is not None or self._path.ready(self.version + 1)
+
+    def pull(self) -> None:
+        """Starts receiving the next version into staging in the background (with staging; a
+        no-op if already receiving). Without staging, the same as :meth:`apply`."""
+        if not self.staging:
+            self.apply()
+        elif self._error is None and not self._closed:
+            self._path.start(self.version + 1)
+
+    def apply(self) -> int:
+        """Installs the next version into the live buffers and returns its number.
+
+        With staging: waits for it to land (if it has not yet), copies staging into the live
+        buffers and starts receiving the following version. Without: waits for the trainers to
+        announce it and receives it into the live buffers.
+
+        Raises:
+            TransferError: the update failed (a trainer died or hung). With staging the live
+                buffers still hold the previous version (``self.version``); without, they may
+                hold a mix, and ``self.version`` is ``-1``. The receiver cannot be used again.
+                With staging, also when the version did not arrive within ``wait_timeout`` (then
+                nothing failed: ``apply`` may be called again).
+        """
+        t0 = time.perf_counter()
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise TransferError(f"rank {self.rank}: apply() after close()")
+        v = self.version + 1
+        try:
+            moved = self._path.receive(v)
+        except _NotArrived as e:  # nothing failed: the version may still come
+            raise TransferError(str(e)) from None
+        except BaseException as e:
+            self._error = self._failure(v, e)
+            raise self._error from e
+        self.version = v
+        self._end.record(v, time.perf_counter() - t0, moved)
+        if not self._closed:
+            self._path.start(v + 1)
+        return v
+
+    def close(self) -> None:
+        """Stops waiting for a next version and closes the transport."""
+        if self._closed:
+            return
+        self._closed = True
+        self._path.close(self._end.timeout + 5)
+        if self._error is None:  # after a failure the executor has aborted the transport
+            self._end.transport.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _failure(self, v: int, e: BaseException) -> TransferError:
+        if self._path.keeps_live:
+            what = (f"the live buffers still hold version {self.version} (staging kept the "
+                    f"failed update out)")
+        else:
+            what = ("the live buffers may hold a mix of versions (no receiver staging); reload or "
+                    "receive a full version before generating")
+            self.version = -1
+        return TransferError(f"rank {self.rank}: receiving version {v} failed: {e}; {what}. "
+                             f"This receiver cannot be used again; make a new one")

@@ -1,0 +1,223 @@
+"""A trainer worker's end of a plan: :class:`Sender`, and the two ways a version leaves it.
+
+Without sender staging (:class:`_DirectSend`), ``push`` sends from the live buffers and returns
+when this worker's bytes are sent. With it (:class:`_StagedSend`), ``push`` copies the live
+buffers into staging and returns; a background thread sends the copy while training goes on,
+and the next ``push`` first waits for that send. The way is chosen once, at set-up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, wait
+from typing import Any, NamedTuple, Protocol
+
+from wb.data.layout import Layout, Role
+from wb.data.plan import Plan
+from wb.errors import TransferError
+from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
+from wb.runtime.endpoint import Endpoint, Transferred, in_thread
+from wb.runtime.stats import UpdateStats
+from wb.runtime.update import DEFAULT_STAGING_BYTES
+
+__all__ = ["Sender"]
+
+Live = dict[str, tuple[Any, Any]]  # name -> (array module, array) of the live weights
+
+
+class _SendPath(Protocol):
+    """How a pushed version leaves: what ``push`` does after it is announced."""
+
+    def stage(self, live: Live) -> None:
+        """Takes what must be copied before ``push`` returns."""
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        """Sends version ``v`` (``t0``: ``time.perf_counter()`` when ``push`` was called)."""
+
+    def finish(self, *, charge: bool) -> None:
+        """Waits for a version still being sent, records it, raises its error."""
+
+
+class _DirectSend:
+    """Sender staging off: ``push`` joins the version and sends from the live buffers, blocking
+    until this worker's bytes are sent."""
+
+    def __init__(self, end: Endpoint):
+        self.end = end
+
+    def stage(self, live: Live) -> None:
+        pass  # nothing to copy: the live buffers themselves are sent
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        joined = self.end.join(v)
+        ex = self.end.run(v, {n: a for n, (_, a) in live.items()})
+        self.end.record(v, time.perf_counter() - t0, Transferred(joined, ex))
+
+    def finish(self, *, charge: bool) -> None:
+        pass  # nothing runs in the background
+
+
+class _Pending(NamedTuple):
+    """A version being sent in the background."""
+
+    version: int
+    stall_s: float  # what push blocked its caller for (the copy into staging)
+    result: Future  # of Transferred
+
+
+class _StagedSend:
+    """Sender staging on: ``push`` copies the live buffers into staging and returns; a thread
+    joins the version and sends the copy while training goes on."""
+
+    def __init__(self, end: Endpoint, live: Live):
+        self.end = end
+        self.staging = copy_of(live)
+        self.pending: _Pending | None = None
+
+    def stage(self, live: Live) -> None:
+        for n, (xp, a) in live.items():
+            copy(xp, self.staging[n], a)
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        stall = time.perf_counter() - t0
+        self.pending = _Pending(v, stall, in_thread(self._send, v,
+                                                    name=f"wb-send-{self.end.rank}-v{v}"))
+
+    def _send(self, v: int) -> Transferred:
+        joined = self.end.join(v)
+        return Transferred(joined, self.end.run(v, self.staging))
+
+    def finish(self, *, charge: bool) -> None:
+        """The wait is a stall of the version that caused it when ``push`` waits (``charge``),
+        not when the caller asks to wait (``wait``/``close``: the end of training, not a
+        training step)."""
+        if self.pending is None:
+            return
+        v, stall, fut = self.pending
+        t0 = time.perf_counter()
+        wait([fut])
+        waited = time.perf_counter() - t0
+        self.pending = None
+        e = fut.exception()
+        if e is not None:
+            raise TransferError(f"rank {self.end.rank}: sending version {v} failed: {e}") from e
+        self.end.record(v, stall + (waited if charge else 0.0), fut.result())
+
+
+class Sender:
+    """A trainer worker's end: ``push()`` once per training step.
+
+    Args:
+        plan: the plan every worker of the update runs.
+        rank: this worker's rank (a trainer of ``plan``).
+        buffers: ``{name: array}`` of this worker's live weights (numpy / DLPack host arrays or CUDA
+            arrays), read at every ``push``.
+        transport: this rank's :class:`wb.runtime.transport.Transport`, kept connected across
+            updates.
+        store: the rendezvous :class:`wb.runtime.rendezvous.Store` every worker shares (joins,
+            versions).
+        staging: sender staging (see :mod:`wb.runtime.coordinator`): ``push`` returns after a local
+            copy.
+        name: keeps the store keys of concurrent sessions apart.
+        staging_bytes: the executor's packing budget.
+        timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
+        wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
+            between generation steps).
+        layout: this worker's layout as it probed it; refused if the plan's differs.
+
+    Raises:
+        TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
+            another plan (at set-up, before any update).
+
+    Examples:
+        See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
+    """
+
+    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any], *, transport, store,
+                 staging: bool = True, name: str = "wb",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+                 wait_timeout: float = 600.0, layout: Layout | None = None):
+        self._end = Endpoint(plan, rank, buffers, role=Role.TRAINER, transport=transport,
+                             store=store, name=name, staging_bytes=staging_bytes,
+                             timeout=timeout, wait_timeout=wait_timeout, layout=layout)
+        self.staging = bool(staging)
+        self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
+                            for n in self._end.layout.buffers}
+        self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
+                                 else _DirectSend(self._end))
+        self.version = 0
+        self._closed = False
+
+    @property
+    def plan(self) -> Plan:
+        return self._end.plan
+
+    @property
+    def rank(self) -> int:
+        return self._end.rank
+
+    @property
+    def stats(self) -> list[UpdateStats]:
+        """One record per version sent, in order."""
+        return self._end.stats
+
+    def push(self, version: int | None = None, *, buffers: Mapping[str, Any] | None = None) -> int:
+        """Sends the live weights as ``version`` (default: the last one + 1); returns it.
+
+        ``buffers`` replaces the live weights from now on (frameworks whose arrays are immutable,
+        like JAX, make new ones every step); they are checked as at set-up.
+
+        Without staging this blocks until this worker's bytes are sent (and its rollout peers
+        joined); with staging it blocks for the previous background send, if still running, and
+        a local copy.
+
+        Raises:
+            TransferError: this or the previous update failed (a peer died or hung), bad
+                ``buffers``, or a version not above the last one.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise TransferError(f"rank {self.rank}: push() after close()")
+        self._path.finish(charge=True)
+        if buffers is not None:
+            check_buffers(self._end.layout, buffers)
+            self._live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._live}
+        v = self.version + 1 if version is None else int(version)
+        if v <= self.version:
+            raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
+                                f"was already pushed; versions must increase")
+        self._path.stage(self._live)
+        self._end.announce(v)
+        self.version = v
+        self._path.send(v, self._live, t0)
+        return v
+
+    def wait(self) -> None:
+        """Blocks until the last pushed version is sent (staging); raises if it failed. This wait
+        is not recorded as a stall (the caller chose to wait, e.g. at the end of training).
+
+        Raises:
+            TransferError: the last version failed.
+        """
+        self._path.finish(charge=False)
+
+    def close(self) -> None:
+        """Waits for the last send, then closes the transport (a barrier with the peers).
+
+        Raises:
+            TransferError: the last version failed (the transport is closed all the same).
+        """
+        if self._closed:
+            return
+        try:
+            self._path.finish(charge=False)
+        finally:
+            self._closed = True
+            self._end.transport.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

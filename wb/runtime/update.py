@@ -1,0 +1,444 @@
+"""One update of a rank's :class:`~wb.runtime.program.Program`: post, complete and forward its
+messages until all are done.
+
+The state of one update is :class:`_Update`; :func:`run_update` is its loop. Every turn it
+
+1. posts receives into staging, in schedule order, while the receive budget lasts;
+2. posts sends and local copies whose data is here (a forward once its parent landed), in
+   schedule order; packed ones while the send budget lasts (zero-copy ones and local copies use
+   no staging and go as soon as they are ready);
+3. takes the completions of requests in flight (the head of each peer's FIFO, all of them now
+   and then: :class:`Inflight`), unpacking landed receives and releasing the forwards they feed;
+4. takes device work whose event has passed (CUDA: see :func:`fencer`);
+5. stops when every message is done; else, when nothing moved, yields, then backs off.
+
+Receives and packed sends are posted in plan order, which is topological: the lowest unfinished
+message of the whole plan always has its parent done, its receive posted and staging free at its
+sender, so every plan makes progress whatever the budget. A peer that dies or hangs stops
+completions: after ``timeout`` seconds without any progress the update raises
+:class:`wb.TransferError` naming the peers and plan steps it still waits for, and aborts the
+transport.
+
+Costs per message are what this loop is about (an update posts thousands per rank; it was tuned
+on H200s): the program has worked out everything that does not depend on the buffers, and a turn
+allocates nothing per message beyond what moving it takes (its staging, its request, its event
+and the small tuples that queue it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from wb.errors import TransferError
+
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "Inflight", "fencer", "abort",
+           "run_update"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ExecStats:
+    """What one worker did: bytes and messages each way, seconds, staging high-water mark."""
+
+    rank: int  # the worker
+    bytes_sent: int  # to other ranks (local copies not counted)
+    bytes_received: int  # from other ranks
+    bytes_local: int  # copied within this rank
+    messages_sent: int  # to other ranks
+    messages_received: int  # from other ranks
+    start_s: float  # time.time() when the first byte could move (after connecting)
+    end_s: float  # time.time() when the worker's last message completed
+    staging_peak: int  # bytes of packing/unpacking staging in use at most
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+class TraceEntry(NamedTuple):
+    """One message of a rank in one update, timed with ``time.time()`` (comparable across the
+    processes of one host). A tuple: JSON writes it as a list, in this order."""
+
+    message: int  # index in plan.messages
+    stage: int
+    peer: int
+    outgoing: bool  # sent (or copied locally) by this rank
+    nbytes: int
+    ready: float  # its data was here (a forward: its parent landed)
+    posted: float  # handed to the transport (after packing)
+    done: float  # completed (a receive: after unpacking)
+
+
+def fencer(xp):
+    """``fence()`` for the device work queued so far: an object whose ``done`` says it finished,
+    or ``None`` when there is nothing to wait for (host buffers: numpy copies are synchronous).
+
+    On CUDA buffers each pack, unpack or local copy records an event, and the loop acts on it once
+    ``done`` (a non-blocking query) rather than blocking on a stream synchronisation: a GPU
+    time-shared by many processes can keep a kernel waiting, and meanwhile the worker keeps
+    posting and completing its other messages."""
+    if xp is np:
+        return lambda: None
+
+    def fence():
+        ev = xp.cuda.Event(block=False, disable_timing=True)
+        ev.record()
+        return ev
+    return fence
+
+
+class Inflight:
+    """Requests in flight, one FIFO per (peer, direction) in posting order.
+
+    Transfers with one peer mostly complete in the order they were posted, so a poll looks at the
+    first few of each FIFO (``full=False``: O(peers), not O(requests), per poll: a rollout can
+    have thousands of receives posted) and at all of them when asked (the loop does now and then,
+    and when it finds nothing): every completion is seen, a rare late one a few polls later."""
+
+    WINDOW = 8
+
+    def __init__(self):
+        # (peer, outgoing) -> deque of (request, message, staging buffer or None)
+        self.queues: dict[tuple[int, bool], deque] = {}
+        self.n = 0
+
+    def add(self, req, g, buf) -> None:
+        """Adds request ``req`` of message ``g`` (a :class:`~wb.runtime.program.Message`), with
+        its staging buffer ``buf`` (``None``: zero-copy)."""
+        self.queues.setdefault((g.peer, g.out), deque()).append((req, g, buf))
+        self.n += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def completed(self, *, full: bool) -> list[tuple[Any, Any, Any]]:
+        """Takes the completed ``(request, message, staging)`` out (the first ``WINDOW`` of each
+        FIFO, or all with ``full``)."""
+        out = []
+        for q in self.queues.values():
+            limit = len(q) if full else min(len(q), self.WINDOW)
+            i = 0
+            while i < limit:
+                if q[i][0].done():
+                    out.append(q[i])
+                    del q[i]
+                    limit -= 1
+                else:
+                    i += 1
+        self.n -= len(out)
+        return out
+
+    def first(self, k: int) -> list[tuple[Any, Any, Any]]:
+        """Up to ``k`` entries still in flight (for the stall message)."""
+        return [x for q in self.queues.values() for x in list(q)[:k]][:k]
+
+
+class _DeviceBytes:
+    """A byte range of a CUDA buffer, as the CUDA array interface: what a transport needs to move
+    it, without slicing a CuPy array per message (tens of microseconds each; an update posts
+    hundreds per rank). Keeps its buffer alive."""
+
+    __slots__ = ("__cuda_array_interface__", "nbytes", "owner")
+
+    def __init__(self, owner, offset: int, nbytes: int):
+        self.owner, self.nbytes = owner, nbytes
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
+                                         "data": (owner.data.ptr + offset, False), "version": 3}
+
+
+def _region(xp, flat, f0, na, nb, fa, fb):
+    """A strided (na, nb) view of the flat buffer, element (i, j) at flat[f0 + i*fa + j*fb]."""
+    item = flat.itemsize
+    # a length-1 axis has no step (the line zone's row step is 2**62: meaningless, and too big)
+    strides = (int(fa) * item if na > 1 else 0, int(fb) * item if nb > 1 else 0)
+    return xp.lib.stride_tricks.as_strided(flat[f0:], shape=(int(na), int(nb)), strides=strides)
+
+
+def abort(transport) -> None:
+    """Closes ``transport`` without the closing barrier (after a failure), logging any error."""
+    try:
+        getattr(transport, "abort", transport.close)()
+    except Exception:
+        log.exception("closing the transport after a failure")
+
+
+def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
+               staging_bytes: int, timeout: float, trace: list | None) -> ExecStats:
+    """Runs one update of ``program`` (a :class:`~wb.runtime.program.Program`) over checked,
+    flattened buffers and a connected transport (see :meth:`Program.run`, which calls this).
+
+    Raises:
+        TransferError: a failed or stalled transfer (the transport is then aborted).
+    """
+    u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
+                traced=trace is not None)
+    last = time.monotonic()
+    idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
+    turns = 0
+    try:
+        u.post_zero_copy_receives()
+        start = time.time()
+        while True:
+            progressed = u.post_staged_receives()
+            progressed |= u.post_ready_sends()
+            turns += 1
+            progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
+            progressed |= u.take_device_work()
+            if u.finished():
+                break
+            now = time.monotonic()
+            if progressed:
+                last, idle = now, 0
+            elif now - last > timeout:
+                raise TransferError(u.stalled(timeout))
+            else:
+                idle += 1
+                time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
+    except BaseException:
+        abort(transport)
+        raise
+    end = time.time()
+    if trace is not None:
+        trace.extend(u.trace_entries())
+    return ExecStats(program.rank, u.bytes_sent, u.bytes_received, u.bytes_local,
+                     u.messages_sent, u.messages_received, start, end, u.peak)
+
+
+class _Update:
+    """One update's state: staging in use, requests in flight, the sends whose data is here,
+    device work awaiting its event, counters and trace marks. Each method is one step of
+    :func:`run_update`'s turn and says whether anything moved."""
+
+    __slots__ = ("prog", "msgs", "flat", "xp", "transport", "tag_base", "fence", "T", "P",
+                 "recv_budget", "send_budget", "staged_recv", "staged_send", "peak", "inflight",
+                 "next_in", "ready", "sent_out", "fenced", "done", "marks", "bytes_sent",
+                 "bytes_received", "bytes_local", "messages_sent", "messages_received")
+
+    def __init__(self, prog, flat, xp, transport, *, tag_base: int, staging_bytes: int,
+                 traced: bool):
+        self.prog, self.msgs, self.flat, self.xp = prog, prog.messages, flat, xp
+        self.transport, self.tag_base = transport, tag_base
+        self.T, self.P = prog.plan.transfers, prog.plan.pieces
+        # UCX reads and writes device memory outside our CUDA stream, so device work must finish
+        # before a send is posted or a message counts as landed: see `fencer`
+        self.fence = fencer(xp)
+        self.recv_budget = self.send_budget = max(staging_bytes // 2, 1)
+        self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
+        self.inflight = Inflight()
+        self.next_in = 0  # prog.staged_receives[:next_in] are posted
+        # sends whose data is here, as a heap of (schedule time, message); the roots are sorted:
+        # a heap already
+        self.ready: list[tuple[float, int]] = list(prog.roots)
+        self.sent_out = 0  # sends and local copies started
+        self.fenced: list[tuple[Any, Any, Any]] = []  # (event, message, staging) on the device
+        self.done: set[int] = set()
+        self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
+        self.bytes_sent = self.bytes_received = self.bytes_local = 0
+        self.messages_sent = self.messages_received = 0
+        for _, m in self.ready:
+            self.mark(m, 0)
+
+    # --- views of the buffers ------------------------------------------------------------------
+    def src_view(self, t):
+        T, p = self.T, self.T.piece[t]
+        return _region(self.xp, self.flat[self.prog.slot_buf[T.src_slot[t]]], T.src_f0[t],
+                       self.P.na[p], self.P.nb[p], T.src_fa[t], T.src_fb[t])
+
+    def dst_view(self, t):
+        T, p = self.T, self.T.piece[t]
+        return _region(self.xp, self.flat[self.prog.slot_buf[T.dst_slot[t]]], T.dst_f0[t],
+                       self.P.na[p], self.P.nb[p], T.dst_fa[t], T.dst_fb[t])
+
+    def contiguous_bytes(self, g, *, src: bool):
+        """Message ``g`` as one range of a buffer (zero-copy), as bytes."""
+        t, T = g.ts[0], self.T
+        if src:
+            a, f0 = self.flat[self.prog.slot_buf[T.src_slot[t]]], int(T.src_f0[t])
+        else:
+            a, f0 = self.flat[self.prog.slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
+        if self.xp is np:
+            return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
+        return _DeviceBytes(a, f0 * a.itemsize, g.nbytes)
+
+    def pack(self, g):
+        buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+        o = 0
+        for t in g.ts:
+            v = self.src_view(t)
+            n = v.size * v.itemsize
+            buf[o:o + n].view(v.dtype).reshape(v.shape)[...] = v
+            o += n
+        return buf
+
+    def unpack(self, g, buf) -> None:
+        o = 0
+        for t in g.ts:
+            v = self.dst_view(t)
+            n = v.size * v.itemsize
+            v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
+            o += n
+
+    # --- the steps of a turn -------------------------------------------------------------------
+    def post_zero_copy_receives(self) -> None:
+        """Zero-copy receives cost no staging: all are posted at once, before the loop."""
+        for m in self.prog.zero_copy_receives:
+            g = self.msgs[m]
+            self.inflight.add(self.transport.recv(g.peer, self.contiguous_bytes(g, src=False),
+                                                  self.tag_base + m), g, None)
+            self.mark(m, 1)
+
+    def post_staged_receives(self) -> bool:
+        """Receives into staging, in schedule order, while the receive budget lasts (one at
+        least when none is in flight, however big)."""
+        staged_in, posted = self.prog.staged_receives, False
+        while self.next_in < len(staged_in):
+            g = self.msgs[staged_in[self.next_in]]
+            if self.staged_recv and self.staged_recv + g.nbytes > self.recv_budget:
+                break
+            buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+            self.inflight.add(self.transport.recv(g.peer, buf, self.tag_base + g.m), g, buf)
+            self.mark(g.m, 1)
+            self.staged_recv += g.nbytes
+            self.next_in += 1
+            posted = True
+        return posted
+
+    def post_ready_sends(self) -> bool:
+        """Sends and local copies whose data is here, in schedule order; packed sends while the
+        send budget lasts."""
+        ready, posted = self.ready, False
+        while ready:
+            g = self.msgs[ready[0][1]]
+            packed = not (g.zc_src or g.local)
+            if packed and self.staged_send and self.staged_send + g.nbytes > self.send_budget:
+                break
+            heapq.heappop(ready)
+            self.sent_out += 1
+            posted = True
+            if g.local:
+                self.mark(g.m, 1)
+                for t in g.ts:
+                    self.dst_view(t)[...] = self.src_view(t)
+                self.after(self.fence(), g, None)
+            elif packed:
+                buf = self.pack(g)
+                self.staged_send += g.nbytes
+                self.after(self.fence(), g, buf)
+            else:
+                self.inflight.add(self.transport.send(g.peer, self.contiguous_bytes(g, src=True),
+                                                      self.tag_base + g.m), g, None)
+                self.mark(g.m, 1)
+        self.peak = max(self.peak, self.staged_recv + self.staged_send)
+        return posted
+
+    def take_completions(self, *, full: bool) -> bool:
+        """Completed requests: a send frees its staging; a receive is unpacked (then lands once
+        the unpacking passed its event) or, zero-copy, has landed."""
+        got = self.inflight.completed(full=full)
+        for req, g, buf in got:
+            if g.out:
+                self.bytes_sent += g.nbytes
+                self.messages_sent += 1
+                self.mark(g.m, 2)
+                if buf is not None:
+                    self.staged_send -= g.nbytes
+            elif buf is not None:
+                self.unpack(g, buf)
+                self.after(self.fence(), g, buf)
+            else:
+                self.landed(g, None)
+        return bool(got)
+
+    def take_device_work(self) -> bool:
+        """Does what follows each pack, unpack or local copy whose event has passed."""
+        if not self.fenced:
+            return False
+        waiting, passed = [], False
+        for item in self.fenced:
+            if item[0].done:
+                passed = True
+                self.then(item[1], item[2])
+            else:
+                waiting.append(item)
+        self.fenced = waiting
+        return passed
+
+    def finished(self) -> bool:
+        return (not len(self.inflight) and not self.fenced
+                and self.next_in == len(self.prog.staged_receives)
+                and self.sent_out == self.prog.n_out)
+
+    # --- what follows device work --------------------------------------------------------------
+    def after(self, ev, g, buf) -> None:
+        """Does what follows device work (``ev``) on message ``g``, or queues it until ``ev`` has
+        passed (``None``: nothing to wait for)."""
+        if ev is None:
+            self.then(g, buf)
+        else:
+            self.fenced.append((ev, g, buf))
+
+    def then(self, g, buf) -> None:
+        """What follows a local copy (done), a pack (post the send) or an unpack (landed)."""
+        if g.local:
+            self.bytes_local += g.nbytes
+            self.mark(g.m, 2)
+            self.complete(g.m)
+        elif g.out:
+            self.inflight.add(self.transport.send(g.peer, buf, self.tag_base + g.m), g, buf)
+            self.mark(g.m, 1)
+        else:
+            self.landed(g, buf)
+
+    def landed(self, g, buf) -> None:
+        if buf is not None:
+            self.staged_recv -= g.nbytes
+        self.bytes_received += g.nbytes
+        self.messages_received += 1
+        self.mark(g.m, 2)
+        self.complete(g.m)
+
+    def complete(self, m: int) -> None:
+        """Message ``m``'s data is here: the forwards it feeds are ready."""
+        self.done.add(m)
+        for c in self.prog.children.get(m, ()):
+            heapq.heappush(self.ready, (self.prog.when[c], c))
+            self.mark(c, 0)
+
+    # --- records -------------------------------------------------------------------------------
+    def mark(self, m: int, i: int) -> None:
+        """Trace: message ``m`` reached step ``i`` (0 ready, 1 posted, 2 done) now."""
+        if self.marks is not None:
+            self.marks.setdefault(m, [None, None, None])[i] = time.time()
+
+    def trace_entries(self) -> list[TraceEntry]:
+        out = []
+        for m, (r, p, d) in sorted(self.marks.items()):
+            g = self.msgs[m]
+            out.append(TraceEntry(m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p,
+                                  p, d))
+        return out
+
+    def stalled(self, timeout: float) -> str:
+        """What the rank still waits for, naming peers and plan steps (the stall error)."""
+        msgs, ready = self.msgs, self.ready
+        waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}"
+                   for _, g, _ in self.inflight.first(4)]
+        if ready:
+            waiting.append(f"staging budget for {msgs[ready[0][1]].label()}")
+        forwards = [g for g in msgs.values()
+                    if g.out and g.parent >= 0 and g.parent not in self.done]
+        for g in forwards[:2]:
+            waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
+        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q})
+        return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
+                f"or hung? Waiting for: " + "; ".join(waiting))
