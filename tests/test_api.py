@@ -20,7 +20,8 @@ PUBLIC = {
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
     # runtime
-    "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "MODES", "SyncMode", "LocalSession",
+    "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES",
+    "SyncMode", "LocalSession",
     "agree_plan", "UpdateStats", "Summary", "summarize", "aligned_empty",
     "execute", "connect", "Program", "ExecStats", "TraceEntry",
     "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",

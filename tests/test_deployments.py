@@ -497,10 +497,6 @@ REAL = {  # trainer nodes, rollout nodes, replicas, gpus per replica, trainer (t
 
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_deployment_covers_every_id(name):
-    try:
-        load_config(name)
-    except wb.SpecError:
-        pytest.skip(f"no model config for {name} (shared/models not found)")
     assert name in DEPLOYMENTS
     dep = deployment(name)
     t_nodes, r_nodes, replicas, G, (tp, pp, ep) = REAL[name]
@@ -601,10 +597,7 @@ def test_maps_store_blocks_not_elements(model, generator):
 
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_deployment_maps_are_tiny_next_to_the_weights(name):
-    try:
-        dep = deployment(name)
-    except wb.SpecError:
-        pytest.skip(f"no model config for {name} (shared/models not found)")
+    dep = deployment(name)
     for side in (dep.trainers, dep.rollouts):
         blocks, nnz, _ = stored(side)
         # each tensor is cut into its distinct shards (TP ranks, expert shards): a few blocks per

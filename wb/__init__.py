@@ -20,7 +20,7 @@ from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
 from wb.runtime.buffers import aligned_empty
 from wb.runtime.coordinator import MODES, SyncMode, agree_plan
 from wb.runtime.executor import connect, execute
-from wb.runtime.group import ReceiverGroup, SenderGroup
+from wb.runtime.group import ArrayParams, ParamsAdapter, ReceiverGroup, SenderGroup
 from wb.runtime.program import Program
 from wb.runtime.receiver import Receiver
 from wb.runtime.sender import Sender
@@ -39,7 +39,7 @@ __all__ = [
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
     # runtime
-    "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "MODES", "SyncMode", "LocalSession",
+    "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES", "SyncMode", "LocalSession",
     "agree_plan", "UpdateStats", "Summary", "summarize", "aligned_empty",
     "execute", "connect", "Program", "ExecStats", "TraceEntry",
     "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",

@@ -76,34 +76,22 @@ def leaves(params: Any) -> dict[str, Any]:
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:
-    """A numpy array of ``x``'s values in the same dtype (gathered from its devices).
+    """``np.asarray(x)``: ``x``'s values gathered from its devices, in the same dtype (bfloat16
+    and float8 as ml_dtypes dtypes). Mirrors :func:`wb_torch.to_numpy`.
 
-    Args:
-        x: an array (bfloat16 and float8 stay ml_dtypes dtypes).
-
-    Returns:
-        The numpy array.
-
-    Examples:
-        >>> to_numpy(jax.numpy.ones(2, dtype=jax.numpy.bfloat16)).dtype
-        dtype(bfloat16)
+    >>> to_numpy(jax.numpy.ones(2, dtype=jax.numpy.bfloat16)).dtype
+    dtype(bfloat16)
     """
     return np.asarray(x)
 
 
 def from_numpy(a: np.ndarray, device: Any = None) -> jax.Array:
-    """A ``jax.Array`` of ``a``'s values in the same dtype.
+    """``jax.device_put(a, device)``: a ``jax.Array`` of ``a``'s values in the same dtype, on
+    ``device`` (a device or sharding; default: JAX's default device). Mirrors
+    :func:`wb_torch.from_numpy`.
 
-    Args:
-        a: a numpy array.
-        device: where to put it (a device or sharding; default: JAX's default device).
-
-    Returns:
-        The array.
-
-    Examples:
-        >>> from_numpy(np.arange(3, dtype=np.float32)).tolist()
-        [0.0, 1.0, 2.0]
+    >>> from_numpy(np.arange(3, dtype=np.float32)).tolist()
+    [0.0, 1.0, 2.0]
     """
     return jax.device_put(a, device)
 
@@ -324,161 +312,74 @@ def checkpoint_layouts(params: Mapping[str, jax.Array], spec: wb.CheckpointSpec,
 
 
 # --- Sender / Receiver -------------------------------------------------------------------------
-def _planned(plan: wb.Plan, params: Any, ranks: Mapping[Any, int]) -> dict[int, dict[str, Any]]:
-    """Each rank's shards that its layout in ``plan`` names (others are not moved)."""
-    return {r: {k: v for k, v in b.items() if k in plan.layout_of(r).buffers}
-            for r, b in buffers(params, ranks).items()}
+class _Arrays:
+    """How ``jax.Array`` pytrees meet wb (a :class:`wb.ParamsAdapter`): each device's shard of the
+    leaves the plan names, ready arrays, and a new pytree from the buffers a version landed in."""
 
+    handoff = True  # jax.Arrays are immutable: every version lands in new buffers
 
-class Sender:
-    """The trainer's end: ``push(params)`` after each training step sends them as a new version.
+    def __init__(self, plan: wb.Plan, params: Any, ranks: Ranks):
+        self.plan, self.ranks = plan, _devices(params, ranks)
 
-    One :class:`wb.Sender` per device rank of this process (:class:`wb.SenderGroup`).
+    def buffers(self, params: Any) -> dict[int, dict[str, Any]]:
+        return {r: {k: v for k, v in b.items() if k in self.plan.layout_of(r).buffers}
+                for r, b in buffers(params, self.ranks).items()}
 
-    Args:
-        params: the current params pytree (their shards are checked against the plan).
-        plan: the plan every worker runs.
-        ranks: the rank of the one device of ``params``, or ``{device: rank}``.
-        transports: one :class:`wb.Transport`, or ``{rank: Transport}``.
-        store: the rendezvous store every worker shares.
-        staging: sender staging: ``push`` returns after a local copy (see :data:`wb.MODES`).
-        options: keyword options of :class:`wb.Sender` (``timeout=``, ``name=``, ...).
-
-    Raises:
-        wb.TransferError: shards that do not fit the plan, a peer running another plan.
-    """
-
-    def __init__(self, params: Any, plan: wb.Plan, ranks: Ranks, *, transports, store,
-                 staging: bool = True, **options):
-        self.params, self.plan, self._ranks = params, plan, _devices(params, ranks)
-        self.group = wb.SenderGroup(plan, _planned(plan, params, self._ranks),
-                                    transports=transports, store=store, staging=staging,
-                                    **options)
-
-    def push(self, params: Any = None) -> int:
-        """Sends ``params`` (JAX makes a new pytree every training step; default: the last ones
-        given) as the next version; returns it.
-
-        Args:
-            params: the params pytree to send.
-
-        Returns:
-            The version number.
-
-        Raises:
-            wb.TransferError: this or the previous update failed.
-        """
-        if params is None:
-            params = self.params
-        self.params = params
+    def settle(self, params: Any) -> None:
         for leaf in leaves(params).values():
             leaf.block_until_ready()
-        return self.group.push(_planned(self.plan, params, self._ranks))
 
-    def wait(self) -> None:
-        """Blocks until the last pushed version is sent (with staging)."""
-        self.group.wait()
-
-    @property
-    def version(self) -> int:
-        """The last version pushed."""
-        return self.group.version
-
-    @property
-    def stats(self) -> list[wb.UpdateStats]:
-        """Every rank's records (for :func:`wb.summarize`)."""
-        return self.group.stats
-
-    def close(self) -> None:
-        """Waits for the last send and closes the transports."""
-        self.group.close()
-
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class Receiver:
-    """The rollout's end: ``ready()`` between generation steps, then ``apply()`` returns the new
-    params.
-
-    JAX arrays are immutable: every version lands in new buffers, and ``apply()`` returns a new
-    pytree made from them without copying (``jax.make_array_from_single_device_arrays`` over
-    64-byte aligned host buffers on the CPU backend; a copy to the device on GPUs). One
-    :class:`wb.Receiver` per device rank (:class:`wb.ReceiverGroup`).
-
-    Args:
-        params: a template pytree with the target shardings (its values are kept only for
-            elements no checkpoint id reaches, such as padding).
-        plan, ranks, transports, store, staging, options: as :class:`Sender` (``staging`` is
-            receiver staging); ``allocate=`` as :class:`wb.Receiver`.
-
-    Raises:
-        wb.TransferError: shards that do not fit the plan, a peer running another plan.
-    """
-
-    def __init__(self, params: Any, plan: wb.Plan, ranks: Ranks, *, transports, store,
-                 staging: bool = True, **options):
-        self.plan, self._template, self._ranks = plan, params, _devices(params, ranks)
-        alloc = options.pop("allocate", None) or wb.aligned_empty
-        first = {}  # the template's values: what elements no id reaches keep
-        for r, bufs in _planned(plan, params, self._ranks).items():
-            first[r] = {}
-            for k, v in bufs.items():
-                first[r][k] = alloc(v.shape, wb.dtypes.canonical_dtype(v.dtype))
-                first[r][k][...] = v
-        self.group = wb.ReceiverGroup(plan, first, transports=transports, store=store,
-                                      staging=staging, handoff=True, allocate=alloc, **options)
-        self.params = params
-
-    def ready(self) -> bool:
-        """Whether every device has the next version ready (never blocks)."""
-        return self.group.ready()
-
-    def apply(self) -> Any:
-        """Installs the next version on every device; returns the new params pytree.
-
-        Raises:
-            wb.TransferError: the update failed (the previous params stay valid with staging).
-        """
-        self.group.apply()
-        by_rank = self.group.buffers
-        flat, treedef = jax.tree_util.tree_flatten_with_path(self._template)
+    def received(self, params: Any, bufs: dict[int, dict[str, Any]]) -> Any:
+        """A new pytree with ``params``' shardings over the received buffers (no copy on the CPU
+        backend: ``jax.device_put`` aliases a 64-byte aligned host buffer; a copy on GPUs)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         out = []
         for path, leaf in flat:
             key = jax.tree_util.keystr(path)
             shards = []
             for shard in leaf.addressable_shards:
-                r = self._ranks.get(shard.device)
-                buf = by_rank.get(r, {}).get(key) if r is not None else None
-                # jax.device_put aliases an aligned host buffer on the CPU backend (no copy)
+                r = self.ranks.get(shard.device)
+                buf = bufs.get(r, {}).get(key) if r is not None else None
                 shards.append(shard.data if buf is None else jax.device_put(buf, shard.device))
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
                                                                 shards))
-        self.params = jax.tree_util.tree_unflatten(treedef, out)
-        return self.params
+        return jax.tree_util.tree_unflatten(treedef, out)
 
-    @property
-    def version(self) -> int:
-        """The last version applied."""
-        return self.group.version
 
-    @property
-    def stats(self) -> list[wb.UpdateStats]:
-        """Every rank's records (for :func:`wb.summarize`)."""
-        return self.group.stats
+class Sender(wb.SenderGroup):
+    """The trainer's end: ``push(params)`` after each training step sends a params pytree of
+    ``jax.Array`` as the next version, once its arrays are ready (JAX makes new ones every step).
 
-    def close(self) -> None:
-        """Stops receiving and closes the transports."""
-        self.group.close()
+    Made as ``Sender(params, plan, ranks, *, transports, store, staging=True, **options)``, like
+    every :class:`wb.SenderGroup` (one :class:`wb.Sender` per device rank, which reads each
+    device's shard without a copy on the CPU backend).
 
-    def __enter__(self) -> Receiver:
-        return self
+    Args:
+        params: the params pytree; ``ranks``: the rank of its one device, or ``{device: rank}``;
+            the rest as :class:`wb.SenderGroup`.
+    """
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    adapter_type = _Arrays
+
+
+class Receiver(wb.ReceiverGroup):
+    """The rollout's end: ``ready()`` between generation steps, then ``apply()`` returns the new
+    params.
+
+    A :class:`wb.ReceiverGroup` over a pytree of ``jax.Array``. JAX arrays are immutable, so every
+    version lands in new buffers (:class:`wb.Receiver`'s ``handoff``; ``allocate=``, default 64-byte
+    aligned host arrays), and ``apply()`` returns a new pytree made from them (without copying on
+    the CPU backend).
+
+    Args:
+        params: a template pytree with the target shardings (its values are kept only for
+            elements no checkpoint id reaches, such as padding).
+        plan, ranks, transports, store: as :class:`Sender`.
+        options: keyword options of :class:`wb.Receiver`: ``staging=`` (receiver staging),
+            ``timeout=``, ``wait_timeout=``, ``allocate=``, ...
+    """
+
+    adapter_type = _Arrays
 
 
 #: The 0.1 name of :func:`buffers`.

@@ -241,23 +241,28 @@ def layouts(params: Params, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, n
     Raises:
         wb.SpecError: a parameter has no map, or ``holders`` is unknown.
     """
-    _check_holders(holders)
-    out = []
-    for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
-        bufs = {}
-        for n, t in named.items():
-            if n not in maps:
-                raise wb.SpecError(f"parameter `{n}` has no source map; probe the same model "
-                                   f"(maps has {sorted(maps)[:5]}...)")
-            if maps[n].n_ids:
-                bufs[n] = wb.BufferSpec(maps[n], wb.dtypes.canonical_dtype(_local(t).dtype))
-        out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i), bufs))
-    return out
-
-
-def _check_holders(holders: str) -> None:
     if holders not in ("replica0", "all"):
         raise wb.SpecError(f"holders must be 'replica0' or 'all', got {holders!r}")
+
+    def probed(n: str, t: torch.Tensor) -> wb.SourceMap | None:
+        if n not in maps:
+            raise wb.SpecError(f"parameter `{n}` has no source map; probe the same model "
+                               f"(maps has {sorted(maps)[:5]}...)")
+        return maps[n] if maps[n].n_ids else None
+    return _layouts(params, ranks, probed, node=node, role=role, local_rank=local_rank)
+
+
+def _layouts(params: Params, ranks: Ranks, map_of: Callable[[str, torch.Tensor], Any], *,
+             node: str, role: str, local_rank: int) -> list[wb.Layout]:
+    """A layout per rank of ``params``: each tensor with the map ``map_of`` gives it (``None``:
+    left out), in its own dtype."""
+    out = []
+    for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
+        maps = {n: (map_of(n, t), _local(t).dtype) for n, t in named.items()}
+        out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i),
+                             {n: wb.BufferSpec(sm, wb.dtypes.canonical_dtype(dt))
+                              for n, (sm, dt) in maps.items() if sm is not None}))
+    return out
 
 
 def checkpoint_layouts(params: Params, spec: wb.CheckpointSpec, ranks: Ranks, *, node: str,
@@ -281,19 +286,14 @@ def checkpoint_layouts(params: Params, spec: wb.CheckpointSpec, ranks: Ranks, *,
     Raises:
         wb.SpecError: a name not in ``spec``, or a block that does not fit its tensor.
     """
-    out = []
-    for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
-        bufs = {}
-        for name, t in named.items():
-            if name not in spec:
-                raise wb.SpecError(f"tensor `{name}` is not in the checkpoint spec; "
-                                   f"checkpoint_layouts needs checkpoint names (use probe and "
-                                   f"layouts for a loader instead)")
-            ids = spec.block_ids(name, _offset(name, t, offsets), tuple(_local(t).shape))
-            bufs[name] = wb.BufferSpec(wb.SourceMap.from_indices(ids),
-                                       wb.dtypes.canonical_dtype(_local(t).dtype))
-        out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i), bufs))
-    return out
+    def block(name: str, t: torch.Tensor) -> wb.SourceMap:
+        if name not in spec:
+            raise wb.SpecError(f"tensor `{name}` is not in the checkpoint spec; "
+                               f"checkpoint_layouts needs checkpoint names (use probe and "
+                               f"layouts for a loader instead)")
+        return wb.SourceMap.from_indices(
+            spec.block_ids(name, _offset(name, t, offsets), tuple(_local(t).shape)))
+    return _layouts(params, ranks, block, node=node, role=role, local_rank=local_rank)
 
 
 def _offset(name: str, t: torch.Tensor, offsets) -> tuple[int, ...]:
@@ -306,26 +306,36 @@ def _offset(name: str, t: torch.Tensor, offsets) -> tuple[int, ...]:
 
 
 # --- Sender / Receiver -------------------------------------------------------------------------
-def _planned(plan: wb.Plan, by_rank: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Each rank's tensors that its layout in ``plan`` names (others are not moved)."""
-    return {r: {n: ts[n] for n in plan.layout_of(r).buffers if n in ts}
-            for r, ts in by_rank.items()}
+class _Tensors:
+    """How PyTorch tensors meet wb (a :class:`wb.ParamsAdapter`): zero-copy views of the tensors
+    the plan names, a CUDA synchronisation before wb reads them, written in place."""
+
+    handoff = False  # written in place: the buffers are the tensors' own storage
+
+    def __init__(self, plan: wb.Plan, params: Params, ranks: Ranks):
+        self.plan, self.ranks = plan, ranks
+
+    def buffers(self, params: Params) -> dict[int, dict[str, Any]]:
+        return {r: {n: _array(n, t) for n, t in ts.items() if n in self.plan.layout_of(r).buffers}
+                for r, ts in _by_rank(params, self.ranks).items()}
+
+    def settle(self, params: Params) -> None:
+        # optimizers queue their updates on CUDA streams; wb reads on others
+        for d in sorted({_local(t).device for t in _named(params).values()
+                         if _local(t).device.type == "cuda"}, key=str):
+            torch.cuda.synchronize(d)
+
+    def received(self, params: Params, buffers: dict[int, dict[str, Any]]) -> Params:
+        return params  # the buffers are the tensors' own storage
 
 
-def _legacy_transport(transports, options: dict):
-    if "transport" in options:
-        warnings.warn("transport= is now transports= (one Transport or {rank: Transport})",
-                      DeprecationWarning, stacklevel=3)
-        return options.pop("transport")
-    return transports
-
-
-class Sender:
+class Sender(wb.SenderGroup):
     """The trainer's end: ``push()`` after each training step sends the weights as a new version.
 
-    One :class:`wb.Sender` per rank of this process (:class:`wb.SenderGroup`). Tensors are read in
-    place at each ``push`` (optimizers update them in place); after the kernels queued on their
-    CUDA devices have finished, since wb reads them on other streams.
+    ``Sender(params, plan, ranks, *, transports, store, staging=True, **options)``: a
+    :class:`wb.SenderGroup` over PyTorch tensors, one :class:`wb.Sender` per rank. Tensors are
+    read in place at each ``push`` (optimizers update them in place), once the kernels queued on
+    their CUDA devices have finished; ``push(params)`` switches to new tensors.
 
     Args:
         params: an ``nn.Module`` or ``{name: tensor}`` of this process's trainer ranks.
@@ -333,130 +343,32 @@ class Sender:
         ranks: this process's rank, or ``{device: rank}``.
         transports: one :class:`wb.Transport`, or ``{rank: Transport}``.
         store: the rendezvous store every worker shares.
-        staging: sender staging: ``push`` returns after a local copy (see :data:`wb.MODES`).
-        options: keyword options of :class:`wb.Sender` (``timeout=``, ``name=``, ...).
+        options: keyword options of :class:`wb.Sender`: ``staging=`` (sender staging: ``push``
+            returns after a local copy; see :data:`wb.MODES`), ``timeout=``, ``name=``, ...
 
     Raises:
         wb.TransferError: tensors that do not fit the plan, a peer running another plan.
     """
 
-    def __init__(self, params: Params, plan: wb.Plan, ranks: Ranks, *, transports=None, store,
-                 staging: bool = True, **options):
-        transports = _legacy_transport(transports, options)
-        self.params, self.plan, self._ranks = params, plan, ranks
-        by_rank = _planned(plan, _by_rank(params, ranks))
-        self._cuda = sorted({_local(t).device for ts in by_rank.values() for t in ts.values()
-                             if _local(t).device.type == "cuda"}, key=str)
-        bufs = {r: {n: _array(n, t) for n, t in ts.items()} for r, ts in by_rank.items()}
-        self.group = wb.SenderGroup(plan, bufs, transports=transports, store=store,
-                                    staging=staging, **options)
-
-    def push(self, params: Params | None = None) -> int:
-        """Sends the weights as the next version; returns it.
-
-        Args:
-            params: new tensors to send from now on (default: the ones given so far, as they are
-                now).
-
-        Returns:
-            The version number.
-
-        Raises:
-            wb.TransferError: this or the previous update failed.
-        """
-        for d in self._cuda:
-            torch.cuda.synchronize(d)
-        if params is None:
-            return self.group.push()
-        self.params = params
-        by_rank = _planned(self.plan, _by_rank(params, self._ranks))
-        return self.group.push({r: {n: _array(n, t) for n, t in ts.items()}
-                                for r, ts in by_rank.items()})
-
-    def wait(self) -> None:
-        """Blocks until the last pushed version is sent (with staging)."""
-        self.group.wait()
-
-    @property
-    def version(self) -> int:
-        """The last version pushed."""
-        return self.group.version
-
-    @property
-    def stats(self) -> list[wb.UpdateStats]:
-        """Every rank's records (for :func:`wb.summarize`)."""
-        return self.group.stats
-
-    def close(self) -> None:
-        """Waits for the last send and closes the transports."""
-        self.group.close()
-
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    adapter_type = _Tensors
 
 
-class Receiver:
+class Receiver(wb.ReceiverGroup):
     """The rollout's end: ``ready()`` between generation steps, then ``apply()``.
 
-    Writes into the model's own parameter storage (addresses unchanged, as CUDA graphs need);
-    with ``staging=True`` the next version lands in the background and ``apply()`` is one device
-    copy per parameter. One :class:`wb.Receiver` per rank (:class:`wb.ReceiverGroup`).
+    A :class:`wb.ReceiverGroup` writing into the tensors' own storage (addresses unchanged, as
+    CUDA graphs need): ``apply()`` returns ``params`` itself, now holding the new version. With
+    ``staging=True`` the next version lands in the background and ``apply()`` is one device copy
+    per tensor.
 
     Args:
         params: the rollout model (or ``{name: tensor}``) whose storage receives the weights.
-        plan, ranks, transports, store, staging, options: as :class:`Sender` (``staging`` is
-            receiver staging).
-
-    Raises:
-        wb.TransferError: tensors that do not fit the plan, a peer running another plan.
+        plan, ranks, transports, store: as :class:`Sender`.
+        options: keyword options of :class:`wb.Receiver`: ``staging=`` (receiver staging),
+            ``timeout=``, ``wait_timeout=``, ...
     """
 
-    def __init__(self, params: Params, plan: wb.Plan, ranks: Ranks, *, transports=None, store,
-                 staging: bool = True, **options):
-        transports = _legacy_transport(transports, options)
-        self.params, self.plan = params, plan
-        by_rank = _planned(plan, _by_rank(params, ranks))
-        bufs = {r: {n: _array(n, t) for n, t in ts.items()} for r, ts in by_rank.items()}
-        self.group = wb.ReceiverGroup(plan, bufs, transports=transports, store=store,
-                                      staging=staging, **options)
-
-    def ready(self) -> bool:
-        """Whether ``apply()`` has a new version to install (never blocks)."""
-        return self.group.ready()
-
-    def apply(self) -> Params:
-        """Installs the next version into the parameters' storage; returns ``params`` (the same
-        object, its tensors now holding the new version; :attr:`version` says which).
-
-        Raises:
-            wb.TransferError: the update failed (see :meth:`wb.Receiver.apply` for what the
-                parameters hold then).
-        """
-        self.group.apply()
-        return self.params
-
-    @property
-    def version(self) -> int:
-        """The last version applied."""
-        return self.group.version
-
-    @property
-    def stats(self) -> list[wb.UpdateStats]:
-        """Every rank's records (for :func:`wb.summarize`)."""
-        return self.group.stats
-
-    def close(self) -> None:
-        """Stops receiving and closes the transports."""
-        self.group.close()
-
-    def __enter__(self) -> Receiver:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    adapter_type = _Tensors
 
 
 # --- names of 0.1, kept for existing code (see CHANGELOG.md) -------------------------------------

@@ -30,6 +30,8 @@ __all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p"]
 
 
 class Simulation(NamedTuple):
+    """A bandwidth-model estimate of one plan's transfer (seconds)."""
+
     ewtt_s: float  # estimated end-to-end weight transfer time
     ideal_s: float  # lower-bound bytes over the busiest link class, perfectly balanced
     busiest: str  # which link bounds ewtt_s
@@ -98,7 +100,28 @@ def ideal_s(plan: Plan, cluster: Cluster | None = None) -> float:
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None) -> Simulation:
-    """Estimated EWTT of ``plan`` under ``cluster`` (default: the plan's own), and the ideal."""
+    """Estimated EWTT of ``plan`` under ``cluster``, and the ideal.
+
+    Every link (each GPU's NIC in and out, NVLink) moves its bytes at its rate, all at once; the
+    busiest one bounds the transfer, plus the time to fill the forwarding pipeline (one piece per
+    hop). It assumes full bisection and free messages: a model to compare plans, not a measurement.
+
+    Args:
+        plan: the plan.
+        cluster: link rates (default: the plan's own :class:`wb.Cluster`).
+
+    Returns:
+        :class:`Simulation` with ``ewtt_s``, ``ideal_s`` (the lower-bound bytes over the busiest
+        link class, perfectly balanced) and the per-link times.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> sm = wb.SourceMap.from_indices(np.arange(1 << 20))
+        >>> lay = lambda r, role, n: wb.Layout(wb.Worker(r, n, role), {"w": wb.BufferSpec(sm, "float32")})
+        >>> sim = wb.simulate(wb.plan([lay(0, "trainer", "t")], [lay(1, "rollout", "r")]))
+        >>> sim.busiest, sim.ewtt_s >= sim.ideal_s > 0
+        ('trainer_nic_out', True)
+    """
     cluster = cluster or plan.cluster
     tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
     T = plan.transfers

@@ -47,7 +47,7 @@ class Correspondence(NamedTuple):
     incidence's buffer.
     """
 
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot, ...]  # (n_slots,) every buffer of every worker
     slot_role: np.ndarray  # (n_slots,) int8: 0 holder (trainer), 1 need (rollout)
     cell_id0: np.ndarray  # (n_cells,) int64 first id
     cell_na: np.ndarray  # (n_cells,) int64 rows

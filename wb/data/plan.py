@@ -81,10 +81,10 @@ class Messages(NamedTuple):
 class Traffic:
     """Bytes per trainer rank sent, per node received/sent over NICs, and per node over NVLink."""
 
-    trainer_out: dict[int, int]
-    node_in: dict[str, int]
-    node_out: dict[str, int]
-    intra_node: dict[str, int]
+    trainer_out: dict[int, int]  # {trainer rank: bytes it sends to other GPUs}
+    node_in: dict[str, int]  # {node: bytes entering it over NICs}
+    node_out: dict[str, int]  # {node: bytes leaving it over NICs}
+    intra_node: dict[str, int]  # {node: bytes between its GPUs (NVLink)}
 
     @property
     def trainer_total(self) -> int:
@@ -131,14 +131,14 @@ class Plan:
     write and read it without pickle.
     """
 
-    trainers: tuple[Layout, ...]
-    rollouts: tuple[Layout, ...]
-    cluster: Cluster
-    chunk_bytes: int
-    corr: Correspondence
-    pieces: Pieces
-    transfers: Transfers
-    messages: Messages
+    trainers: tuple[Layout, ...]  # the layouts it was made for
+    rollouts: tuple[Layout, ...]  # and the rollouts'
+    cluster: Cluster  # link rates it was balanced for
+    chunk_bytes: int  # the largest piece, bytes
+    corr: Correspondence  # the cells of ids every piece cuts
+    pieces: Pieces  # sub-rectangles of cells, one per moved chunk
+    transfers: Transfers  # each piece moved from one region to another, with its stage
+    messages: Messages  # transfers grouped into sends between two ranks
 
     # --- derived views -------------------------------------------------------------------------
     @property

@@ -210,6 +210,12 @@ class SourceMap:
     :meth:`from_blocks` (affine rectangles, as presets do without touching elements) or
     :meth:`from_diff2`. Two maps are equal when their shapes and diff2 entries are.
 
+    Args:
+        shape: the buffer's shape.
+        pos: ``(nnz,)`` flat positions of the diff2 entries in the buffer viewed as 2-D.
+        val: ``(nnz,)`` their values.
+        blocks: the same map as affine blocks, when the caller has them (else derived lazily).
+
     Examples:
         >>> ids = np.arange(12).reshape(3, 4)[:, 1:3]          # a column shard
         >>> sm = SourceMap.from_indices(ids)

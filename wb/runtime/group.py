@@ -1,164 +1,254 @@
-"""Several workers of one process driven together: one :class:`~wb.runtime.coordinator.Sender` or
-:class:`~wb.runtime.coordinator.Receiver` per rank (a process that drives several devices, as a JAX
-process does, is several wb workers, each with its own transport).
+"""A process's workers of one role driven together, over a framework's own parameters.
 
-Both shims wrap the core through these two classes, the same way: ``wb_torch`` and ``wb_jax`` turn
-their framework's tensors into ``{rank: {name: array}}`` and hand them over. With one rank every
-call runs in the caller's thread; with several, the ranks run at once in a small thread pool
-(each rank's transfer may wait on another rank of the same process).
+A process may drive several devices (a JAX process does), each a wb worker with its own rank and
+transport: :class:`SenderGroup` runs one :class:`~wb.runtime.sender.Sender` per trainer rank and
+:class:`ReceiverGroup` one :class:`~wb.runtime.receiver.Receiver` per rollout rank. Both take the
+caller's parameters in the caller's own form, through a :class:`ParamsAdapter`: how parameters
+become ``{rank: {name: array}}`` without a copy, how to wait for work a framework has queued on
+them, and what the parameters are once a version has landed. ``wb_torch.Sender`` and
+``wb_jax.Sender`` (and their Receivers) are these groups with their framework's adapter and
+nothing more; here, parameters are ``{rank: {name: array}}`` already.
+
+With one rank every call runs in the caller's thread; with several, the ranks run at once in a
+small thread pool (a rank's transfer may wait on another rank of the same process).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from wb.data.plan import Plan
 from wb.errors import TransferError
-from wb.runtime.coordinator import Receiver, Sender, UpdateStats
+from wb.runtime.receiver import Receiver
+from wb.runtime.sender import Sender
+from wb.runtime.stats import UpdateStats
 
-__all__ = ["SenderGroup", "ReceiverGroup"]
+__all__ = ["ParamsAdapter", "ArrayParams", "SenderGroup", "ReceiverGroup"]
 
-W = TypeVar("W", Sender, Receiver)
 R = TypeVar("R")
 
 
-class _Group:
-    """The workers of one role of this process, by rank, and the threads that drive them."""
+class ParamsAdapter(Protocol):
+    """How a framework's parameters meet wb (what a shim supplies)."""
 
-    def __init__(self, make: Mapping[int, Callable[[], W]]):
+    def buffers(self, params: Any) -> dict[int, dict[str, Any]]:
+        """``{rank: {name: array}}`` sharing memory with ``params`` (numpy, DLPack or CUDA
+        arrays), for this process's ranks."""
+
+    def settle(self, params: Any) -> None:
+        """Blocks until work the framework has queued on ``params`` is done (wb reads them from
+        other threads and streams)."""
+
+    def received(self, params: Any, buffers: dict[int, dict[str, Any]]) -> Any:
+        """``params`` holding the version that just landed in ``buffers`` (the same object when
+        the buffers are its own storage; a new one for immutable arrays)."""
+
+    #: the framework's arrays are immutable: a receiver lands every version in new buffers
+    #: (:class:`wb.Receiver`'s ``handoff``), which :meth:`received` wraps
+    handoff: bool
+
+
+class ArrayParams:
+    """The adapter for parameters that already are ``{rank: {name: array}}`` (``ranks``: unused).
+
+    Args:
+        plan: the plan (unused).
+        params: ``{rank: {name: array}}``.
+        ranks: unused (the ranks are ``params``' keys).
+    """
+
+    handoff = False  # the arrays are written in place
+
+    def __init__(self, plan: Plan, params: Any, ranks: Any = None):
+        del plan, params, ranks  # nothing to remember
+
+    def buffers(self, params: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The arrays themselves, per rank."""
+        return {int(r): dict(b) for r, b in params.items()}
+
+    def settle(self, params: Any) -> None:
+        """Nothing to wait for: numpy work is done when it returns."""
+
+    def received(self, params: Any, buffers: dict[int, dict[str, Any]]) -> Any:
+        """The live buffers per rank."""
+        return buffers
+
+
+class _Ranks:
+    """This process's workers of one role, by rank, and the threads that drive them at once."""
+
+    def __init__(self, make: Mapping[int, Callable[[], Any]]):
         if not make:
-            raise TransferError("a group needs at least one rank (got none); give the ranks of "
-                                "this process's devices")
+            raise TransferError("no rank of the plan is in this process's parameters; give the "
+                                "ranks of this process's devices")
         self._pool = (ThreadPoolExecutor(max_workers=len(make), thread_name_prefix="wb-group")
                       if len(make) > 1 else None)
         # every worker connects to its peers when made, possibly to this process's other ranks:
         # make them all at once
-        made = self._each(lambda f: f(), list(make.values()))
-        self.workers: dict[int, W] = dict(zip(make, made))
+        self.workers = dict(zip(make, self._each(lambda f: f(), list(make.values()))))
 
     def _each(self, fn: Callable[[Any], R], items: list) -> list[R]:
         if self._pool is None:
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))
 
-    def _all(self, fn: Callable[[W], R]) -> list[R]:
+    def all(self, fn: Callable[[Any], R]) -> list[R]:
         return self._each(fn, list(self.workers.values()))
 
-    @property
-    def ranks(self) -> list[int]:
-        """This process's ranks in the group, in the order given."""
-        return list(self.workers)
-
-    @property
-    def version(self) -> int:
-        """The newest version every rank of the group has sent or applied."""
-        return min(w.version for w in self.workers.values())
-
-    @property
-    def stats(self) -> list[UpdateStats]:
-        """Every rank's :class:`~wb.UpdateStats` so far (for :func:`wb.summarize`)."""
-        return [s for w in self.workers.values() for s in w.stats]
-
     def close(self) -> None:
-        """Closes every rank's worker (see their ``close``)."""
         try:
-            self._all(lambda w: w.close())
+            self.all(lambda w: w.close())
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class SenderGroup(_Group):
-    """One :class:`wb.Sender` per trainer rank of this process.
-
-    Args:
-        plan: the plan every worker runs.
-        buffers: ``{rank: {name: array}}`` of this process's trainer ranks (see :class:`wb.Sender`).
-        transports: ``{rank: Transport}``, one per rank (or one Transport when there is one rank).
-        store: the rendezvous store every worker shares.
-        options: keyword options of :class:`wb.Sender` (``staging=``, ``timeout=``, ...).
-
-    Raises:
-        TransferError: a rank without a transport, or anything :class:`wb.Sender` refuses.
-    """
-
-    def __init__(self, plan: Plan, buffers: Mapping[int, Mapping[str, Any]], *,
-                 transports: Mapping[int, Any] | Any, store, **options):
-        transports = _per_rank(buffers, transports)
-        super().__init__({r: (lambda r=r: Sender(plan, r, buffers[r], transport=transports[r],
-                                                 store=store, **options)) for r in buffers})
-
-    def push(self, buffers: Mapping[int, Mapping[str, Any]] | None = None) -> int:
-        """Every rank pushes the next version (``buffers``: new arrays per rank from now on, as
-        :meth:`wb.Sender.push` takes them); returns the version.
-
-        Raises:
-            TransferError: a rank's previous or current update failed.
-        """
-        given = buffers or {}
-        return self._all(lambda s: s.push(buffers=given.get(s.rank)))[0]
-
-    def wait(self) -> None:
-        """Blocks until every rank's last pushed version is sent (see :meth:`wb.Sender.wait`)."""
-        self._all(lambda s: s.wait())
-
-
-class ReceiverGroup(_Group):
-    """One :class:`wb.Receiver` per rollout rank of this process.
-
-    Args:
-        plan: the plan every worker runs.
-        buffers: ``{rank: {name: array}}`` of this process's rollout ranks (see
-            :class:`wb.Receiver`; with ``handoff=True`` the first version's values).
-        transports: ``{rank: Transport}``, one per rank (or one Transport when there is one rank).
-        store: the rendezvous store every worker shares.
-        options: keyword options of :class:`wb.Receiver` (``staging=``, ``handoff=``, ...).
-
-    Raises:
-        TransferError: a rank without a transport, or anything :class:`wb.Receiver` refuses.
-    """
-
-    def __init__(self, plan: Plan, buffers: Mapping[int, Mapping[str, Any]], *,
-                 transports: Mapping[int, Any] | Any, store, **options):
-        transports = _per_rank(buffers, transports)
-        super().__init__({r: (lambda r=r: Receiver(plan, r, buffers[r], transport=transports[r],
-                                                   store=store, **options)) for r in buffers})
-
-    def ready(self) -> bool:
-        """Whether every rank has the next version ready (see :meth:`wb.Receiver.ready`)."""
-        return all(w.ready() for w in self.workers.values())
-
-    def apply(self) -> int:
-        """Every rank installs the next version; returns it (see :meth:`wb.Receiver.apply`).
-
-        Raises:
-            TransferError: a rank's update failed.
-        """
-        return self._all(lambda w: w.apply())[0]
-
-    @property
-    def buffers(self) -> dict[int, dict[str, Any]]:
-        """``{rank: live buffers}`` (with ``handoff``: the newest applied version's)."""
-        return {r: w.buffers for r, w in self.workers.items()}
-
-
-def _per_rank(buffers: Mapping[int, Any], transports: Mapping[int, Any] | Any) -> dict[int, Any]:
-    """``{rank: Transport}`` from one transport (one rank) or a mapping with every rank."""
+def _workers(plan: Plan, buffers: Mapping[int, Mapping[str, Any]], transports, make
+             ) -> _Ranks:
+    """One worker per rank of ``buffers``, each given its buffers that the plan names."""
     if not isinstance(transports, Mapping):
         if len(buffers) != 1:
             raise TransferError(f"one transport was given for ranks {sorted(buffers)}; every rank "
                                 f"needs its own: give transports={{rank: Transport}}")
-        return {next(iter(buffers)): transports}
+        transports = {next(iter(buffers)): transports}
     missing = sorted(set(buffers) - set(transports))
     if missing:
         raise TransferError(f"ranks {missing} have no transport (transports has ranks "
                             f"{sorted(transports)}); give one transport per rank")
-    return dict(transports)
+    planned = {r: {n: b[n] for n in plan.layout_of(r).buffers if n in b}
+               for r, b in buffers.items()}
+    return _Ranks({r: (lambda r=r: make(r, planned[r], transports[r])) for r in planned})
+
+
+def _no_options(adapter: ParamsAdapter) -> dict:
+    return {}
+
+
+def _group_of(worker: type, worker_options: Callable[[ParamsAdapter], dict] = _no_options
+              ) -> Callable[[type], type]:
+    """Gives a group class what both kinds share, over one ``worker`` per rank (:class:`wb.Sender`
+    or :class:`wb.Receiver`): the constructor, ``workers`` (``{rank: worker}``), ``version`` (the
+    newest version every rank has sent or applied), ``stats`` (every rank's records, for
+    :func:`wb.summarize`), ``close()`` and ``with``; ``worker_options(adapter)`` adds options of
+    the worker that follow from the adapter. A class decorator rather than a common base: the
+    shims subclass the groups, and one level of inheritance is all the house allows."""
+
+    def __init__(self, params: Any, plan: Plan, ranks: Any = None, *, transports=None, store,
+                 **options) -> None:
+        if "transport" in options:  # the 0.1 name
+            warnings.warn("transport= is now transports= (one Transport or {rank: Transport})",
+                          DeprecationWarning, stacklevel=2)
+            transports = options.pop("transport")
+        self.plan, self.params = plan, params
+        self.adapter: ParamsAdapter = self.adapter_type(plan, params, ranks)
+        options = {**worker_options(self.adapter), **options}
+        self._ranks = _workers(plan, self.adapter.buffers(params), transports,
+                               lambda r, b, t: worker(plan, r, b, transport=t, store=store,
+                                                      **options))
+
+    def close(self) -> None:
+        """Closes every rank's worker (a sender waits for its last send first)."""
+        self._ranks.close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def decorate(cls: type) -> type:
+        cls.__init__, cls.close, cls.__exit__ = __init__, close, __exit__
+        cls.__enter__ = lambda self: self
+        cls.workers = property(lambda self: self._ranks.workers,
+                               doc=f"``{{rank: wb.{worker.__name__}}}`` of this process.")
+        cls.version = property(lambda self: min(w.version for w in self._ranks.workers.values()),
+                               doc="The newest version every rank has sent (applied).")
+        cls.stats = property(
+            lambda self: [s for w in self._ranks.workers.values() for s in w.stats],
+            doc="Every rank's records (for :func:`wb.summarize`).")
+        return cls
+    return decorate
+
+
+@_group_of(Sender)
+class SenderGroup:
+    """The trainer's end in one process: ``push()`` after each training step.
+
+    Args:
+        params: this process's trainer parameters, in the form :attr:`adapter_type` takes
+            (here ``{rank: {name: array}}``); read at each ``push``.
+        plan: the plan every worker runs.
+        ranks: which ranks ``params`` are (for a shim's adapter; unused here).
+        transports: one :class:`wb.Transport` (one rank), or ``{rank: Transport}``.
+        store: the rendezvous store every worker shares.
+        options: keyword options of :class:`wb.Sender` (``staging=``, ``timeout=``, ...).
+
+    Raises:
+        TransferError: a rank without a transport, or what :class:`wb.Sender` refuses at
+            set-up (buffers that do not fit the plan, a peer running another plan).
+    """
+
+    #: How parameters become buffers (a :class:`ParamsAdapter` made from ``(plan, params,
+    #: ranks)``): the one thing ``wb_torch.Sender`` and ``wb_jax.Sender`` change.
+    adapter_type: Callable[[Plan, Any, Any], ParamsAdapter] = ArrayParams
+
+    def push(self, params: Any = None) -> int:
+        """Sends the parameters as the next version; returns it.
+
+        Args:
+            params: new parameters to send from now on (frameworks with immutable arrays make
+                new ones every step); default: the ones given so far, as they are now.
+
+        Returns:
+            The version number.
+
+        Raises:
+            TransferError: this or the previous update failed (a peer died or hung).
+        """
+        new = params is not None
+        self.params = params if new else self.params
+        self.adapter.settle(self.params)
+        bufs = self.adapter.buffers(self.params) if new else {}
+        return self._ranks.all(lambda s: s.push(buffers=bufs.get(s.rank)))[0]
+
+    def wait(self) -> None:
+        """Blocks until every rank's last pushed version is sent (see :meth:`wb.Sender.wait`)."""
+        self._ranks.all(lambda s: s.wait())
+
+
+@_group_of(Receiver, lambda adapter: {"handoff": adapter.handoff})
+class ReceiverGroup:
+    """The rollout's end in one process: ``ready()`` between generation steps, then ``apply()``.
+
+    Args:
+        params: this process's rollout parameters, in the form :attr:`adapter_type` takes
+            (here ``{rank: {name: array}}``): the live buffers, written in place (with
+            ``handoff=True``: the first version's values).
+        plan, ranks, transports, store: as :class:`SenderGroup`.
+        options: keyword options of :class:`wb.Receiver` (``staging=``, ``handoff=``, ...).
+
+    Raises:
+        TransferError: a rank without a transport, or what :class:`wb.Receiver` refuses at
+            set-up.
+    """
+
+    #: How parameters become buffers and back (see :attr:`SenderGroup.adapter_type`).
+    adapter_type: Callable[[Plan, Any, Any], ParamsAdapter] = ArrayParams
+
+    def ready(self) -> bool:
+        """Whether every rank has the next version ready (never blocks)."""
+        return all(w.ready() for w in self.workers.values())
+
+    def apply(self) -> Any:
+        """Every rank installs the next version; returns the parameters holding it (see the
+        adapter; :attr:`version` says which version).
+
+        Raises:
+            TransferError: a rank's update failed (see :meth:`wb.Receiver.apply` for what the
+                buffers hold then).
+        """
+        self._ranks.all(lambda w: w.apply())
+        self.params = self.adapter.received(self.params,
+                                            {r: w.buffers for r, w in self.workers.items()})
+        return self.params
+

@@ -246,6 +246,12 @@ class Receiver:
         TransferError: ``rank`` is not a rollout of ``plan``, wrong or missing buffers, or a peer
             runs another plan (at set-up, before any update).
 
+    Attributes:
+        plan, rank, staging, handoff, wait_timeout: as given.
+        version: the last version applied (0 before the first; -1 after a failed update without
+            staging).
+        stats: one :class:`wb.UpdateStats` per version applied, in order.
+
     Examples:
         See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
     """
@@ -266,6 +272,8 @@ class Receiver:
         self._end = Endpoint(plan, rank, buffers, role=Role.ROLLOUT, transport=transport,
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout)
+        self.plan, self.rank, self.wait_timeout = plan, self._end.rank, wait_timeout
+        self.stats: list[UpdateStats] = self._end.stats  # one record per version applied
         live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._end.layout.buffers}
         self._target: _Target = (_Handoff(live, self._end.layout, allocate, self.rank)
                                  if self.handoff else _InPlace(live))
@@ -275,24 +283,6 @@ class Receiver:
         self._error: TransferError | None = None  # the failure every later call raises
         self._closed = False
         self._path.start(1)  # with staging, version 1 starts landing now
-
-    @property
-    def plan(self) -> Plan:
-        return self._end.plan
-
-    @property
-    def rank(self) -> int:
-        return self._end.rank
-
-    @property
-    def stats(self) -> list[UpdateStats]:
-        """One record per version applied, in order."""
-        return self._end.stats
-
-    @property
-    def wait_timeout(self) -> float:
-        """Seconds ``apply`` waits for a version that is not moving yet."""
-        return self._end.wait_timeout
 
     @property
     def buffers(self) -> dict[str, Any]:

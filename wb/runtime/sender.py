@@ -130,6 +130,11 @@ class Sender:
         TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
             another plan (at set-up, before any update).
 
+    Attributes:
+        plan, rank, staging: as given.
+        version: the last version pushed (0 before the first).
+        stats: one :class:`wb.UpdateStats` per version sent, in order.
+
     Examples:
         See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
     """
@@ -141,6 +146,8 @@ class Sender:
         self._end = Endpoint(plan, rank, buffers, role=Role.TRAINER, transport=transport,
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout)
+        self.plan, self.rank = self._end.plan, self._end.rank
+        self.stats: list[UpdateStats] = self._end.stats  # one record per version sent, in order
         self.staging = bool(staging)
         self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
                             for n in self._end.layout.buffers}
@@ -148,19 +155,6 @@ class Sender:
                                  else _DirectSend(self._end))
         self.version = 0
         self._closed = False
-
-    @property
-    def plan(self) -> Plan:
-        return self._end.plan
-
-    @property
-    def rank(self) -> int:
-        return self._end.rank
-
-    @property
-    def stats(self) -> list[UpdateStats]:
-        """One record per version sent, in order."""
-        return self._end.stats
 
     def push(self, version: int | None = None, *, buffers: Mapping[str, Any] | None = None) -> int:
         """Sends the live weights as ``version`` (default: the last one + 1); returns it.

@@ -70,10 +70,10 @@ class TraceEntry(NamedTuple):
     processes of one host). A tuple: JSON writes it as a list, in this order."""
 
     message: int  # index in plan.messages
-    stage: int
-    peer: int
+    stage: int  # 1 from a trainer, 2 between rollout nodes, 3 inside a rollout node
+    peer: int  # the other rank
     outgoing: bool  # sent (or copied locally) by this rank
-    nbytes: int
+    nbytes: int  # bytes moved
     ready: float  # its data was here (a forward: its parent landed)
     posted: float  # handed to the transport (after packing)
     done: float  # completed (a receive: after unpacking)

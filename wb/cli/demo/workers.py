@@ -231,7 +231,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
                 # zero-copy: the new arrays are the received buffers themselves
                 k = sorted(names)[0]
                 for shard in got[k].addressable_shards:
-                    buf = rx.group.buffers[ranks[shard.device]][k]
+                    buf = rx.workers[ranks[shard.device]].buffers[k]
                     bad += shard.data.unsafe_buffer_pointer() != buf.ctypes.data
                 _progress(store, mode, rx.version, base)
         result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
