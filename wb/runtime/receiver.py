@@ -223,6 +223,10 @@ class _BackgroundReceive:
         self.cancel.set()
         if self.future is not None:
             wait([self.future], timeout)
+        # The cancelled receive ends in an error whose traceback holds this object, which holds
+        # the Future holding that error: a cycle that would keep the staging buffers (device
+        # memory) until the garbage collector runs. Drop both now.
+        self.future = self.staging = None
 
 
 class Receiver:

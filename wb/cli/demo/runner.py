@@ -17,6 +17,7 @@ The frameworks are imported only when the demo runs: ``import wb`` never imports
 from __future__ import annotations
 
 import glob
+import os
 import time
 from collections.abc import Sequence
 
@@ -25,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 import wb
-from wb.data.layout import BufferSpec, Layout, Worker
 from wb.cli.demo.checkpoint import random_checkpoint
+from wb.data.layout import BufferSpec, Layout, Worker
 from wb.layouts.presets import TINY, spec_from_config
 
 __all__ = ["run_demo", "jax_layouts", "torch_layouts"]
@@ -39,6 +40,8 @@ def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_ra
 
     Returns ``(layouts, {rank: {key: loaded shard}}, {rank: {key: zeros}})``.
     """
+    # the demo's JAX side runs on emulated CPU devices, GPUs or not (as its worker processes do)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import wb_jax
 
     wb_jax.use_cpu_devices(dp * tp)
