@@ -67,3 +67,22 @@ def test_without_colocation_trainers_send_each_needed_byte_once(case):
             ids = b.sourcemap.to_indices()
             needed.update(ids[ids >= 0].tolist())
     assert p.traffic().trainer_total == 2 * len(needed)  # bf16
+
+
+@given(wbst.layouts(), wbst.clusters())
+def test_save_load_round_trips_plans_and_layouts(case, cluster):
+    import io
+    from wb.data.layout import layouts_from_bytes, layouts_to_bytes
+    p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64)
+    f = io.BytesIO()
+    p.save(f)
+    f.seek(0)
+    back = wb.Plan.load(f)
+    assert back == p
+    for a, b in ((p.trainers, back.trainers), (p.rollouts, back.rollouts)):
+        assert [x.worker for x in a] == [y.worker for y in b]
+        assert [list(x.buffers.items()) for x in a] == [list(y.buffers.items()) for y in b]
+    lays = (*case.trainers, *case.rollouts)
+    again = layouts_from_bytes(layouts_to_bytes(lays))
+    assert [list(x.buffers.items()) for x in lays] == [list(y.buffers.items()) for y in again]
+    assert [x.worker for x in lays] == [y.worker for y in again]

@@ -16,13 +16,13 @@ import wb
 PUBLIC = {
     # data
     "CheckpointSpec", "SourceMap", "Blocks", "Worker", "BufferSpec", "Layout", "Role", "Cluster",
-    "Plan", "Traffic", "Correspondence", "Overlaps", "dtypes",
+    "Plan", "Traffic", "RankPlan", "RankPlans", "Correspondence", "Overlaps", "dtypes",
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
     # runtime
     "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES",
     "SyncMode", "LocalSession",
-    "agree_plan", "UpdateStats", "Summary", "summarize", "aligned_empty",
+    "agree_plan", "agree_parts", "UpdateStats", "Summary", "summarize", "aligned_empty",
     "execute", "connect", "Program", "ExecStats", "TraceEntry",
     "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",
     "Transport", "UcxTransport", "LocalTransport", "LocalHub",

@@ -259,3 +259,55 @@ def test_sync_receiver_is_ready_once_every_trainer_announced_each_version():
         for s in senders:
             s.wait()
         assert all(rx.version == v for rx in receivers)
+
+
+# --- set-up through the store, per rank: agree_parts ----------------------------------------------
+def _agree_in_threads(p, store, **kw):
+    """Every worker of ``p`` as its own "process" (a thread) calling agree_parts."""
+    from wb.runtime.coordinator import agree_parts
+    lays = [*p.trainers, *p.rollouts]
+    planned, out = [], {}
+
+    def one(lay):
+        out[lay.worker.rank] = agree_parts(store, [lay], world=len(lays), timeout=30,
+                                           planned=planned, chunk_bytes=p.chunk_bytes, **kw)
+    with ThreadPoolExecutor(len(lays)) as pool:
+        for f in [pool.submit(one, lay) for lay in lays]:
+            f.result(timeout=60)
+    return planned, out
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "directory"])
+def test_agree_parts_gives_each_rank_only_its_part(store_kind, tmp_path):
+    from wb.data.rankplan import RankPlan
+    from wb.runtime.rendezvous import CountingStore, DirectoryStore
+    p = _case()
+    inner = MemoryStore() if store_kind == "memory" else DirectoryStore(tmp_path)
+    store = CountingStore(inner)
+    store.max_value_bytes = 700  # every value goes as several chunks
+    planned, out = _agree_in_threads(p, store)
+    (whole,) = planned
+    assert whole == p
+    for r, got in out.items():
+        assert list(got) == [r]
+        assert got[r] == RankPlan.of(p, r)
+        assert got.layout_of(r) == p.layout_of(r)
+
+
+def test_a_session_runs_from_the_parts_agree_parts_gives():
+    p = _case()
+    _, out = _agree_in_threads(p, MemoryStore())
+    from wb.data.rankplan import RankPlans
+    everyone = RankPlans([q for got in out.values() for q in got.values()])
+    tb = {lay.worker.rank: _values(lay, 0) for lay in p.trainers}
+    rb = {lay.worker.rank: {n: np.zeros_like(a) for n, a in _values(lay, 0).items()}
+          for lay in p.rollouts}
+    with wb.LocalSession(everyone, tb, rb, mode="both", timeout=20) as s:
+        for v in (1, 2):
+            for lay in p.trainers:
+                _set(tb[lay.worker.rank], lay, v)
+            s.update()
+            for lay in p.rollouts:
+                assert _same(rb[lay.worker.rank], lay, v)
+    with pytest.raises(wb.TransferError, match="not a trainer"):
+        wb.Sender(everyone, 2, tb[0], transport=None, store=MemoryStore())

@@ -173,3 +173,76 @@ def test_colocated_gpu_uses_a_local_copy_only():
     tr = p.traffic()
     assert tr.trainer_total == 0 and tr.node_in == {} and tr.intra_node == {}
     assert wb.lower_bound([t], [r]).trainer_total == 0
+
+
+# --- fast save/load (format 2: layouts and slots as arrays) ---------------------------------------
+def _layouts_equal(a, b):
+    return [x.worker for x in a] == [y.worker for y in b] and all(
+        dict(x.buffers) == dict(y.buffers) and list(x.buffers) == list(y.buffers)
+        for x, y in zip(a, b))
+
+
+def test_save_load_keeps_layouts_and_shared_specs(good):
+    f = io.BytesIO()
+    good.save(f)
+    f.seek(0)
+    back = wb.Plan.load(f)
+    assert _layouts_equal(good.trainers, back.trainers)
+    assert _layouts_equal(good.rollouts, back.rollouts)
+    assert back.corr.slots == good.corr.slots
+
+
+def test_layouts_bytes_share_one_spec_between_replicas():
+    from wb.data.layout import layouts_from_bytes, layouts_to_bytes
+    spec = wb.BufferSpec(wb.SourceMap.from_indices(W[:, :5]), "bfloat16")
+    other = wb.BufferSpec(wb.SourceMap.from_indices(N[::-1]), "float32")
+    lays = [wb.Layout(wb.Worker(r, f"n{r // 2}", "rollout", r % 2), {"w": spec, "n": other})
+            for r in range(4)]
+    back = layouts_from_bytes(layouts_to_bytes(lays))
+    assert _layouts_equal(lays, back)
+    assert all(b.buffers["w"] is back[0].buffers["w"] for b in back)  # sharing restored
+    assert back[0].buffers["n"].sourcemap.to_indices().tolist() == N[::-1].tolist()
+
+
+def test_old_plan_format_is_refused_with_a_fix(good, tmp_path):
+    import json
+    good.save(tmp_path / "p.npz")
+    with np.load(tmp_path / "p.npz") as z:
+        data = {k: z[k] for k in z.files}
+    header = json.loads(bytes(data["header"]).decode())
+    header["version"] = 1
+    data["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(tmp_path / "old.npz", **data)
+    with pytest.raises(wb.PlanError, match="make the plan again"):
+        wb.Plan.load(tmp_path / "old.npz")
+
+
+def test_a_preset_plan_round_trips(tmp_path):
+    from wb.layouts.deployments import deployment as make
+    dep = make("moonlight-16b-a3b")
+    p = wb.plan(dep.trainers, dep.rollouts)
+    p.save(tmp_path / "p.npz")
+    back = wb.Plan.load(tmp_path / "p.npz")
+    assert back == p
+    assert _layouts_equal(p.trainers + p.rollouts, back.trainers + back.rollouts)
+
+
+def test_equal_specs_that_are_distinct_objects_are_stored_once():
+    from wb.data.layout import layouts_from_bytes, layouts_to_arrays, layouts_to_bytes
+    lays = [wb.Layout(wb.Worker(r, "n0", "rollout", r),
+                      {"w": wb.BufferSpec(wb.SourceMap.from_indices(W[:, :5]), "bfloat16")})
+            for r in range(3)]  # equal specs, three objects (as read back one layout at a time)
+    _, arrays = layouts_to_arrays(lays)
+    assert arrays["spec.map"].size == 1 and arrays["map.ndim"].size == 1
+    back = layouts_from_bytes(layouts_to_bytes(lays))
+    assert _layouts_equal(lays, back)
+    assert back[0].buffers["w"] is back[2].buffers["w"]
+
+
+def test_old_layouts_bytes_are_refused_with_a_fix():
+    import json
+    from wb.data.layout import layouts_from_bytes
+    f = io.BytesIO()
+    np.savez(f, header=np.frombuffer(json.dumps([{"rank": 0}]).encode(), np.uint8))
+    with pytest.raises(wb.SpecError, match="older version"):
+        layouts_from_bytes(f.getvalue())

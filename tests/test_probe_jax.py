@@ -48,3 +48,42 @@ def test_impure_jax_load_is_refused():
     spec = wb.CheckpointSpec({"w": ((8, 4), "float32")})
     with pytest.raises(wb.ProbeError, match=r"buffer `\['w'\]`"):
         wb_jax.probe(lambda ck: {"w": jax.numpy.asarray(ck["w"]) * 2.0}, spec)
+
+
+# --- the device implementation (what runs on an accelerator), exercised on JAX's CPU device -----
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16: the feed test below
+def test_device_probe_equals_oracle(dtype):
+    cfg = dict(TINY, dtype=dtype)
+    maps = wb_jax.probe(make_load_fn(cfg), spec_from_config(cfg), arrays=wb_jax._DeviceArrays())
+    want = expected_maps(cfg, tp=1)
+    assert set(maps) == set(want)
+    for key, ids in want.items():
+        np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
+
+
+@needs4
+def test_device_probe_of_sharded_leaves_equals_oracle():
+    maps = wb_jax.probe(make_load_fn(TINY, make_mesh(2, 2)), spec_from_config(TINY),
+                        arrays=wb_jax._DeviceArrays())
+    for key, ids in expected_maps(TINY, tp=2).items():
+        np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("pass_index", [0, 1, None])
+def test_device_feed_equals_the_host_feed(dtype, pass_index):
+    from wb.algorithms.probe import HostArrays, digit_base
+
+    spec = wb.CheckpointSpec({"a": ((7,), dtype), "b": ((37, 300), dtype), "c": ((5,), dtype)})
+    base = digit_base([dtype])
+    for name in spec:
+        host = HostArrays().feed(spec, name, base, pass_index)
+        dev = wb_jax._DeviceArrays().feed(spec, name, base, pass_index)
+        assert np.asarray(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
+
+
+def test_device_probe_refuses_an_impure_load():
+    spec = wb.CheckpointSpec({"w": ((8, 4), "float32")})
+    with pytest.raises(wb.ProbeError, match=r"buffer `\['w'\]` element \(\d+, \d+\)"):
+        wb_jax.probe(lambda ck: {"w": jax.numpy.asarray(ck["w"]) * 2.0}, spec,
+                     arrays=wb_jax._DeviceArrays())

@@ -63,3 +63,51 @@ def test_numpy_round_trip_keeps_dtype():
         t = torch.arange(6, dtype=torch.float32).to(dt)
         back = wb_torch.from_numpy(wb_torch.to_numpy(t))
         assert back.dtype == dt and torch.equal(back.float(), t.float())
+
+
+# --- the device implementation (what runs on a GPU), exercised on CPU tensors -------------------
+def device_arrays():
+    return wb_torch._DeviceArrays(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tp, rank", [(1, 0), (4, 3)])
+def test_device_probe_equals_oracle(dtype, tp, rank):
+    model = TinyRollout(TINY, tp_rank=rank, tp_size=tp, dtype=dtype)
+    maps = wb_torch.probe(model, SPEC, arrays=device_arrays())
+    want = expected_maps(TINY, tp_rank=rank, tp_size=tp)
+    assert set(maps) == set(want)
+    for name, ids in want.items():
+        np.testing.assert_array_equal(maps[name].to_indices(), ids, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("pass_index", [0, 1, 2, None])
+def test_device_feed_equals_the_host_feed(dtype, pass_index):
+    from wb.algorithms.probe import HostArrays, digit_base
+
+    spec = wb.CheckpointSpec({"a": ((7,), dtype), "b": ((37, 300), dtype), "c": ((5,), dtype)})
+    base = digit_base([dtype])
+    for name in spec:
+        host = HostArrays().feed(spec, name, base, pass_index)
+        dev = device_arrays().feed(spec, name, base, pass_index)
+        assert wb_torch.to_numpy(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
+
+
+@pytest.mark.parametrize("base", [16, 256, 2048, 2**24, 1000])
+def test_device_check_digit_equals_the_core_one(base):
+    from wb.algorithms.probe import check_digit
+
+    ids = np.random.default_rng(base).integers(0, 2**40, 50_000)
+    got = wb_torch._check_digit(torch.from_numpy(ids), base).numpy()
+    np.testing.assert_array_equal(got, check_digit(ids.copy(), base))
+
+
+def test_device_probe_refuses_a_scaling_load_naming_the_parameter():
+    model = TinyRollout(TINY, dtype=torch.float32)
+
+    def scaled(weights):
+        return model.load_weights((n, t * 3) if "o_proj" in n else (n, t) for n, t in weights)
+    with pytest.raises(wb.ProbeError, match=r"buffer `model\.layers\.\d\.self_attn\.o_proj\.weight`"
+                       r" element \(\d+, \d+\)"):
+        wb_torch.probe(model, SPEC, load_weights=scaled, arrays=device_arrays())

@@ -71,6 +71,24 @@ def test_end_to_end_bit_identical_over_ucx(plan_file, tmp_path):
     assert received == int(p.messages.nbytes[p.messages.src_rank != p.messages.dst_rank].sum())
 
 
+@pytest.mark.timeout(180)
+def test_end_to_end_from_per_rank_parts_over_ucx(plan_file, tmp_path):
+    """Each process loads only its own part (RankPlan bytes): the same bytes arrive, bit for bit,
+    and the trainers send exactly what the whole plan says."""
+    from wb.data.rankplan import parts
+    p = wb.Plan.load(plan_file / "plan.npz")
+    parts_dir = tmp_path / "parts"
+    parts_dir.mkdir()
+    for part in parts(p):
+        (parts_dir / f"{part.rank}.part").write_bytes(part.to_bytes())
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"),
+                    options={"timeout": 30, "parts_dir": str(parts_dir)})
+    _check_all_reported(run)
+    assert all(run.results[r]["ok"] for r in RANKS), run.results
+    assert all(run.results[r]["bit_identical"] for r in range(4, 8))
+    assert {r: run.results[r]["bytes_sent"] for r in range(4)} == p.traffic().trainer_out
+
+
 @pytest.mark.timeout(120)
 def test_a_peer_that_dies_mid_transfer_makes_the_others_fail_in_time(plan_file, tmp_path):
     t0 = time.time()
@@ -151,6 +169,24 @@ def test_versions_through_sender_and_receiver_over_ucx(plan_file, tmp_path, mode
         assert res is not None and res["ok"], (r, res)
         if r >= 4:
             assert res["applied"] == [1, 2, 3] and res["checks"] == [True] * 3, res
+
+
+@pytest.mark.timeout(240)
+def test_versions_from_the_parts_agree_parts_gives_over_ucx(plan_file, tmp_path):
+    """A real set-up: each process publishes its layout, rank 0's plans, every process fetches
+    only its part from the store and runs Sender/Receiver from it."""
+    from harness.multiproc import coord_child_main
+
+    p = wb.Plan.load(plan_file / "plan.npz")
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 2, "timeout": 60, "agree": True}, join_timeout=200)
+    for r in RANKS:
+        res = run.results[r]
+        assert res is not None and res["ok"], (r, res)
+        mine = (p.messages.src_rank == r) | (p.messages.dst_rank == r)
+        assert res["part_messages"] == int(mine.sum())  # its part only: the same plan's
+        if r >= 4:
+            assert res["applied"] == [1, 2] and res["checks"] == [True] * 2, res
 
 
 @pytest.mark.timeout(240)

@@ -14,11 +14,12 @@ from wb.data import dtypes
 from wb.data.correspondence import Correspondence, Overlaps, correspond
 from wb.data.layout import BufferSpec, Cluster, Layout, Role, Worker
 from wb.data.plan import Plan, Traffic, run_local
+from wb.data.rankplan import RankPlan, RankPlans
 from wb.data.sourcemap import Blocks, SourceMap
 from wb.data.spec import CheckpointSpec
 from wb.errors import PlanError, ProbeError, SpecError, TransferError, WbError
 from wb.runtime.buffers import aligned_empty
-from wb.runtime.coordinator import MODES, SyncMode, agree_plan
+from wb.runtime.coordinator import MODES, SyncMode, agree_parts, agree_plan
 from wb.runtime.executor import connect, execute
 from wb.runtime.group import ArrayParams, ParamsAdapter, ReceiverGroup, SenderGroup
 from wb.runtime.program import Program
@@ -35,12 +36,12 @@ from wb.runtime.transport.ucx import UcxTransport
 __all__ = [
     # data
     "CheckpointSpec", "SourceMap", "Blocks", "Worker", "BufferSpec", "Layout", "Role", "Cluster",
-    "Plan", "Traffic", "Correspondence", "Overlaps", "dtypes",
+    "Plan", "Traffic", "RankPlan", "RankPlans", "Correspondence", "Overlaps", "dtypes",
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
     # runtime
     "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES", "SyncMode", "LocalSession",
-    "agree_plan", "UpdateStats", "Summary", "summarize", "aligned_empty",
+    "agree_plan", "agree_parts", "UpdateStats", "Summary", "summarize", "aligned_empty",
     "execute", "connect", "Program", "ExecStats", "TraceEntry",
     "Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore",
     "Transport", "UcxTransport", "LocalTransport", "LocalHub",

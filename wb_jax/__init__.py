@@ -1,5 +1,8 @@
 """JAX shim of WeightBridge: the same functions, names and signatures as :mod:`wb_torch`.
 
+Long because probing on JAX's device (``_DeviceArrays``) is jax code and lives here, as in
+:mod:`wb_torch`.
+
 =========================  ==============================================================
 ``probe``                  source maps of the params a load function builds, by running it
                            on id-encoded checkpoint arrays
@@ -21,6 +24,8 @@ The reference JAX trainer layout used by tests and the demo is in :mod:`wb_jax.t
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -28,6 +33,9 @@ import jax
 import numpy as np
 
 import wb
+import wb.algorithms.probe as probe_algo
+
+log = logging.getLogger(__name__)
 
 __all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
            "to_numpy", "from_numpy",
@@ -97,7 +105,8 @@ def from_numpy(a: np.ndarray, device: Any = None) -> jax.Array:
 
 
 def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.CheckpointSpec, *,
-          progress: bool = False) -> dict[str, wb.SourceMap]:
+          progress: bool = False, cache: str | os.PathLike | None = None,
+          key: Any = None, arrays: Any = None) -> dict[str, wb.SourceMap]:
     """Source maps of the global arrays of the params pytree ``load_fn`` builds from a checkpoint.
 
     Args:
@@ -106,16 +115,137 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
             from zeros maps to ``-1``.
         spec: the checkpoint's tensors.
         progress: show a progress bar over passes.
+        cache: a file or directory where the maps are kept (see :func:`wb.probe`): a second start
+            reads them back without calling ``load_fn``. The fingerprint covers the spec, ``key``
+            and, when ``jax.eval_shape`` can trace ``load_fn``, every leaf's shape and dtype (a
+            ``load_fn`` it cannot trace is described by spec and ``key`` only: put what tells
+            models apart in ``key``).
+        key: what distinguishes this process's maps (JSON-able, e.g. ``{"mesh": [2, 4]}``).
+        arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
+            Default: on JAX's default device when it is an accelerator (checkpoint arrays made
+            there and passed to ``load_fn`` as ``jax.Array``; leaves checked there; per-pass
+            digits come back as bytes, since int64 ids need ``jax_enable_x64``), numpy on the
+            host when JAX runs on CPU (faster there, as for :func:`wb_torch.probe`).
 
     Returns:
         ``{jax.tree_util.keystr(path): SourceMap}`` of each leaf's global array (:func:`layouts`
         cuts them into each device's shard).
 
     Raises:
-        wb.ProbeError: ``load_fn`` raised (names the checkpoint tensor it was being fed) or is not
-            pure data movement (names the leaf and its first bad element).
+        wb.ProbeError: ``load_fn`` raised (names the checkpoint tensor it was being fed), wrote no
+            checkpoint id anywhere, or is not pure data movement (names the leaf and its first bad
+            element).
     """
-    return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress)
+    info = _leaf_info(load_fn, spec) if cache is not None else None
+    if arrays is None:
+        arrays = probe_algo.HostArrays() if jax.default_backend() == "cpu" else _DeviceArrays()
+    return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress, cache=cache,
+                    key=key, buffers=info, arrays=arrays)
+
+
+class _DeviceArrays:
+    """The probe's per-element work (:class:`wb.algorithms.probe.ProbeArrays`) with ``jax.numpy``
+    on a device: checkpoint arrays built there from per-base tables and O(rows) indices the core
+    computes (float32 at base 2**24 is built on the host and put there), leaves checked there
+    (whatever their sharding), and the written mask and per-pass digits (1 byte each at base <=
+    256) brought back for the host to decode, as int64 ids would need ``jax_enable_x64``.
+
+    Extra device memory: a checkpoint array twice while it is built (its pieces, then the
+    joined array); per leaf element a few bytes of masks and digits per pass.
+    """
+
+    def __init__(self, device: Any = None):
+        self.device = device or jax.devices()[0]
+        self._tables: dict[tuple, Any] = {}
+
+    def _values(self, base: int, dtype: np.dtype) -> Any:
+        key = ("values", base, dtype.name)
+        if key not in self._tables:
+            v = np.arange(1, base + 1, dtype=np.float32).astype(dtype)
+            self._tables[key] = jax.device_put(v, self.device)
+        return self._tables[key]
+
+    def _check(self, base: int, dtype: np.dtype) -> Any:
+        key = ("check", base, dtype.name)
+        if key not in self._tables:
+            self._tables[key] = self._values(base, dtype)[
+                jax.device_put(probe_algo.check_table(base).astype(np.int32), self.device)]
+        return self._tables[key]
+
+    def feed(self, spec, name, base, pass_index):
+        import jax.numpy as jnp
+
+        dtype = wb.dtypes.dtype_info(spec.dtype(name)).numpy
+        shape, first, n = spec.shape(name), spec.offset(name), spec.size(name)
+        if base > probe_algo.TABLE_MAX or n == 0:
+            return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
+                                  self.device)
+        values, pieces = self._values(base, dtype), []
+        for start, m, w, row0, col0 in probe_algo.segments(first, n, base):
+            idx = probe_algo.row_index(pass_index, row0, m, base)
+            if idx is None:
+                piece = jnp.broadcast_to(values[col0:col0 + w], (m, w))
+            else:
+                idx = jax.device_put(idx.astype(np.int32), self.device)
+                piece = (jnp.broadcast_to(values[idx][:, None], (m, w)) if pass_index is not None
+                         else self._check(base, dtype)[idx, col0:col0 + w])
+            pieces.append(piece.reshape(-1))
+        return jnp.concatenate(pieces).reshape(shape)
+
+    def buffer(self, name, arr):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise wb.ProbeError(f"leaf `{name}` is a {type(arr).__name__}, not an array")
+        return arr
+
+    def dtype_name(self, a):
+        try:
+            return wb.dtypes.canonical_dtype(a.dtype)
+        except wb.SpecError:
+            return None
+
+    def read(self, a, base):
+        import jax.numpy as jnp
+
+        flat = jnp.asarray(a).reshape(-1)
+        if wb.dtypes.canonical_dtype(flat.dtype).startswith("float8"):
+            flat = flat.astype(jnp.float16)  # exact
+        if jnp.issubdtype(flat.dtype, jnp.floating):
+            ok = (flat >= 0) & (flat <= base) & (flat == jnp.round(flat))  # NaN fails all
+        else:
+            ok = (flat >= 0) & (flat <= base)
+        if not bool(ok.all()):
+            i = int(jnp.argmin(ok))
+            return ok, ok, probe_algo.Bad(
+                i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
+        d = flat.astype(jnp.int32)
+        digit = jnp.uint8 if base <= 256 else jnp.int16 if base <= 2**15 else jnp.int32
+        return d != 0, (d - 1).astype(digit), None
+
+    def first_difference(self, a, b):
+        import jax.numpy as jnp
+
+        if bool(jnp.array_equal(a, b)):
+            return None
+        return int(jnp.argmax(a != b))
+
+    def decode(self, written, digits, base, numel):
+        host = [np.asarray(d).astype(probe_algo.digit_dtype(base)) for d in digits]
+        return probe_algo.HostArrays().decode(np.asarray(written), host, base, numel)
+
+
+def _leaf_info(load_fn, spec: wb.CheckpointSpec) -> dict[str, tuple] | None:
+    """``{leaf key: (shape, dtype, device kind)}`` of ``load_fn``'s output, traced, not run."""
+    abstract = {n: jax.ShapeDtypeStruct(s, wb.dtypes.dtype_info(d).numpy)
+                for n, (s, d) in spec.items()}
+    try:
+        out = jax.eval_shape(load_fn, abstract)
+    except Exception as e:  # noqa: BLE001 - any untraceable load_fn falls back to spec + key
+        log.info("probe cache: load_fn cannot be traced (%s: %s); its fingerprint is the spec and "
+                 "key only", type(e).__name__, e)
+        return None
+    kind = jax.default_backend()
+    return {jax.tree_util.keystr(p): (tuple(x.shape), wb.dtypes.canonical_dtype(x.dtype), kind)
+            for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
 
 
 def shard_maps(sourcemap: wb.SourceMap, sharding: jax.sharding.Sharding) -> dict[Any, wb.SourceMap]:

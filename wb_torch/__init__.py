@@ -1,5 +1,7 @@
 """PyTorch shim of WeightBridge: the same functions, names and signatures as :mod:`wb_jax`.
 
+Long because probing on the parameters' device (``_DeviceArrays``) is torch code and lives here.
+
 =========================  ==============================================================
 ``probe``                  source maps of a model's parameters, by running its own
                            ``load_weights`` on id-encoded tensors
@@ -11,15 +13,18 @@
 ``to_numpy`` / ``from_numpy``  tensors <-> numpy, bfloat16 and float8 included
 =========================  ==============================================================
 
-``params`` is an ``nn.Module`` (its ``named_parameters()``) or ``{name: tensor}``; ``ranks`` is an
-int (this process is one worker: every tensor belongs to that rank) or ``{device: rank}`` (tensors
-grouped by their device). The shim converts tensors to zero-copy arrays and calls :mod:`wb`.
+``params`` is an ``nn.Module`` (its parameters and persistent buffers, named as ``state_dict()``
+names them) or ``{name: tensor}``; ``ranks`` is an int (this process is one worker: every tensor
+belongs to that rank) or ``{device: rank}`` (tensors grouped by their device). The shim converts
+tensors to zero-copy arrays and calls :mod:`wb`.
 
 The reference vLLM-style rollout model used by tests and the demo is in :mod:`wb_torch.testing`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
@@ -29,9 +34,12 @@ import numpy as np
 import torch
 
 import wb
+import wb.algorithms.probe as probe_algo
 
 __all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
            "to_numpy", "from_numpy"]
+
+log = logging.getLogger(__name__)
 
 Params = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
 Ranks = Union[int, Mapping[Any, int]]
@@ -109,52 +117,229 @@ class _ParamViews(Mapping):
 
 def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
           load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None, *,
-          progress: bool = False) -> dict[str, wb.SourceMap]:
-    """Source maps of every parameter of ``model``, found by running its own ``load_weights``.
+          progress: bool = False, cache: str | os.PathLike | None = None,
+          key: Any = None, arrays: Any = None) -> dict[str, wb.SourceMap]:
+    """Source maps of every state entry of ``model``, found by running its own ``load_weights``.
 
     ``load_weights`` follows vLLM's contract: it takes an iterable of ``(hf_name, full tensor)`` and
-    copies into the parameters in place. Before each pass every parameter is zeroed (0 is the
-    probe's "never written" value), so **probing overwrites the model's weights**: probe first,
-    then load or receive real weights.
+    writes the parameters (in place, or by replacing them as transformers' loader does: the
+    module's tensors are read again after every pass). What is probed is what ``state_dict()``
+    holds: the parameters and the **persistent buffers** (a checkpoint tensor kept in a
+    ``register_buffer(..., persistent=True)``, such as DeepSeek-V3's ``e_score_correction_bias``),
+    named as :func:`layouts` and :func:`buffers` name them. Before each pass each of them is zeroed
+    (0 is the probe's "never written" value), so **probing overwrites the model's parameters and
+    persistent buffers**: probe first, then load or receive real weights. Non-persistent buffers
+    (rotary ``inv_freq``) are neither zeroed nor probed.
 
     Args:
-        model: the module; its ``named_parameters()`` names key the result.
+        model: the module; its parameter and persistent buffer names key the result.
         spec: the checkpoint's tensors (names, shapes, dtypes) as ``load_weights`` expects them.
         load_weights: defaults to ``model.load_weights``.
         progress: show a progress bar over passes.
+        cache: a file or directory where the maps are kept (see :func:`wb.probe`): a second start
+            of the same rank reads them back without calling ``load_weights``; a changed spec,
+            model (any tensor's name, shape, dtype or device kind) or ``key`` probes again.
+        key: what distinguishes this rank (JSON-able, e.g. ``{"tp": 8, "rank": 3}``).
+        arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
+            Default: on the parameters' device with torch when it is a GPU (checkpoint tensors
+            made there, checked and decoded there; one int64 array per tensor comes back), numpy
+            on the host for CPU parameters (its kernels beat torch's int64 and bfloat16 CPU
+            kernels several times over: ``bench/bench_probe.py``).
 
     Returns:
-        ``{parameter name: SourceMap}``; elements ``load_weights`` never writes map to ``-1``.
+        ``{state entry name: SourceMap}``; elements ``load_weights`` never writes map to ``-1``.
 
     Raises:
         wb.ProbeError: ``model`` has no parameters or no ``load_weights``, ``load_weights`` raised
-            (names the checkpoint tensor it was being fed) or is not pure data movement (names the
-            parameter and its first bad element).
+            (names the checkpoint tensor it was being fed), wrote no checkpoint id anywhere, or is
+            not pure data movement (names the tensor and its first bad element).
     """
     if load_weights is None:
         if not hasattr(model, "load_weights"):
             raise wb.ProbeError(f"{type(model).__name__} has no load_weights method; pass "
                                 f"load_weights= (an iterable of (name, tensor) -> in-place copy)")
         load_weights = model.load_weights
-    params = dict(model.named_parameters())
+    params = _named(model)
     if not params:
         raise wb.ProbeError(f"{type(model).__name__} has no parameters to probe")
     device = next(iter(params.values())).device
+    replaced: set[str] = set()
 
     def load(ckpt: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        before = _named(model)
         with torch.no_grad():
-            for p in params.values():
+            for p in before.values():
                 p.view(torch.uint8).zero_() if p.dtype in _BITS else p.zero_()
-            load_weights((name, from_numpy(ckpt[name], device)) for name in ckpt)
-        return _ParamViews(params)
+            load_weights((name, from_numpy(ckpt[name], device) if on_host else ckpt[name])
+                         for name in ckpt)
+        # A loader may put new tensors in place of the old (transformers setattrs a new
+        # Parameter): what it wrote is in the module's tensors as they are now.
+        after = _named(model)
+        new = {n for n, t in after.items() if before.get(n) is not t} - replaced
+        if new:
+            log.info("load_weights replaced %d tensors (e.g. %s); probing the new ones",
+                     len(new), sorted(new)[:3])
+            replaced.update(new)
+        return _ParamViews(after) if on_host else {n: _local(t) for n, t in after.items()}
 
-    return wb.probe(spec, load, progress=progress)
+    if arrays is None:
+        arrays = probe_algo.HostArrays() if device.type == "cpu" else _DeviceArrays(device)
+    on_host = isinstance(arrays, probe_algo.HostArrays)
+    info = {n: (tuple(_local(t).shape), wb.dtypes.canonical_dtype(t.dtype), _local(t).device.type)
+            for n, t in params.items()}
+    return wb.probe(spec, load, progress=progress, cache=cache, key=key, buffers=info,
+                    arrays=arrays)
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_HASH_MUL = 0x9E3779B97F4A7C15 - 2**64  # the core's row hash multiplier as a wrapping int64
+
+
+class _DeviceArrays:
+    """The probe's per-element work (:class:`wb.algorithms.probe.ProbeArrays`) with torch on the
+    parameters' device: checkpoint tensors are made there (as same-width integers, from per-base
+    tables and O(rows) indices the core computes), each pass's parameters are checked there, and
+    ids are decoded there; one int64 array per parameter comes back to the host, for its map.
+
+    Extra device memory: per element of the probed tensors, 1 byte (written mask) plus one digit
+    per pass (1 byte at base <= 256, 2 at <= 2048, 4 above), and while one tensor is read or
+    decoded at most ``wb.algorithms.probe.TRANSIENT_BYTES_PER_ELEMENT`` more; plus the
+    checkpoint tensors ``load_weights`` holds at once.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._tables: dict[tuple, torch.Tensor] = {}
+
+    def _values(self, base: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(base,)`` raw bits of ``digit + 1`` in ``dtype``."""
+        key = ("values", base, dtype)
+        if key not in self._tables:
+            v = torch.arange(1, base + 1, dtype=torch.float32, device=self.device).to(dtype)
+            self._tables[key] = v.view(_RAW[v.element_size()])
+        return self._tables[key]
+
+    def _check(self, base: int, dtype: torch.dtype) -> torch.Tensor:
+        key = ("check", base, dtype)
+        if key not in self._tables:
+            idx = torch.from_numpy(probe_algo.check_table(base)).to(self.device)
+            self._tables[key] = self._values(base, dtype)[idx]
+        return self._tables[key]
+
+    def feed(self, spec, name, base, pass_index):
+        dtype = getattr(torch, spec.dtype(name))
+        out = torch.empty(spec.shape(name), dtype=dtype, device=self.device)
+        flat = out.view(-1).view(_RAW[out.element_size()])
+        first, n = spec.offset(name), out.numel()
+        if base > probe_algo.TABLE_MAX:  # wide bases (float32): chunked arithmetic on the device
+            for a in range(0, n, 1 << 22):
+                ids = torch.arange(first + a, first + min(n, a + (1 << 22)), device=self.device)
+                digit = _pass_digits(ids, pass_index, base) + 1
+                out.view(-1)[a:a + ids.numel()] = digit.to(
+                    torch.float32 if base <= 2**24 else torch.float64)
+            return out
+        values = self._values(base, dtype)
+        for start, m, w, row0, col0 in probe_algo.segments(first, n, base):
+            out2d = flat[start:start + m * w].view(m, w)
+            idx = probe_algo.row_index(pass_index, row0, m, base)
+            if idx is None:
+                out2d.copy_(values[col0:col0 + w].expand(m, w))
+                continue
+            idx = torch.from_numpy(idx).to(self.device)
+            if pass_index is not None:
+                out2d.copy_(values[idx].unsqueeze(1).expand(m, w))
+            else:
+                out2d.copy_(self._check(base, dtype)[idx, col0:col0 + w])
+        return out
+
+    def buffer(self, name, arr):
+        if not isinstance(arr, torch.Tensor):
+            raise wb.ProbeError(f"`{name}` is a {type(arr).__name__}, not a tensor")
+        return arr.detach()
+
+    def dtype_name(self, a):
+        try:
+            return wb.dtypes.canonical_dtype(a.dtype)
+        except wb.SpecError:
+            return None
+
+    def read(self, a, base):
+        flat = a.reshape(-1)
+        if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            flat = flat.to(torch.float16)  # exact; few kernels take float8 operands
+        if flat.is_floating_point():
+            ok = (flat >= 0) & (flat <= base) & (flat == torch.round(flat))  # NaN fails all
+        else:
+            ok = (flat >= 0) & (flat <= base)
+        if not bool(ok.all()):
+            i = int((~ok).nonzero()[0, 0])
+            return ok, ok, probe_algo.Bad(
+                i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
+        del ok
+        d = flat.to(torch.int32)
+        digit_dtype = torch.uint8 if base <= 256 else torch.int16 if base <= 2**15 else torch.int32
+        return d != 0, (d - 1).to(digit_dtype), None
+
+    def first_difference(self, a, b):
+        if torch.equal(a, b):
+            return None
+        return int((a != b).nonzero()[0, 0])
+
+    def decode(self, written, digits, base, numel):
+        *id_digits, check = digits
+        ids = torch.zeros(written.shape, dtype=torch.int64, device=self.device)
+        scale = 1
+        for d in id_digits:
+            ids.add_(d.to(torch.int64), alpha=scale)
+            scale *= base
+        ids.masked_fill_(~written, 0)  # unwritten elements hold no digits
+        over = ids >= numel
+        if bool(over.any()):
+            i = int(over.nonzero()[0, 0])
+            return (ids.cpu().numpy(), probe_algo.Bad(i, f"decodes to id {int(ids[i])} >= numel "
+                                                      f"{numel}"), False)
+        wrong = written & (check != _check_digit(ids, base))
+        if bool(wrong.any()):
+            i = int(wrong.nonzero()[0, 0])
+            return (ids.cpu().numpy(), probe_algo.Bad(
+                i, "disagrees between the id passes and the check pass"), True)
+        ids.masked_fill_(~written, -1)
+        return ids.cpu().numpy(), None, False
+
+
+def _check_digit(ids: torch.Tensor, base: int) -> torch.Tensor:
+    """``wb.algorithms.probe.check_digit`` on the device (int64 ids >= 0)."""
+    if base & (base - 1):  # not a power of two (a base given by hand): on the host
+        return torch.from_numpy(probe_algo.check_digit(ids.cpu().numpy(), base)).to(ids.device)
+    shift, mask = base.bit_length() - 1, base - 1
+    # int64 products wrap like the core's uint64 ones; the arithmetic shift differs from the
+    # logical one only in bits the mask drops (base <= 2**24 keeps bits 24..47 of the product)
+    h = ids >> shift  # in place from here: 2 int64 temporaries per element, not 7
+    h.mul_(_HASH_MUL).bitwise_right_shift_(24).bitwise_and_(mask)
+    col = (ids & mask).mul_(probe_algo.COL_MUL % base)
+    return h.add_(col).bitwise_and_(mask)
+
+
+def _pass_digits(ids: torch.Tensor, pass_index: int | None, base: int) -> torch.Tensor:
+    if pass_index is None:
+        return _check_digit(ids, base)
+    return ids // base ** pass_index % base
 
 
 # --- params -> ranks ---------------------------------------------------------------------------
 def _named(params: Params) -> dict[str, torch.Tensor]:
+    """``{name: tensor}``: a module's parameters, then its persistent buffers (what
+    ``state_dict()`` holds, with its names), each tensor once; a mapping as it is."""
     if isinstance(params, torch.nn.Module):
-        return dict(params.named_parameters())
+        named = dict(params.named_parameters())
+        for name, b in params.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            # state_dict() itself would tell, but runs its hooks (FSDP gathers whole tensors
+            # there); the set of non-persistent names is what state_dict consults
+            mod = params.get_submodule(owner) if owner else params
+            if leaf not in getattr(mod, "_non_persistent_buffers_set", ()) and name not in named:
+                named[name] = b
+        return named
     if isinstance(params, Mapping):
         return dict(params)
     raise TypeError(f"params must be an nn.Module or a mapping of name -> tensor, got "
@@ -205,7 +390,7 @@ def buffers(params: Params, ranks: Ranks) -> dict[int, dict[str, Any]]:
     the executor moves as raw bits. DTensors give their local shard.
 
     Args:
-        params: an ``nn.Module`` (its ``named_parameters()``) or ``{name: tensor}``.
+        params: an ``nn.Module`` (its parameters and persistent buffers) or ``{name: tensor}``.
         ranks: this process's rank (every tensor), or ``{device: rank}``.
 
     Returns:
@@ -227,7 +412,7 @@ def layouts(params: Params, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, n
 
     Args:
         params: the probed model (or ``{name: tensor}``): gives each buffer's dtype and device.
-        maps: ``{parameter name: SourceMap}`` from :func:`probe`.
+        maps: ``{state entry name: SourceMap}`` from :func:`probe`.
         ranks: this process's rank, or ``{device: rank}``.
         node: the node (machine) of this process.
         role: ``"trainer"`` or ``"rollout"``.
@@ -239,14 +424,14 @@ def layouts(params: Params, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, n
         Layouts in the order of ``ranks``; parameters whose maps hold no id are left out.
 
     Raises:
-        wb.SpecError: a parameter has no map, or ``holders`` is unknown.
+        wb.SpecError: a parameter or persistent buffer has no map, or ``holders`` is unknown.
     """
     if holders not in ("replica0", "all"):
         raise wb.SpecError(f"holders must be 'replica0' or 'all', got {holders!r}")
 
     def probed(n: str, t: torch.Tensor) -> wb.SourceMap | None:
         if n not in maps:
-            raise wb.SpecError(f"parameter `{n}` has no source map; probe the same model "
+            raise wb.SpecError(f"tensor `{n}` has no source map; probe the same model "
                                f"(maps has {sorted(maps)[:5]}...)")
         return maps[n] if maps[n].n_ids else None
     return _layouts(params, ranks, probed, node=node, role=role, local_rank=local_rank)
@@ -286,7 +471,10 @@ def checkpoint_layouts(params: Params, spec: wb.CheckpointSpec, ranks: Ranks, *,
     Raises:
         wb.SpecError: a name not in ``spec``, or a block that does not fit its tensor.
     """
-    def block(name: str, t: torch.Tensor) -> wb.SourceMap:
+    def block(name: str, t: torch.Tensor) -> wb.SourceMap | None:
+        if (name not in spec and isinstance(params, torch.nn.Module)
+                and not isinstance(t, torch.nn.Parameter)):
+            return None  # a persistent buffer that is not a checkpoint tensor (a step counter)
         if name not in spec:
             raise wb.SpecError(f"tensor `{name}` is not in the checkpoint spec; "
                                f"checkpoint_layouts needs checkpoint names (use probe and "

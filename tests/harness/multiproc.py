@@ -84,7 +84,12 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank}
     try:
-        plan = Plan.load(fault.other_plan or plan_path)
+        if options.get("parts_dir"):  # this rank's part only (RankPlan bytes), not the plan
+            from wb.data.rankplan import RankPlan
+
+            plan = RankPlan.from_bytes(Path(options["parts_dir"], f"{rank}.part").read_bytes())
+        else:
+            plan = Plan.load(fault.other_plan or plan_path)
         trainer = plan.layout_of(rank).worker.role == Role.TRAINER
         cuda = options.get("cuda_device")
         if isinstance(cuda, dict):  # per role: {"trainer": 0, "rollout": 1} puts them apart
@@ -241,6 +246,12 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
         trainer = plan.layout_of(rank).worker.role == Role.TRAINER
         store = DirectoryStore(store_dir)
         timeout = options.get("timeout", 60.0)
+        if options.get("agree"):  # the set-up of a real job: publish the layout, get the part
+            from wb.runtime.coordinator import agree_parts
+
+            plan = agree_parts(store, [plan.layout_of(rank)], world=len(plan.ranks),
+                               name="agree", timeout=timeout, chunk_bytes=plan.chunk_bytes)
+            result["part_messages"] = int(plan[rank].index.size)
         transport = UcxTransport(rank, store, timeout=timeout)
         if fault.die_after is not None:
             transport = _FaultyTransport(transport, fault)

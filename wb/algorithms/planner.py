@@ -68,7 +68,8 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
         bytes into each node = M_v).
 
     Raises:
-        PlanError: an id needed by a rollout is held by no trainer, or dtypes disagree.
+        PlanError: an id needed by a rollout is held by no trainer, dtypes disagree, or the
+            rollouts need no id at all (no rollouts, no buffers, or maps that are all ``-1``).
 
     Examples:
         >>> import numpy as np, wb
@@ -85,6 +86,15 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     corr = correspond(trainers, rollouts)
     tab, nodes = slot_table(corr.slots, trainers, rollouts)
+    if not (tab.role[corr.inc_slot] == 1).any():
+        # An empty plan would make every update a silent no-op: the symptom of a probe that found
+        # nothing (or of layouts built from the wrong model), which is what a user must hear about.
+        why = ("no rollout layouts were given" if not rollouts else
+               "no rollout layout lists a buffer" if not any(r.buffers for r in rollouts) else
+               "every rollout buffer's source map is -1 (holds no checkpoint id)")
+        raise PlanError(f"the rollouts need no checkpoint id ({why}), so there is nothing to "
+                        f"plan; probe the rollout model with the checkpoint's spec and pass its "
+                        f"layouts as `rollouts`")
     routes = _route(corr, tab, nodes, cluster, chunk_bytes)
     return plan_from_routes(trainers, rollouts, routes, corr=corr, table=tab, cluster=cluster,
                             chunk_bytes=chunk_bytes)

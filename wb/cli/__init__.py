@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--plot", metavar="FILE.png", help="draw the load on every link")
     pl.add_argument("--no-verify", action="store_true", help="skip Plan.verify()")
     pl.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    pl.add_argument("--setup", action="store_true",
+                    help="instead: time the set-up through a real store, every rank simulated "
+                         "here (layouts published, plan made, every rank's part fetched and "
+                         "loaded); prints a JSON object as the last line")
+    pl.add_argument("--sample", type=int, default=8,
+                    help="with --setup: how many ranks' parts to load, largest first (default 8)")
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
                                       "side between local processes over UCX")
     be.add_argument("--quick", action="store_true", help="the small 'quick' profile (CI, smoke)")
@@ -80,8 +86,11 @@ def _run(args) -> int:
             print(json.dumps(report))
         return 0 if report["verified"] else 1
     if args.command == "plan":
-        from wb.cli.plan import run_plan
+        from wb.cli.plan import run_plan, run_setup
 
+        if args.setup:
+            print(json.dumps(run_setup(args.preset, sample=args.sample, quiet=args.json)))
+            return 0
         report = run_plan(args.preset, plot=args.plot, verify=not args.no_verify, quiet=args.json)
         if args.json:
             print(json.dumps(report))

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from wb.data.layout import Cluster
 
-__all__ = ["run_plan", "plot_links"]
+__all__ = ["run_plan", "run_setup", "plot_links"]
 
 
 def _peak_rss_mb() -> float:
@@ -86,6 +86,118 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         plot_links({"wb": sim, "naive p2p": p2p}, sim.ideal_s, plot, title=preset)
         report["plot"] = plot
         console.print(f"wrote {plot}")
+    return report
+
+
+def run_setup(preset: str, *, sample: int = 8, quiet: bool = False, models_dir=None,
+              store_dir=None) -> dict:
+    """Set-up of a preset deployment through a real store, every rank simulated in this process.
+
+    Every rank publishes its layout to a :class:`~wb.runtime.rendezvous.DirectoryStore` (in a temp
+    directory unless ``store_dir``); the planner (rank 0) gathers them, plans, and publishes each
+    rank's part; every rank's part is fetched (all of them, for the bytes) and ``sample`` of them
+    are loaded (the largest parts first, for the load time). The whole plan's ``save``/``load`` is
+    timed too, for comparison.
+
+    Args:
+        preset: a :func:`wb.layouts.deployments.deployment` name.
+        sample: how many ranks' parts to load (the largest ones).
+        quiet: print nothing.
+        models_dir: where preset configs are looked up.
+        store_dir: the store's directory (default: a temporary one, removed after).
+
+    Returns:
+        The report: ``layouts_bytes``, ``store_bytes_total``, ``max_rank_part_bytes``,
+        ``max_rank_part_load_s``, ``coordinator_s`` (first layout published -> last part
+        available), and the steps' times.
+    """
+    import io
+    import tempfile
+
+    from wb.algorithms.planner import plan as make_plan
+    from wb.data.layout import Role
+    from wb.data.plan import Plan
+    from wb.data.rankplan import RankPlan
+    from wb.layouts.deployments import deployment
+    from wb.runtime.coordinator import gather_layouts, publish_layouts, publish_parts
+    from wb.runtime.rendezvous import CountingStore, DirectoryStore, get_large
+
+    console = Console(quiet=quiet)
+    with console.status(f"building the source maps of {preset}..."):
+        dep = deployment(preset, models_dir=models_dir)
+    layouts = [*dep.trainers, *dep.rollouts]
+    world = len(layouts)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CountingStore(DirectoryStore(store_dir or tmp))
+        t0 = time.perf_counter()
+        with console.status(f"{world} ranks publish their layouts..."):
+            # each rank would publish its own, at once; here one after another (an upper bound)
+            layouts_bytes = sum(publish_layouts(store, [lay], world=world, name="setup")
+                                for lay in layouts)
+        published_s = time.perf_counter() - t0
+        with console.status("the planner gathers the layouts..."):
+            everyone = gather_layouts(store, world=world, name="setup", timeout=60)
+        gathered_s = time.perf_counter() - t0
+        with console.status("planning..."):
+            p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
+                          [x for x in everyone if x.worker.role == Role.ROLLOUT])
+        planned_s = time.perf_counter() - t0
+        with console.status(f"cutting and publishing {world} parts..."):
+            parts_bytes = publish_parts(store, p, name="setup")
+        coordinator_s = time.perf_counter() - t0
+        sizes = {}
+        t1 = time.perf_counter()
+        with console.status(f"{world} ranks fetch their parts..."):
+            fetched = {r: get_large(store, f"setup/part/{r}", 60) for r in range(world)}
+            sizes = {r: len(b) for r, b in fetched.items()}
+        fetch_all_s = time.perf_counter() - t1
+        loads = {}
+        for r in sorted(sizes, key=lambda r: -sizes[r])[:max(1, sample)]:
+            t1 = time.perf_counter()
+            part = RankPlan.from_bytes(fetched[r])
+            loads[r] = time.perf_counter() - t1
+            assert part.rank == r
+        del fetched
+        with console.status("saving and loading the whole plan, for comparison..."):
+            f = io.BytesIO()
+            t1 = time.perf_counter()
+            p.save(f)
+            save_s = time.perf_counter() - t1
+            whole_bytes = f.tell()
+            f.seek(0)
+            t1 = time.perf_counter()
+            Plan.load(f)
+            load_s = time.perf_counter() - t1
+    report = {
+        "preset": preset, "ranks": world, "trainer_gpus": len(dep.trainers),
+        "rollout_gpus": len(dep.rollouts),
+        "layouts_bytes": int(layouts_bytes), "parts_bytes": int(parts_bytes),
+        "store_bytes_total": int(store.bytes_set),
+        "max_rank_part_bytes": int(max(sizes.values())),
+        "mean_rank_part_bytes": int(sum(sizes.values()) / len(sizes)),
+        "max_rank_part_load_s": round(max(loads.values()), 4), "sampled_ranks": sorted(loads),
+        "coordinator_s": round(coordinator_s, 3), "publish_layouts_s": round(published_s, 3),
+        "gather_layouts_s": round(gathered_s - published_s, 3),
+        "plan_s": round(planned_s - gathered_s, 3),
+        "publish_parts_s": round(coordinator_s - planned_s, 3),
+        "fetch_all_parts_s": round(fetch_all_s, 3),
+        "whole_plan_bytes": int(whole_bytes), "whole_plan_save_s": round(save_s, 3),
+        "whole_plan_load_s": round(load_s, 3), "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+    t = Table(title=f"set-up of {preset} through a directory store", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    mb = 1e6
+    for k, v in (("ranks", f"{world}"),
+                 ("layouts through the store", f"{layouts_bytes / mb:,.1f} MB"),
+                 ("parts through the store", f"{parts_bytes / mb:,.1f} MB"),
+                 ("largest part / its load", f"{report['max_rank_part_bytes'] / mb:,.2f} MB / "
+                                             f"{report['max_rank_part_load_s']:.3f} s"),
+                 ("coordinator (first layout -> last part)", f"{coordinator_s:.1f} s"),
+                 ("whole plan: bytes / save / load", f"{whole_bytes / mb:,.0f} MB / {save_s:.1f} s"
+                                                     f" / {load_s:.1f} s")):
+        t.add_row(k, v)
+    console.print(t)
     return report
 
 

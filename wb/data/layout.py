@@ -13,7 +13,7 @@ import numpy as np
 
 from wb.data.dtypes import canonical_dtype, dtype_info
 from wb.errors import SpecError
-from wb.data.sourcemap import MAX_ID, SourceMap
+from wb.data.sourcemap import MAX_ID, Blocks, SourceMap
 
 __all__ = [
     "BufferSpec",
@@ -149,47 +149,159 @@ class Cluster:
         return (Cluster, (self.nic_gbps, self.nvlink_GBps, dict(self.nodes)))
 
 
-def layouts_to_arrays(layouts) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """Layouts as (JSON-able descriptions, ``{key: array}`` of their source maps; shared maps once).
+#: Format of :func:`layouts_to_arrays` (and of saved plans' layouts): bumped when it changes.
+LAYOUTS_FORMAT = 2
 
-    The inverse is :func:`layouts_from_arrays`; no pickle either way (plans and layouts travel
-    between processes through rendezvous stores as these bytes).
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """``(n+1,) int64`` offsets of consecutive runs of the given lengths."""
+    out = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def layouts_to_arrays(layouts) -> tuple[dict, dict[str, np.ndarray]]:
+    """Layouts as (a small JSON-able header, ``{key: array}``); shared specs and maps once.
+
+    Everything per buffer is a column of an array (its name's index, its spec's index; per spec
+    its map's and dtype's index; per map its shape, diff2 entries and blocks concatenated with
+    counts), so writing and reading take time in proportion to the arrays, not to Python objects
+    per buffer. Equal specs (or maps) of several buffers (replicas of one shard), whether one
+    shared object or equal ones, are stored once and shared by :func:`layouts_from_arrays`. The
+    header holds only the distinct strings (node names, buffer names, dtypes). No pickle either
+    way (plans and layouts travel between processes through rendezvous stores as these bytes).
     """
-    maps: dict[int, SourceMap] = {}
-    described = []
+    layouts = list(layouts)
+    nodes: dict[str, int] = {}
+    names: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    specs: dict[int, int] = {}  # id(BufferSpec) -> index
+    maps: dict[int, int] = {}  # id(SourceMap) -> index
+    by_value: dict[tuple, int] = {}  # (shape, diff2 bytes) -> index
+    spec_of: dict[tuple[int, str], int] = {}  # (map index, dtype) -> spec index
+    spec_objs: list[BufferSpec] = []
+    map_objs: list[SourceMap] = []
+    buf_name: list[int] = []
+    buf_spec: list[int] = []
+    spec_map: list[int] = []
+    spec_dtype: list[int] = []
     for lay in layouts:
-        bufs = {}
         for name, b in lay.buffers.items():
-            maps.setdefault(id(b.sourcemap), b.sourcemap)
-            bufs[name] = [list(maps).index(id(b.sourcemap)), b.dtype]
-        w = lay.worker
-        described.append({"rank": w.rank, "node": w.node, "role": w.role.value,
-                          "local_rank": w.local_rank, "buffers": bufs})
-    arrays = {f"map{i}.{k}": v for i, sm in enumerate(maps.values())
-              for k, v in sm.to_arrays().items()}
-    return described, arrays
+            buf_name.append(names.setdefault(name, len(names)))
+            k = specs.get(id(b))
+            if k is None:
+                m = maps.get(id(b.sourcemap))
+                if m is None:
+                    # equal maps that are distinct objects (layouts read back one by one, as a
+                    # planner gathers them) are stored once too: keyed by their entries
+                    sm = b.sourcemap
+                    pos, val = sm.diff2()
+                    m = by_value.setdefault((sm.shape, pos.tobytes(), val.tobytes()),
+                                            len(map_objs))
+                    if m == len(map_objs):
+                        map_objs.append(sm)
+                    maps[id(sm)] = m
+                key = (m, b.dtype)
+                k = spec_of.get(key)
+                if k is None:
+                    k = spec_of[key] = len(spec_objs)
+                    spec_objs.append(b)
+                    spec_map.append(m)
+                    spec_dtype.append(dtypes.setdefault(b.dtype, len(dtypes)))
+                specs[id(b)] = k
+            buf_spec.append(k)
+    diff2 = [sm.diff2() for sm in map_objs]
+    blocks = [sm.blocks for sm in map_objs]
+    arrays = {
+        "lay.rank": np.array([lay.worker.rank for lay in layouts], np.int64),
+        "lay.local_rank": np.array([lay.worker.local_rank for lay in layouts], np.int64),
+        "lay.role": np.array([lay.worker.role == Role.ROLLOUT for lay in layouts], np.int8),
+        "lay.node": np.array([nodes.setdefault(lay.worker.node, len(nodes)) for lay in layouts],
+                             np.int64),
+        "lay.nbuf": np.array([len(lay.buffers) for lay in layouts], np.int64),
+        "buf.name": np.array(buf_name, np.int64),
+        "buf.spec": np.array(buf_spec, np.int64),
+        "spec.map": np.array(spec_map, np.int64),
+        "spec.dtype": np.array(spec_dtype, np.int64),
+        "map.ndim": np.array([len(sm.shape) for sm in map_objs], np.int64),
+        "map.shape": np.array([d for sm in map_objs for d in sm.shape], np.int64),
+        "map.nnz": np.array([p.size for p, _ in diff2], np.int64),
+        "map.pos": _cat([p for p, _ in diff2]),
+        "map.val": _cat([v for _, v in diff2]),
+        "map.nblocks": np.array([b.count for b in blocks], np.int64),
+    }
+    for f in Blocks._fields:
+        arrays[f"map.block_{f}"] = _cat([getattr(b, f) for b in blocks])
+    header = {"format": LAYOUTS_FORMAT, "nodes": list(nodes), "names": list(names),
+              "dtypes": list(dtypes)}
+    return header, arrays
 
 
-def layouts_from_arrays(described: list[dict], arrays: Mapping[str, np.ndarray]) -> list[Layout]:
-    """The layouts :func:`layouts_to_arrays` described."""
-    n_maps = 1 + max((i for L in described for i, _ in L["buffers"].values()), default=-1)
-    maps = [SourceMap.from_arrays({k.split(".", 1)[1]: v for k, v in arrays.items()
-                                   if k.startswith(f"map{i}.")}) for i in range(n_maps)]
-    return [Layout(Worker(L["rank"], L["node"], L["role"], L["local_rank"]),
-                   {n: BufferSpec(maps[i], dt) for n, (i, dt) in L["buffers"].items()})
-            for L in described]
+def layouts_from_arrays(header: Mapping, arrays: Mapping[str, np.ndarray]) -> list[Layout]:
+    """The layouts :func:`layouts_to_arrays` described (buffers that shared a spec share one).
+
+    Raises:
+        SpecError: the arrays are of another format (written by an older ``wb``: make the layouts
+            or the plan again).
+    """
+    if not isinstance(header, Mapping) or header.get("format") != LAYOUTS_FORMAT:
+        got = header.get("format") if isinstance(header, Mapping) else "1 (a list)"
+        raise SpecError(f"layouts of format {got} cannot be read by this wb (format "
+                        f"{LAYOUTS_FORMAT}); they were written by an older version: probe the "
+                        f"layouts or make the plan again (plans are cheap to re-make)")
+    a = {k: np.asarray(v) for k, v in arrays.items()}
+    shp = _starts(a["map.ndim"])
+    nz = _starts(a["map.nnz"])
+    nbk = _starts(a["map.nblocks"])
+    pos, val = a["map.pos"], a["map.val"]
+    bf = [a[f"map.block_{f}"] for f in Blocks._fields]
+    shape_list = a["map.shape"].tolist()
+    maps = []
+    for m in range(a["map.ndim"].size):
+        z0, z1, b0, b1 = int(nz[m]), int(nz[m + 1]), int(nbk[m]), int(nbk[m + 1])
+        maps.append(SourceMap(tuple(shape_list[shp[m]:shp[m + 1]]), pos[z0:z1], val[z0:z1],
+                              Blocks(*(f[b0:b1] for f in bf))))
+    dtypes = header["dtypes"]
+    specs = [BufferSpec(maps[m], dtypes[d])
+             for m, d in zip(a["spec.map"].tolist(), a["spec.dtype"].tolist())]
+    names, nodes = header["names"], header["nodes"]
+    buf_name, buf_spec = a["buf.name"].tolist(), a["buf.spec"].tolist()
+    out, k = [], 0
+    for rank, local, role, node, nbuf in zip(a["lay.rank"].tolist(), a["lay.local_rank"].tolist(),
+                                            a["lay.role"].tolist(), a["lay.node"].tolist(),
+                                            a["lay.nbuf"].tolist()):
+        bufs = {names[buf_name[j]]: specs[buf_spec[j]] for j in range(k, k + nbuf)}
+        k += nbuf
+        out.append(Layout(Worker(rank, nodes[node], Role.ROLLOUT if role else Role.TRAINER,
+                                 local), bufs))
+    return out
 
 
 def layouts_to_bytes(layouts) -> bytes:
-    """Layouts as ``.npz`` bytes (numpy arrays and a JSON header; no pickle)."""
-    described, arrays = layouts_to_arrays(layouts)
+    """Layouts as ``.npz`` bytes (numpy arrays and a JSON header; no pickle).
+
+    Examples:
+        >>> sm = SourceMap.from_indices(np.arange(6).reshape(2, 3))
+        >>> lay = Layout(Worker(0, "n0", "trainer"), {"w": BufferSpec(sm, "float32")})
+        >>> layouts_from_bytes(layouts_to_bytes([lay]))[0].buffers["w"] == lay.buffers["w"]
+        True
+    """
+    header, arrays = layouts_to_arrays(layouts)
     f = io.BytesIO()
-    np.savez(f, header=np.frombuffer(json.dumps(described).encode(), np.uint8), **arrays)
+    np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
     return f.getvalue()
 
 
 def layouts_from_bytes(data: bytes) -> list[Layout]:
-    """The layouts :func:`layouts_to_bytes` wrote (``allow_pickle=False``)."""
+    """The layouts :func:`layouts_to_bytes` wrote (``allow_pickle=False``).
+
+    Raises:
+        SpecError: bytes of an older format (see :func:`layouts_from_arrays`).
+    """
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     return layouts_from_arrays(json.loads(bytes(arrays.pop("header")).decode()), arrays)

@@ -1,5 +1,7 @@
 """Plan: who sends which bytes to whom, in which order (pure data), and checks of a plan.
 
+Long because the plan's data, its element-exact check and its array-only save/load are one value.
+
 A plan moves **pieces**: sub-rectangles (at most ``chunk_bytes``) of the correspondence's cells. A
 **transfer** moves one piece from a region of one buffer to a region of another; a transfer whose
 source is a rollout buffer names the transfer that brought the piece there (``after``), which is
@@ -33,6 +35,9 @@ from wb.data.layout import (
 )
 
 __all__ = ["Messages", "Pieces", "Plan", "Traffic", "Transfers", "run_local"]
+
+#: Format of :meth:`Plan.save` files: 2 stores layouts and slots as arrays (1 as JSON per buffer).
+PLAN_FORMAT = 2
 
 
 class Pieces(NamedTuple):
@@ -127,8 +132,9 @@ class Plan:
     """A complete transfer plan: pure data, independent of any process.
 
     Build one with :func:`wb.plan`. ``verify()`` checks it against the layouts it was made for;
-    ``traffic()`` counts bytes per link; ``for_rank(r)`` is one worker's part; ``save``/``load``
-    write and read it without pickle.
+    ``traffic()`` counts bytes per link; ``for_rank(r)`` is one worker's message indices (a
+    rank's part as a value of its own, small enough to send to it, is
+    :class:`wb.data.rankplan.RankPlan`); ``save``/``load`` write and read it without pickle.
     """
 
     trainers: tuple[Layout, ...]  # the layouts it was made for
@@ -232,40 +238,71 @@ class Plan:
 
     # --- serialisation -------------------------------------------------------------------------
     def save(self, path) -> None:
-        """Writes the plan as one ``.npz`` (numpy arrays and a JSON header; no pickle)."""
+        """Writes the plan as one ``.npz`` (numpy arrays and a small JSON header; no pickle).
+
+        Its layouts and slots are columns of arrays too (:func:`wb.data.layout.layouts_to_arrays`),
+        so saving and loading take time in proportion to the arrays, not to the buffers.
+
+        Args:
+            path: a file name or a writable binary file object.
+        """
         arrays: dict[str, np.ndarray] = {}
         for group, nt in (("corr", self.corr), ("pieces", self.pieces),
                           ("transfers", self.transfers), ("messages", self.messages)):
             for k, v in nt._asdict().items():
                 if isinstance(v, np.ndarray):
                     arrays[f"{group}.{k}"] = v
-        layouts, map_arrays = layouts_to_arrays((*self.trainers, *self.rollouts))
-        arrays.update(map_arrays)
-        header = {"version": 1, "chunk_bytes": self.chunk_bytes,
+        lay_header, lay_arrays = layouts_to_arrays((*self.trainers, *self.rollouts))
+        arrays.update({f"layouts.{k}": v for k, v in lay_arrays.items()})
+        slots = self.corr.slots
+        names: dict[str, int] = {}
+        arrays["slots.role"] = np.array([s.role == Role.ROLLOUT for s in slots], np.int8)
+        arrays["slots.layout"] = np.array([s.layout for s in slots], np.int64)
+        arrays["slots.rank"] = np.array([s.rank for s in slots], np.int64)
+        arrays["slots.buffer"] = np.array([names.setdefault(s.buffer, len(names)) for s in slots],
+                                          np.int64)
+        header = {"version": PLAN_FORMAT, "chunk_bytes": self.chunk_bytes,
                   "cluster": {"nic_gbps": self.cluster.nic_gbps,
                               "nvlink_GBps": self.cluster.nvlink_GBps,
                               "nodes": dict(self.cluster.nodes)},
-                  "layouts": layouts,
-                  "slots": [[s.role.value, s.layout, s.rank, s.buffer] for s in self.corr.slots]}
+                  "layouts": lay_header, "slot_buffers": list(names)}
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
         np.savez(path, **arrays)
 
     @classmethod
     def load(cls, path) -> Plan:
-        """Reads a plan written by :meth:`save` (``allow_pickle=False``)."""
+        """Reads a plan written by :meth:`save` (``allow_pickle=False``).
+
+        Args:
+            path: a file name or a readable binary file object.
+
+        Raises:
+            PlanError: a plan saved by an older ``wb`` (format 1): make it again with
+                :func:`wb.plan` and save it (plans are cheap to re-make).
+        """
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
         header = json.loads(bytes(data.pop("header")).decode())
-        trainers, rollouts = [], []
-        for lay in layouts_from_arrays(header["layouts"], data):
-            (trainers if lay.worker.role == Role.TRAINER else rollouts).append(lay)
-        slots = tuple(Slot(Role(r), li, rank, b) for r, li, rank, b in header["slots"])
+        if header.get("version") != PLAN_FORMAT:
+            raise PlanError(f"this plan file is of format {header.get('version')}, this wb reads "
+                            f"format {PLAN_FORMAT} (it was saved by an older wb); make the plan "
+                            f"again with wb.plan(...) and save it")
+        lays = layouts_from_arrays(header["layouts"], {
+            k.split(".", 1)[1]: v for k, v in data.items() if k.startswith("layouts.")})
+        trainers = tuple(lay for lay in lays if lay.worker.role == Role.TRAINER)
+        rollouts = tuple(lay for lay in lays if lay.worker.role == Role.ROLLOUT)
+        names = header["slot_buffers"]
+        slots = tuple(Slot(Role.ROLLOUT if r else Role.TRAINER, li, rank, names[b])
+                      for r, li, rank, b in zip(data["slots.role"].tolist(),
+                                                data["slots.layout"].tolist(),
+                                                data["slots.rank"].tolist(),
+                                                data["slots.buffer"].tolist()))
 
         def group(nt, name, **extra):
             return nt(**extra, **{f: data[f"{name}.{f}"] for f in nt._fields if f not in extra})
         corr = group(Correspondence, "corr", slots=slots)
         c = header["cluster"]
-        return cls(tuple(trainers), tuple(rollouts),
+        return cls(trainers, rollouts,
                    Cluster(c["nic_gbps"], c["nvlink_GBps"], c["nodes"]), header["chunk_bytes"],
                    corr, group(Pieces, "pieces"), group(Transfers, "transfers"),
                    group(Messages, "messages"))

@@ -25,19 +25,23 @@ AGST.
 from __future__ import annotations
 
 import io
+import time
 from typing import NamedTuple
 
 from wb.algorithms.planner import plan as make_plan
 from wb.data.layout import Role, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan, RankPlans, parts
 from wb.errors import TransferError
 from wb.runtime.buffers import aligned_empty
 from wb.runtime.receiver import Receiver
+from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.sender import Sender
 from wb.runtime.stats import Summary, UpdateStats, summarize
 
 __all__ = ["Sender", "Receiver", "SyncMode", "MODES", "UpdateStats", "Summary", "summarize",
-           "aligned_empty", "agree_plan"]
+           "aligned_empty", "agree_plan", "agree_parts", "publish_layouts", "gather_layouts",
+           "publish_parts", "fetch_part"]
 
 
 class SyncMode(NamedTuple):
@@ -56,12 +60,127 @@ MODES: dict[str, SyncMode] = {
 }
 
 
+def publish_layouts(store, layouts, *, world: int, name: str = "wb") -> int:
+    """Puts each of this process's workers' layouts in ``store`` (one key per rank).
+
+    Args:
+        store: the rendezvous store every process shares.
+        layouts: this process's workers' layouts.
+        world: the number of workers of the plan.
+        name: keeps the keys of concurrent sessions apart.
+
+    Returns:
+        The bytes put in the store.
+
+    Raises:
+        TransferError: a rank outside ``0 .. world - 1``.
+    """
+    layouts = list(layouts)
+    for lay in layouts:
+        if not 0 <= lay.worker.rank < world:
+            raise TransferError(f"rank {lay.worker.rank} is outside 0..{world - 1} (world={world})")
+    return sum(set_large(store, f"{name}/layout/{lay.worker.rank}", layouts_to_bytes([lay]))
+               for lay in layouts)
+
+
+def gather_layouts(store, *, world: int, name: str = "wb", timeout: float = 600.0) -> list:
+    """Every rank's layout from ``store`` (rank order), waiting up to ``timeout`` seconds in all.
+
+    Raises:
+        TransferError: a rank did not publish its layout in time.
+    """
+    deadline = time.monotonic() + timeout
+    return [layouts_from_bytes(get_large(store, f"{name}/layout/{r}",
+                                         max(deadline - time.monotonic(), 0.001)))[0]
+            for r in range(world)]
+
+
+def publish_parts(store, plan: Plan, *, name: str = "wb") -> int:
+    """Puts every rank's part of ``plan`` in ``store`` under its own key (chunked where the store
+    needs it): each rank then reads only its own.
+
+    Returns:
+        The bytes put in the store.
+    """
+    return sum(set_large(store, f"{name}/part/{part.rank}", part.to_bytes())
+               for part in parts(plan))
+
+
+def fetch_part(store, rank: int, *, name: str = "wb", timeout: float = 600.0) -> RankPlan:
+    """Rank ``rank``'s part of the plan, from ``store`` (waiting up to ``timeout`` seconds).
+
+    Raises:
+        TransferError: no part for ``rank`` was published in time.
+    """
+    return RankPlan.from_bytes(get_large(store, f"{name}/part/{rank}", timeout))
+
+
+def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
+                planned: list | None = None, **plan_kwargs) -> RankPlans:
+    """Every process publishes its workers' layouts; the one holding rank 0 plans and publishes
+    each rank's part under its own key; every process fetches only its own workers' parts.
+
+    What goes through the store is the layouts once and the parts once (a part is the messages a
+    rank sends and receives: kilobytes to a few MB even for a 1T model on 512 GPUs), chunked
+    where the store limits its values (``max_value_bytes`` of the adapter). Pass each part to
+    :class:`wb.Sender` / :class:`wb.Receiver` (or all of them to :class:`wb.LocalSession`).
+
+    Args:
+        store: the rendezvous store every process shares.
+        layouts: this process's workers' layouts (as each probed its own load path).
+        world: the number of workers (trainers + rollouts) of the plan.
+        name: keeps the keys of concurrent sessions apart.
+        timeout: seconds to wait for the other processes.
+        planned: a list; in the process that plans, the whole :class:`wb.Plan` is appended to
+            it (for ``verify()``, ``traffic()``, saving).
+        plan_kwargs: passed to :func:`wb.plan` (``cluster=``, ``chunk_bytes=``).
+
+    Returns:
+        :class:`~wb.data.rankplan.RankPlans`: ``{rank: RankPlan}`` of this process's workers;
+        it stands where a whole plan stood for them (Sender, Receiver, the shims' groups).
+
+    Raises:
+        TransferError: a rank outside ``0 .. world - 1``, or another process did not publish its
+            layouts (or the parts) within ``timeout``.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> sm = wb.SourceMap.from_indices(np.arange(8))
+        >>> lays = [wb.Layout(wb.Worker(r, "n", role), {"w": wb.BufferSpec(sm, "float32")})
+        ...         for r, role in ((0, "trainer"), (1, "rollout"))]
+        >>> sorted(agree_parts(wb.MemoryStore(), lays, world=2))
+        [0, 1]
+    """
+    layouts = list(layouts)
+    publish_layouts(store, layouts, world=world, name=name)
+    if any(lay.worker.rank == 0 for lay in layouts):
+        everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
+        p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
+                      [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+        if planned is not None:
+            planned.append(p)
+        mine = {lay.worker.rank for lay in layouts}
+        out = {}
+        for part in parts(p):
+            set_large(store, f"{name}/part/{part.rank}", part.to_bytes())
+            if part.rank in mine:
+                out[part.rank] = part
+        return RankPlans(out)
+    deadline = time.monotonic() + timeout
+    return RankPlans([fetch_part(store, lay.worker.rank, name=name,
+                                 timeout=max(deadline - time.monotonic(), 0.001))
+                      for lay in layouts])
+
+
 def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
                **plan_kwargs) -> Plan:
-    """Every process publishes its workers' layouts; the one holding rank 0 plans; all get the plan.
+    """Every process publishes its workers' layouts; the one holding rank 0 plans; all get the
+    whole plan.
 
-    Layouts and the plan travel through ``store`` as ``.npz`` bytes (no pickle). Ranks must be
-    ``0 .. world - 1`` across all processes.
+    Every process downloads and loads the whole plan: fine for small jobs; at scale (hundreds of
+    GPUs) use :func:`agree_parts`, which gives each rank only its part.
+    Layouts and the plan travel through ``store`` as ``.npz`` bytes (no pickle), chunked where the
+    store limits its values. Ranks must be ``0 .. world - 1`` across all processes.
 
     Args:
         store: the rendezvous store every process shares.
@@ -79,17 +198,13 @@ def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float =
             layouts (or the plan) within ``timeout``.
     """
     layouts = list(layouts)
-    for lay in layouts:
-        if not 0 <= lay.worker.rank < world:
-            raise TransferError(f"rank {lay.worker.rank} is outside 0..{world - 1} (world={world})")
-        store.set(f"{name}/layout/{lay.worker.rank}", layouts_to_bytes([lay]))
+    publish_layouts(store, layouts, world=world, name=name)
     if any(lay.worker.rank == 0 for lay in layouts):
-        everyone = [layouts_from_bytes(store.get(f"{name}/layout/{r}", timeout))[0]
-                    for r in range(world)]
+        everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
         p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
                       [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
         f = io.BytesIO()
         p.save(f)
-        store.set(f"{name}/plan", f.getvalue())
+        set_large(store, f"{name}/plan", f.getvalue())
         return p
-    return Plan.load(io.BytesIO(store.get(f"{name}/plan", timeout)))
+    return Plan.load(io.BytesIO(get_large(store, f"{name}/plan", timeout)))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan, RankPlans
 from wb.errors import PlanError, TransferError
 from wb.runtime.executor import connect
 from wb.runtime.program import Program
@@ -52,8 +53,9 @@ def in_thread(fn: Callable[..., Any], *args, name: str) -> Future:
     return fut
 
 
-def worker_layout(plan: Plan, rank: int, role: Role) -> Layout:
-    """The layout of ``rank`` in ``plan``, which must be a worker of ``role``.
+def worker_layout(plan: Plan | RankPlan | RankPlans, rank: int, role: Role) -> Layout:
+    """The layout of ``rank`` in ``plan`` (a whole plan or ``rank``'s part), which must be a
+    worker of ``role``.
 
     Raises:
         TransferError: ``rank`` is not a ``role`` of ``plan`` (names the plan's ranks of that
@@ -63,6 +65,10 @@ def worker_layout(plan: Plan, rank: int, role: Role) -> Layout:
         lay = plan.layout_of(rank)
     except PlanError:
         lay = None
+    if isinstance(plan, (RankPlan, RankPlans)) and (lay is None or lay.worker.role != role):
+        have = [plan.rank] if isinstance(plan, RankPlan) else sorted(plan)
+        raise TransferError(f"rank {rank} is not a {role.value} of these parts of the plan "
+                            f"(they are ranks {have}'s; a part may have another role)")
     if lay is None or lay.worker.role != role:
         mine = plan.trainers if role == Role.TRAINER else plan.rollouts
         raise TransferError(f"rank {rank} is not a {role.value} of this plan "
@@ -78,7 +84,8 @@ class Endpoint:
     to its peers (refusing any that runs another plan), so updates pay for none of it.
 
     Args:
-        plan: the plan every worker runs.
+        plan: the plan every worker runs, or this rank's part of it
+            (:class:`~wb.data.rankplan.RankPlan`; all a rank needs).
         rank: this worker's rank.
         buffers: ``{name: array}`` of the worker's buffers as given at set-up (checked now).
         role: the role ``rank`` must have in ``plan``.
@@ -94,8 +101,8 @@ class Endpoint:
         TransferError: wrong role, wrong buffers, or a peer running another plan.
     """
 
-    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any], *, role: Role,
-                 transport, store, name: str, staging_bytes: int, timeout: float,
+    def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int, buffers: Mapping[str, Any],
+                 *, role: Role, transport, store, name: str, staging_bytes: int, timeout: float,
                  wait_timeout: float, layout: Layout | None):
         self.layout = worker_layout(plan, rank, role)
         self.plan, self.rank, self.role = plan, int(rank), role
@@ -104,11 +111,11 @@ class Endpoint:
         self.program.check(buffers, layout=layout)
         self.transport, self.store, self.name = transport, store, name
         self.staging_bytes, self.timeout, self.wait_timeout = staging_bytes, timeout, wait_timeout
-        self.trainers = [x.worker.rank for x in plan.trainers]
+        self.trainers = list(self.program.part.trainers)
         self.stats: list[UpdateStats] = []  # one per version, in order
         # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
         # for it, and refuse peers that run another plan before any update.
-        self.peers = connect(plan, self.rank, transport)
+        self.peers = connect(self.program.part, self.rank, transport)
 
     # --- the store ------------------------------------------------------------------------------
     def key(self, *parts) -> str:

@@ -25,15 +25,12 @@ update per version. :func:`execute` does all three once, for a single transfer.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from wb.data.layout import Layout
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan, RankPlans, fingerprint, part_of
 from wb.errors import TransferError
 from wb.runtime.program import Program
 from wb.runtime.update import DEFAULT_STAGING_BYTES, ExecStats, abort
@@ -44,28 +41,22 @@ __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "connect", "execute", "plan_fin
            "plan_peers"]
 
 
-def plan_fingerprint(plan: Plan) -> str:
-    """A hash of everything that decides which bytes go where (hex sha256)."""
-    h = hashlib.sha256()
-    for lay in (*plan.trainers, *plan.rollouts):
-        w = lay.worker
-        h.update(json.dumps([w.rank, w.node, w.role.value, w.local_rank,
-                             [[n, list(b.shape), b.dtype] for n, b in lay.buffers.items()]]).encode())
-    for nt in (plan.corr, plan.pieces, plan.transfers, plan.messages):
-        for v in nt:
-            if isinstance(v, np.ndarray):
-                h.update(np.ascontiguousarray(v).tobytes())
-    return h.hexdigest()
+def plan_fingerprint(plan: Plan | RankPlan) -> str:
+    """A hash of everything that decides which bytes go where (hex sha256); a rank's part carries
+    the hash of its whole plan."""
+    return plan.fingerprint if isinstance(plan, RankPlan) else fingerprint(plan)
 
 
-def plan_peers(plan: Plan, rank: int) -> list[int]:
-    """The ranks ``rank`` exchanges messages with in ``plan``."""
+def plan_peers(plan: Plan | RankPlan | RankPlans, rank: int) -> list[int]:
+    """The ranks ``rank`` exchanges messages with in ``plan`` (a whole plan or ``rank``'s part)."""
+    if isinstance(plan, (RankPlan, RankPlans)):
+        return list(part_of(plan, rank).peers)
     M = plan.messages
     mine = (M.src_rank == rank) | (M.dst_rank == rank)
     return sorted((set(M.src_rank[mine].tolist()) | set(M.dst_rank[mine].tolist())) - {rank})
 
 
-def connect(plan: Plan, rank: int, transport) -> list[int]:
+def connect(plan: Plan | RankPlan, rank: int, transport) -> list[int]:
     """Connects ``transport`` to ``rank``'s peers in ``plan``.
 
     A hello round through the store in which every peer must show the same plan (fingerprint),
@@ -75,7 +66,8 @@ def connect(plan: Plan, rank: int, transport) -> list[int]:
     :meth:`~wb.runtime.program.Program.run` per version.
 
     Args:
-        plan: the plan every worker runs.
+        plan: the plan every worker runs, or this rank's part of it (which carries the whole
+            plan's fingerprint).
         rank: this worker's rank.
         transport: this rank's :class:`wb.runtime.transport.Transport`.
 
@@ -86,6 +78,8 @@ def connect(plan: Plan, rank: int, transport) -> list[int]:
         TransferError: a peer runs another plan (refused before any byte moves; the transport is
             aborted).
     """
+    if isinstance(plan, RankPlans):
+        plan = part_of(plan, rank)
     peers = plan_peers(plan, rank)
     fp = plan_fingerprint(plan).encode()
     wrong = sorted(p for p, h in transport.connect(peers, hello=fp).items() if h != fp)
@@ -100,7 +94,7 @@ def connect(plan: Plan, rank: int, transport) -> list[int]:
     return peers
 
 
-def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
+def execute(plan: Plan | RankPlan, rank: int, buffers: Mapping[str, Any], transport, *,
             layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
             timeout: float = 60.0, tag_base: int = 0, trace: list | None = None) -> ExecStats:
     """Runs ``rank``'s part of ``plan`` once: connects, runs one update, closes the transport.
@@ -110,7 +104,8 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
     and :class:`wb.Receiver` do).
 
     Args:
-        plan: the plan every worker runs (checked by fingerprint with every peer).
+        plan: the plan every worker runs, or this rank's part of it (checked by fingerprint with
+            every peer).
         rank: this worker's rank.
         buffers: ``{buffer name: array}`` of this worker's layout: numpy or DLPack host arrays, or
             CUDA arrays (packing then runs on the device, with CuPy). Filled in place on rollouts.
@@ -137,7 +132,7 @@ def execute(plan: Plan, rank: int, buffers: Mapping[str, Any], transport, *,
     """
     program = Program(plan, rank)
     program.check(buffers, layout=layout)  # refuse bad buffers before connecting to anyone
-    connect(plan, rank, transport)
+    connect(program.part, rank, transport)
     stats = program.run(buffers, transport, tag_base=tag_base, staging_bytes=staging_bytes,
                         timeout=timeout, trace=trace, layout=layout)
     transport.close()

@@ -18,6 +18,7 @@ import numpy as np
 
 from wb.data.layout import Layout
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan, RankPlans, part_of, schedule
 from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import check_buffers, fixed_memory
 from wb.runtime.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
@@ -55,49 +56,6 @@ class Message:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
 
 
-def schedule(M) -> np.ndarray:
-    """When each message should move, as a fraction of its trainer's stream (0 first, 1 last).
-
-    A trainer sends to many rollout GPUs; sending all of one destination's messages before the
-    next (plan order) would feed one GPU at a time, and the GPUs fed last could only start their
-    forwards at the very end. Instead a trainer interleaves its destinations: its k-th message
-    to a GPU goes when that pair's stream is as far along as all its others, so every rollout
-    GPU receives (and forwards) at a steady rate from the start. A forwarded message inherits
-    the time of the stage-1 message it descends from (a hop later). Receivers post staged
-    receives in the same order.
-
-    Args:
-        M: ``plan.messages``.
-
-    Returns:
-        ``(messages,) float64``: each message's time.
-    """
-    n = M.nbytes.size
-    when = np.zeros(n, np.float64)
-    root = M.parent < 0
-    r = np.flatnonzero(root)
-    if r.size:
-        pair = M.src_rank[r].astype(np.int64) * (int(M.dst_rank.max()) + 1) + M.dst_rank[r]
-        o = np.lexsort((r, pair))  # by pair, then plan order within the pair
-        rs, ps, nb = r[o], pair[o], M.nbytes[r[o]].astype(np.float64)
-        starts = np.r_[True, ps[1:] != ps[:-1]]
-        grp = np.cumsum(starts) - 1
-        tot = np.bincount(grp, weights=nb)
-        before = np.cumsum(nb) - nb
-        first = before[starts][grp]
-        when[rs] = (before - first) / np.maximum(tot[grp], 1.0)
-    # forwards: their root's time, plus a little per hop (parents have lower ids than children)
-    child = np.flatnonzero(~root)
-    for _ in range(64):
-        if not child.size:
-            break
-        new = when[M.parent[child]] + 1e-6
-        if np.array_equal(new, when[child]):
-            break
-        when[child] = new
-    return when
-
-
 def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
     """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
     buffer: then the message is that range of the buffer itself, no packing."""
@@ -127,23 +85,28 @@ class Program:
     numpy/CuPy arrays skips the check.
 
     Args:
-        plan: the plan.
-        rank: a worker of ``plan``.
+        plan: the rank's part of the plan (:class:`wb.data.rankplan.RankPlan`), a process's
+            parts (:class:`~wb.data.rankplan.RankPlans`), or the whole plan (its part for
+            ``rank`` is cut out).
+        rank: a worker of ``plan`` (needed with a whole plan; checked against a part).
 
     Attributes:
-        plan, rank: as given.
+        part: the rank's part of the plan (a :class:`~wb.data.rankplan.RankPlan`).
+        plan: the same part (its ``transfers`` and ``pieces``, numbered within the part, are what
+            an update reads).
+        rank: the worker's rank.
         layout: ``rank``'s layout in the plan.
         messages: ``{plan message index: Message}`` of the messages this rank sends, receives or
             copies.
         children: ``{message: [forwards]}``: the forwards this rank sends once a message landed.
-        when: ``(plan messages,) float64`` :func:`schedule` of the whole plan.
+        when: ``{plan message index: time}`` (:func:`schedule`) of this rank's messages.
         zero_copy_receives: receives straight into the buffers, in schedule order.
         staged_receives: receives into staging (then unpacked), in schedule order.
         roots: ``[(when, message)]`` of the sends that wait for no other message, sorted.
         n_out: how many messages this rank sends or copies.
 
     Raises:
-        TransferError: ``rank`` is not a worker of ``plan``.
+        TransferError: ``rank`` is not a worker of ``plan`` (or not the part's rank).
 
     Examples:
         >>> import numpy as np, wb
@@ -155,32 +118,41 @@ class Program:
         (1, [0], [])
     """
 
-    def __init__(self, plan: Plan, rank: int):
+    def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int | None = None):
+        if rank is None:
+            if not isinstance(plan, RankPlan):
+                raise TransferError("Program(plan, rank) needs the rank unless given a part")
+            rank = plan.rank
         try:
-            self.layout = plan.layout_of(rank)
+            part = part_of(plan, rank)
         except PlanError as e:
             raise TransferError(str(e)) from None
-        self.plan, self.rank = plan, int(rank)
-        M, T, P = plan.messages, plan.transfers, plan.pieces
-        self.slot_buf = [s.buffer for s in plan.slots]  # slot -> buffer name
+        self.part, self.layout = part, part.layout
+        # the rank's own transfers and pieces, numbered within the part (what the loop reads)
+        self.plan, self.rank = part, part.rank
+        M, T, P = part.messages, part.transfers, part.pieces
+        self.slot_buf = list(part.slot_buffer)  # slot of the part -> buffer name
         self.messages: dict[int, Message] = {}  # plan message index -> this rank's Message
         self.children: dict[int, list[int]] = {}  # message -> the forwards it releases here
-        for m in np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank)).tolist():
-            f, c = int(M.first[m]), int(M.count[m])
+        rank = part.rank
+        self.when: dict[int, float] = {}  # plan message index -> its schedule time
+        for k, m in enumerate(part.index.tolist()):
+            f, c = int(M.first[k]), int(M.count[k])
             ts = np.arange(f, f + c)
-            out = int(M.src_rank[m]) == rank
-            local = out and int(M.dst_rank[m]) == rank
+            out = int(M.src_rank[k]) == rank
+            local = out and int(M.dst_rank[k]) == rank
             na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
             zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts],
                                      na, nb)
             zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts],
                                      na, nb)
-            peer = int(M.dst_rank[m]) if out else int(M.src_rank[m])
-            self.messages[m] = Message(m, int(M.stage[m]), peer, int(M.nbytes[m]), ts,
-                                       int(M.parent[m]), zc_src, zc_dst, out, local)
-            if out and M.parent[m] >= 0:
-                self.children.setdefault(int(M.parent[m]), []).append(m)
-        when = self.when = schedule(M)  # (messages,) float64, of the whole plan
+            peer = int(M.dst_rank[k]) if out else int(M.src_rank[k])
+            self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
+                                       int(M.parent[k]), zc_src, zc_dst, out, local)
+            self.when[m] = float(part.when[k])
+            if out and M.parent[k] >= 0:
+                self.children.setdefault(int(M.parent[k]), []).append(m)
+        when = self.when
         order_in = sorted((m for m, g in self.messages.items() if not g.out),
                           key=lambda m: (when[m], m))  # receives, in schedule order
         self.zero_copy_receives = [m for m in order_in if self.messages[m].zc_dst]

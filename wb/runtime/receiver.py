@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread, worker_layout
@@ -260,7 +261,8 @@ class Receiver:
         See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
     """
 
-    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any] | None, *, transport,
+    def __init__(self, plan: Plan | RankPlan, rank: int, buffers: Mapping[str, Any] | None, *,
+                 transport,
                  store, staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,

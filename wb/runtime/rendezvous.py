@@ -9,6 +9,7 @@ distributed key-value client, duck-typed so ``wb`` imports neither framework.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -19,7 +20,8 @@ from typing import Protocol, runtime_checkable
 
 from wb.errors import TransferError
 
-__all__ = ["Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore"]
+__all__ = ["Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore", "CountingStore",
+           "set_large", "get_large", "value_limit"]
 
 
 @runtime_checkable
@@ -108,10 +110,13 @@ class TorchStore:
     Args:
         store: the ``torch.distributed`` store every process shares.
         prefix: put before every key (keeps wb's keys apart from the job's own).
+        max_value_bytes: larger values go as chunks (:func:`set_large`); a TCPStore server holds
+            every value in memory and answers one request at a time, so big values are cut.
     """
 
-    def __init__(self, store, *, prefix: str = "wb/"):
+    def __init__(self, store, *, prefix: str = "wb/", max_value_bytes: int = 64 << 20):
         self.store, self.prefix = store, prefix
+        self.max_value_bytes = max_value_bytes
 
     def set(self, key: str, value: bytes) -> None:
         self.store.set(self.prefix + key, bytes(value))
@@ -131,10 +136,13 @@ class JaxStore:
     Args:
         client: the key-value client every process shares.
         prefix: put before every key (keeps wb's keys apart from the job's own).
+        max_value_bytes: larger values go as chunks (:func:`set_large`): the client talks gRPC,
+            whose default message limit is 4 MiB.
     """
 
-    def __init__(self, client, *, prefix: str = "wb/"):
+    def __init__(self, client, *, prefix: str = "wb/", max_value_bytes: int = 2 << 20):
         self.client, self.prefix = client, prefix
+        self.max_value_bytes = max_value_bytes
 
     def set(self, key: str, value: bytes) -> None:
         self.client.key_value_set_bytes(self.prefix + key, bytes(value))
@@ -145,3 +153,95 @@ class JaxStore:
                                                                   int(timeout * 1000)))
         except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError on timeout
             raise _timeout(key, timeout) from e
+
+
+def value_limit(store) -> int | None:
+    """The largest value ``store`` takes in one key (its ``max_value_bytes``; None: no limit)."""
+    return getattr(store, "max_value_bytes", None)
+
+
+def set_large(store, key: str, value: bytes, *, max_value_bytes: int | None = None) -> int:
+    """Puts a value of any size: chunks of at most ``max_value_bytes`` under ``key#0``,
+    ``key#1``, ..., then ``key`` itself, a small JSON header naming them (written last, so a
+    reader that finds ``key`` finds every chunk). :func:`get_large` reads it back.
+
+    Args:
+        store: any :class:`Store`.
+        key: the key.
+        value: the bytes.
+        max_value_bytes: the largest chunk (default: the store's own ``max_value_bytes``, else
+            one chunk).
+
+    Returns:
+        The bytes written to the store (value and header).
+
+    Raises:
+        TransferError: ``max_value_bytes`` is not positive.
+
+    Examples:
+        >>> s = MemoryStore(); set_large(s, "k", b"abcde", max_value_bytes=2) > 5
+        True
+        >>> get_large(s, "k", timeout=1), s.get("k#2", timeout=1)
+        (b'abcde', b'e')
+    """
+    limit = max_value_bytes if max_value_bytes is not None else value_limit(store)
+    value = memoryview(bytes(value))
+    n = len(value)
+    if limit is not None and limit <= 0:
+        raise TransferError(f"max_value_bytes must be positive, got {limit}")
+    step = n if limit is None else limit
+    k = 0 if n == 0 else -(-n // max(step, 1))
+    for i in range(k):
+        store.set(f"{key}#{i}", bytes(value[i * step:(i + 1) * step]))
+    header = json.dumps({"chunks": k, "nbytes": n}).encode()
+    store.set(key, header)
+    return n + len(header)
+
+
+def get_large(store, key: str, timeout: float) -> bytes:
+    """The value :func:`set_large` put under ``key``, waiting up to ``timeout`` seconds for it.
+
+    Raises:
+        TransferError: ``key`` not published in time, or its header or chunks are not
+            :func:`set_large`'s (a value put with ``store.set``).
+    """
+    deadline = time.monotonic() + timeout
+    raw = store.get(key, timeout)
+    try:
+        head = json.loads(raw)
+        k, n = int(head["chunks"]), int(head["nbytes"])
+    except (ValueError, KeyError, TypeError):
+        raise TransferError(f"rendezvous: key `{key}` does not hold a chunked value (written with "
+                            f"store.set, not set_large?)") from None
+    out = b"".join(store.get(f"{key}#{i}", max(deadline - time.monotonic(), 0.001))
+                   for i in range(k))
+    if len(out) != n:
+        raise TransferError(f"rendezvous: key `{key}` should hold {n} bytes in {k} chunks, got "
+                            f"{len(out)}; two sessions wrote the same key? Use another name")
+    return out
+
+
+class CountingStore:
+    """Wraps a store and counts the bytes put into it and read out of it (for the set-up bench).
+
+    Args:
+        store: the store to wrap.
+    """
+
+    def __init__(self, store):
+        self.store = store
+        self.max_value_bytes = value_limit(store)
+        self.bytes_set = 0
+        self.bytes_got = 0
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+        with self._lock:
+            self.bytes_set += len(value)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        value = self.store.get(key, timeout)
+        with self._lock:
+            self.bytes_got += len(value)
+        return value

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
@@ -109,7 +110,9 @@ class Sender:
     """A trainer worker's end: ``push()`` once per training step.
 
     Args:
-        plan: the plan every worker of the update runs.
+        plan: the plan every worker of the update runs, or this rank's part of it
+            (:class:`wb.data.rankplan.RankPlan`, as :func:`wb.runtime.coordinator.agree_parts`
+            gives each rank): all a worker needs.
         rank: this worker's rank (a trainer of ``plan``).
         buffers: ``{name: array}`` of this worker's live weights (numpy / DLPack host arrays or CUDA
             arrays), read at every ``push``.
@@ -139,7 +142,8 @@ class Sender:
         See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
     """
 
-    def __init__(self, plan: Plan, rank: int, buffers: Mapping[str, Any], *, transport, store,
+    def __init__(self, plan: Plan | RankPlan, rank: int, buffers: Mapping[str, Any], *, transport,
+                 store,
                  staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None):

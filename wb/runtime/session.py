@@ -13,7 +13,9 @@ from typing import Any
 
 from wb.runtime.coordinator import MODES, Receiver, Sender, Summary, UpdateStats, summarize
 from wb.errors import TransferError
+from wb.data.layout import Role
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlan
 from wb.runtime.rendezvous import MemoryStore
 from wb.runtime.transport.local import LocalHub, LocalTransport
 
@@ -24,7 +26,8 @@ class LocalSession:
     """Senders and receivers of one plan as threads of this process.
 
     Args:
-        plan: the plan.
+        plan: the plan, or every worker's part of it (``{rank: RankPlan}``, as
+            :func:`wb.agree_parts` gives them): each worker then gets only its own part.
         trainer_buffers: ``{rank: {name: array}}`` of every trainer (read at each update).
         rollout_buffers: ``{rank: {name: array}}`` of every rollout (written in place).
         mode: one of :data:`wb.runtime.coordinator.MODES` (``"sync"``, ``"sender"``, ``"receiver"``,
@@ -44,13 +47,20 @@ class LocalSession:
         True
     """
 
-    def __init__(self, plan: Plan, trainer_buffers: Mapping[int, Mapping[str, Any]],
+    def __init__(self, plan: Plan | Mapping[int, RankPlan],
+                 trainer_buffers: Mapping[int, Mapping[str, Any]],
                  rollout_buffers: Mapping[int, Mapping[str, Any]], *, mode: str = "both",
                  timeout: float = 60.0):
         if mode not in MODES:
             raise TransferError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        t_ranks = [lay.worker.rank for lay in plan.trainers]
-        r_ranks = [lay.worker.rank for lay in plan.rollouts]
+        if isinstance(plan, Plan):
+            t_ranks = [lay.worker.rank for lay in plan.trainers]
+            r_ranks = [lay.worker.rank for lay in plan.rollouts]
+            source = {r: plan for r in (*t_ranks, *r_ranks)}
+        else:
+            source = dict(plan)
+            t_ranks = sorted(r for r, q in source.items() if q.role == Role.TRAINER)
+            r_ranks = sorted(r for r, q in source.items() if q.role == Role.ROLLOUT)
         for what, given, want in (("trainer_buffers", trainer_buffers, t_ranks),
                                   ("rollout_buffers", rollout_buffers, r_ranks)):
             if sorted(given) != sorted(want):
@@ -66,9 +76,9 @@ class LocalSession:
         self._pool = ThreadPoolExecutor(max_workers=len(t_ranks) + len(r_ranks),
                                         thread_name_prefix="wb-session")
         # every worker connects to its peers when made: make them all at once
-        s_futs = {r: self._pool.submit(Sender, plan, r, trainer_buffers[r],
+        s_futs = {r: self._pool.submit(Sender, source[r], r, trainer_buffers[r],
                                        staging=sync.sender_staging, **kw(r)) for r in t_ranks}
-        r_futs = {r: self._pool.submit(Receiver, plan, r, rollout_buffers[r],
+        r_futs = {r: self._pool.submit(Receiver, source[r], r, rollout_buffers[r],
                                        staging=sync.receiver_staging, **kw(r)) for r in r_ranks}
         self.senders = {r: f.result() for r, f in s_futs.items()}
         self.receivers = {r: f.result() for r, f in r_futs.items()}

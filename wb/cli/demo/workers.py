@@ -1,11 +1,12 @@
 """The processes of ``python -m wb demo`` (spawned; importable so ``multiprocessing`` can start them).
 
-Each process probes its own load path, publishes its layouts, gets the plan (:func:`wb.agree_plan`)
-and then, for each sync mode, runs a small RL loop over UCX: the trainer "trains" (an emulated
-compute step, then a real update of every weight: ``w <- -2 w``, exact in any float dtype) and
-pushes; the rollouts "generate" (emulated decode steps), apply each new version between steps, and
-check every buffer bit for bit against what their *own* loader makes of the trainer's checkpoint at
-that step (``(-2)**step * checkpoint``). Every call's stall is recorded by wb itself.
+Each process probes its own load path, publishes its layouts, gets its workers' parts of the plan
+(:func:`wb.runtime.coordinator.agree_parts`) and then, for each sync mode, runs a small RL loop over
+UCX: the trainer "trains" (an emulated compute step, then a real update of every weight:
+``w <- -2 w``, exact in any float dtype) and pushes; the rollouts "generate" (emulated decode
+steps), apply each new version between steps, and check every buffer bit for bit against what
+their *own* loader makes of the trainer's checkpoint at that step (``(-2)**step * checkpoint``).
+Every call's stall is recorded by wb itself.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from wb.cli.demo.checkpoint import expected_checkpoint, random_checkpoint
+from wb.runtime.coordinator import agree_parts
 
 __all__ = ["worker_main"]
 
@@ -96,9 +98,10 @@ def _jax_trainer(job, store, spec, ckpt, result):
     ranks = {d: i for i, d in enumerate(holders)}
     layouts = wb_jax.layouts(params, maps, ranks=ranks, node="trainer0", role="trainer")
     world = _trainers_key(store, len(layouts)) + job["rollout_workers"]
-    plan = wb.agree_plan(store, layouts, world=world, name="demo/plan")
-    if job.get("plan_path"):
-        plan.save(job["plan_path"])
+    planned = []  # the whole plan, in the process that makes it (this one: it holds rank 0)
+    plan = agree_parts(store, layouts, world=world, name="demo/plan", planned=planned)
+    if job.get("plan_path") and planned:
+        planned[0].save(job["plan_path"])
     state = {"params": params}
 
     def step(sender):  # JAX makes a new pytree every step
@@ -140,9 +143,11 @@ def _torch_trainer(job, store, spec, ckpt, result):
     model.load_weights((n, wb_torch.from_numpy(a)) for n, a in ckpt.items())
     if r == 0:
         _trainers_key(store, tp)
-    plan = wb.agree_plan(store, [lay], world=tp + job["rollout_workers"], name="demo/plan")
-    if r == 0 and job.get("plan_path"):
-        plan.save(job["plan_path"])
+    planned = []  # the whole plan, in the process that makes it (rank 0's)
+    plan = agree_parts(store, [lay], world=tp + job["rollout_workers"], name="demo/plan",
+                       planned=planned)
+    if planned and job.get("plan_path"):
+        planned[0].save(job["plan_path"])
     for mode in job["modes"]:
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
@@ -162,7 +167,7 @@ def _torch_rollout(job, store, spec, ckpt, result):
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
     (lay,) = wb_torch.layouts(model, wb_torch.probe(model, spec), rank, node=job["node"],
                               role="rollout", local_rank=r)
-    plan = wb.agree_plan(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
+    plan = agree_parts(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
     dev = _cuda_device(job)
     if dev is not None:
         model.to(f"cuda:{dev}")
@@ -210,7 +215,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
     base = first + job["first_rank"]
     ranks = {d: base + i for i, d in enumerate(mesh.devices.flat)}
     layouts = wb_jax.layouts(template, maps, ranks=ranks, node=job["node"], role="rollout")
-    plan = wb.agree_plan(store, layouts, world=first + job["rollout_workers"], name="demo/plan")
+    plan = agree_parts(store, layouts, world=first + job["rollout_workers"], name="demo/plan")
     step = 0
     for mode in job["modes"]:
         rx = wb_jax.Receiver(template, plan, ranks, store=store, staging=wb.MODES[mode][1],

@@ -1,0 +1,186 @@
+"""A rank's part of a plan (RankPlan): the parts put together are the whole plan (an oracle), they
+round-trip through bytes, and running from parts moves the very same bytes as the whole plan."""
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import wb
+from wb.data.rankplan import RankPlan, parts
+from wb.layouts import megatron_trainer, vllm_rollout
+from wb.layouts.presets import TINY
+from wb.runtime.executor import execute, plan_fingerprint, plan_peers
+from wb.runtime.program import Program
+from wb.runtime.transport.local import LocalHub, LocalTransport
+from wb.testing import strategies as wbst
+from harness.multiproc import buffers_for
+
+
+@pytest.fixture(scope="module")
+def plan():
+    trainers = megatron_trainer(TINY, tp=2, pp=1, ep=2, nodes=["t0"], gpus_per_node=2)
+    rollouts = vllm_rollout(TINY, tp=2, ep=2, replicas=3, gpus_per_node=2, first_rank=2)
+    return wb.plan(trainers, rollouts, chunk_bytes=2048)
+
+
+def assert_parts_are_the_plan(p):
+    """Oracle: each rank's part holds exactly the messages it sends or receives (brute force over
+    the whole plan), with the same transfers, pieces and buffers, in order."""
+    M, T, P = p.messages, p.transfers, p.pieces
+    tab = p.table[0]
+    seen = np.zeros(M.stage.size, np.int64)
+    by_rank = {part.rank: part for part in parts(p)}
+    assert sorted(by_rank) == p.ranks
+    for r, part in by_rank.items():
+        assert part == RankPlan.of(p, r)
+        want = [m for m in range(M.stage.size) if M.src_rank[m] == r or M.dst_rank[m] == r]
+        assert part.index.tolist() == want
+        seen[part.index] += 1
+        for f in ("stage", "src_rank", "dst_rank", "nbytes", "parent", "count"):
+            assert np.array_equal(getattr(part.messages, f), getattr(M, f)[part.index])
+        ts = np.concatenate([np.arange(M.first[m], M.first[m] + M.count[m]) for m in want]
+                            ) if want else np.zeros(0, np.int64)
+        pt = part.transfers
+        for f in ("stage", "src_f0", "src_fa", "src_fb", "dst_f0", "dst_fa", "dst_fb", "after",
+                  "src_inc", "dst_inc"):
+            assert np.array_equal(getattr(pt, f), getattr(T, f)[ts])
+        for f in P._fields:
+            assert np.array_equal(getattr(part.pieces, f)[pt.piece], getattr(P, f)[T.piece[ts]])
+        for mine, whole in ((pt.src_slot, T.src_slot[ts]), (pt.dst_slot, T.dst_slot[ts])):
+            assert np.array_equal(part.slot_rank[mine], tab.rank[whole])
+            assert [part.slot_buffer[s] for s in mine] == [p.slots[s].buffer for s in whole]
+        assert np.array_equal(part.index[pt.message], T.message[ts])
+        first = part.messages.first
+        assert np.array_equal(first, np.cumsum(np.r_[0, part.messages.count])[:-1])
+        assert part.layout == p.layout_of(r)
+        assert part.trainers == tuple(lay.worker.rank for lay in p.trainers)
+        assert list(part.peers) == plan_peers(p, r)
+        assert part.fingerprint == plan_fingerprint(p)
+        assert RankPlan.from_bytes(part.to_bytes()) == part
+    local = M.src_rank == M.dst_rank  # a local copy is in one part, other messages in two
+    assert np.array_equal(seen, np.where(local, 1, 2))
+
+
+def test_parts_put_together_are_the_plan(plan):
+    assert_parts_are_the_plan(plan)
+
+
+@settings(max_examples=30, deadline=None)
+@given(wbst.layouts(), wbst.clusters())
+def test_parts_put_together_are_the_plan_for_random_layouts(case, cluster):
+    assert_parts_are_the_plan(wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64))
+
+
+def test_a_part_is_much_smaller_than_the_plan(plan, tmp_path):
+    plan.save(tmp_path / "p.npz")
+    whole = (tmp_path / "p.npz").stat().st_size
+    assert max(len(part.to_bytes()) for part in parts(plan)) < whole
+
+
+def test_a_program_from_a_part_equals_one_from_the_plan(plan):
+    for r in plan.ranks:
+        a, b = Program(plan, r), Program(RankPlan.from_bytes(RankPlan.of(plan, r).to_bytes()))
+        assert a.messages.keys() == b.messages.keys()
+        for m, g in a.messages.items():
+            h = b.messages[m]
+            assert [getattr(g, f) for f in ("stage", "peer", "nbytes", "parent", "zc_src",
+                                            "zc_dst", "out", "local")] == \
+                   [getattr(h, f) for f in ("stage", "peer", "nbytes", "parent", "zc_src",
+                                            "zc_dst", "out", "local")]
+        assert (a.when, a.roots, a.children) == (b.when, b.roots, b.children)
+        assert (a.zero_copy_receives, a.staged_receives) == (b.zero_copy_receives,
+                                                             b.staged_receives)
+
+
+def test_a_part_refuses_another_rank(plan):
+    part = RankPlan.of(plan, 3)
+    with pytest.raises(wb.TransferError, match="rank 3's part"):
+        Program(part, 4)
+    with pytest.raises(wb.PlanError, match="rank 3's part"):
+        part.layout_of(4)
+
+
+def test_a_part_of_another_format_is_refused(plan):
+    import io
+    import json
+    data = RankPlan.of(plan, 2).to_bytes()
+    with np.load(io.BytesIO(data)) as z:
+        a = {k: z[k] for k in z.files}
+    h = json.loads(bytes(a["header"]).decode())
+    h["format"] = 99
+    a["header"] = np.frombuffer(json.dumps(h).encode(), np.uint8)
+    f = io.BytesIO()
+    np.savez(f, **a)
+    with pytest.raises(wb.PlanError, match="make the plan again"):
+        RankPlan.from_bytes(f.getvalue())
+
+
+def _execute_all(plan, source):
+    """Every rank runs ``source(rank)`` (the plan or its part) over the local transport."""
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    errors = {}
+
+    def run(r):
+        try:
+            execute(source(r), r, bufs[r], LocalTransport(r, hub, timeout=20),
+                    staging_bytes=4096, timeout=20)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in plan.ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert not errors, errors
+    return bufs
+
+
+@pytest.mark.timeout(120)
+def test_running_from_parts_is_bit_identical_to_running_the_plan(plan):
+    by_rank = {q.rank: RankPlan.from_bytes(q.to_bytes()) for q in parts(plan)}
+    whole = _execute_all(plan, lambda r: plan)
+    from_parts = _execute_all(plan, lambda r: by_rank[r])
+    for lay in plan.rollouts:
+        r = lay.worker.rank
+        for k, a in whole[r].items():
+            np.testing.assert_array_equal(from_parts[r][k].view(np.uint8), a.view(np.uint8))
+            want = buffers_for(plan, r, fill=True)[k]
+            np.testing.assert_array_equal(a.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.timeout(120)
+def test_a_part_of_another_plan_is_refused_by_its_peers(plan):
+    other = wb.plan(plan.trainers, plan.rollouts, chunk_bytes=1024)
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    errors = {}
+
+    def run(r):
+        src = RankPlan.of(other if r == 0 else plan, r)
+        try:
+            execute(src, r, bufs[r], LocalTransport(r, hub, timeout=5), timeout=5)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in plan.ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors and any("different plan" in str(e) for e in errors.values())
+
+
+def test_a_process_s_parts_stand_for_the_plan_for_its_ranks(plan):
+    from wb.data.rankplan import RankPlans
+    mine = RankPlans(parts(plan, ranks=[0, 5]))
+    assert sorted(mine) == [0, 5] and mine.layout_of(5) == plan.layout_of(5)
+    assert Program(mine, 5).part == RankPlan.of(plan, 5)
+    with pytest.raises(wb.PlanError, match="ranks \\[0, 5\\]"):
+        mine.layout_of(3)
+    with pytest.raises(wb.TransferError, match="rank 3 has no part here"):
+        Program(mine, 3)
