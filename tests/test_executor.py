@@ -5,7 +5,6 @@ in (`schedule`), that any staging budget, however small, still delivers every by
 rank's `Program` runs update after update.
 """
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,6 +17,7 @@ from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
 from harness.multiproc import buffers_for
 from wb.runtime.transport.local import LocalHub, LocalTransport
+from harness.threads import run_each
 
 
 @pytest.fixture(scope="module")
@@ -76,25 +76,15 @@ def test_forwards_go_after_what_they_forward(plan):
 
 def _run_threads(plan, staging_bytes, bufs=None, traces=None):
     hub = LocalHub()
-    ranks = [lay.worker.rank for lay in (*plan.trainers, *plan.rollouts)]
     if bufs is None:
-        bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
-    errors, stats = {}, {}
+        bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    stats = {}
 
     def run(r):
-        try:
-            stats[r] = execute(plan, r, bufs[r], LocalTransport(r, hub, timeout=20),
-                               staging_bytes=staging_bytes, timeout=20,
-                               trace=None if traces is None else traces.setdefault(r, []))
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            errors[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
+        stats[r] = execute(plan, r, bufs[r], LocalTransport(r, hub, timeout=20),
+                           staging_bytes=staging_bytes, timeout=20,
+                           trace=None if traces is None else traces.setdefault(r, []))
+    errors = run_each(run, plan.ranks)
     assert not errors, errors
     return bufs, stats
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import wb
+from harness.threads import counting
 from wb.algorithms.probe import digit_base
 
 SPEC = wb.CheckpointSpec({"embed": ((10, 6), "bfloat16"), "q": ((8, 6), "bfloat16"),
@@ -28,15 +29,6 @@ def expected():
     embed[:5] = ids["embed"][5:]
     return {"qk": np.concatenate([ids["q"][4:], ids["k"][2:]]), "embed": embed,
             "norm_T": ids["norm"][::-1], "scale": np.array([-1])}
-
-
-def counting(load):
-    calls = []
-
-    def wrapped(ck):
-        calls.append(1)
-        return load(ck)
-    return wrapped, calls
 
 
 def test_probe_is_exact_and_unwritten_elements_are_minus_one():

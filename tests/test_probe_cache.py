@@ -6,18 +6,10 @@ import numpy as np
 import pytest
 
 import wb
+from harness.threads import counting
 from wb.data.mapcache import MapCache, cache_file, fingerprint
 
 SPEC = wb.CheckpointSpec({"w": ((40, 12), "bfloat16"), "b": ((12,), "float32")})
-
-
-def counting(load):
-    calls = []
-
-    def wrapped(ck):
-        calls.append(1)
-        return load(ck)
-    return wrapped, calls
 
 
 def shard(ck):

@@ -1,7 +1,6 @@
 """A rank's part of a plan (RankPlan): the parts put together are the whole plan (an oracle), they
 round-trip through bytes, and running from parts moves the very same bytes as the whole plan."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from wb.runtime.executor import execute, plan_fingerprint, plan_peers
 from wb.runtime.program import Program
 from wb.runtime.transport.local import LocalHub, LocalTransport
 from wb.testing import strategies as wbst
+from harness.threads import run_each
 from harness.multiproc import buffers_for
 
 
@@ -121,21 +121,8 @@ def _execute_all(plan, source):
     """Every rank runs ``source(rank)`` (the plan or its part) over the local transport."""
     hub = LocalHub()
     bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
-    errors = {}
-
-    def run(r):
-        try:
-            execute(source(r), r, bufs[r], LocalTransport(r, hub, timeout=20),
-                    staging_bytes=4096, timeout=20)
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            errors[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in plan.ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
+    errors = run_each(lambda r: execute(source(r), r, bufs[r], LocalTransport(r, hub, timeout=20),
+                                        staging_bytes=4096, timeout=20), plan.ranks)
     assert not errors, errors
     return bufs
 
@@ -158,20 +145,9 @@ def test_a_part_of_another_plan_is_refused_by_its_peers(plan):
     other = wb.plan(plan.trainers, plan.rollouts, chunk_bytes=1024)
     hub = LocalHub()
     bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
-    errors = {}
-
-    def run(r):
-        src = RankPlan.of(other if r == 0 else plan, r)
-        try:
-            execute(src, r, bufs[r], LocalTransport(r, hub, timeout=5), timeout=5)
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            errors[r] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in plan.ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_each(lambda r: execute(RankPlan.of(other if r == 0 else plan, r), r, bufs[r],
+                                        LocalTransport(r, hub, timeout=5), timeout=5),
+                      plan.ranks)
     assert errors and any("different plan" in str(e) for e in errors.values())
 
 

@@ -6,7 +6,6 @@ checkpoint tensor in a persistent buffer, and a deployment whose rollouts need n
 planner fail with a bare ``IndexError``.
 """
 
-import threading
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import wb  # noqa: E402
+from harness.threads import together  # noqa: E402
 import wb_torch  # noqa: E402
 
 SPEC = wb.CheckpointSpec({"proj.weight": ((6, 4), "float32"), "gate.bias": ((6,), "float32"),
@@ -95,24 +95,6 @@ def test_persistent_buffers_are_probed_and_non_persistent_ones_left_alone():
     assert np.shares_memory(bufs["gate.bias"], model.gate.bias.numpy())
 
 
-def _together(*makers):
-    out, errors = [None] * len(makers), []
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-    threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(makers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_an_update_moves_persistent_buffers():
     trainer, rollout = WithBuffers(), WithBuffers()
     ck = {n: torch.randn(s) for n, (s, _) in SPEC.items()}
@@ -123,13 +105,13 @@ def test_an_update_moves_persistent_buffers():
     plan = wb.plan(tl, rl)
     hub, store = wb.LocalHub(), wb.MemoryStore()
     kw = dict(store=store, timeout=30, wait_timeout=30)
-    tx, rx = _together(
+    tx, rx = together(
         lambda: wb_torch.Sender(trainer, plan, 0, transports=wb.LocalTransport(0, hub, timeout=30),
                                 **kw),
         lambda: wb_torch.Receiver(rollout, plan, 1,
                                   transports=wb.LocalTransport(1, hub, timeout=30), **kw))
     with tx, rx:
-        _together(tx.push, rx.apply)
+        together(tx.push, rx.apply)
     assert torch.equal(rollout.gate.bias, ck["gate.bias"])  # was: stale after every update
     assert torch.equal(rollout.proj.weight, ck["proj.weight"])
 

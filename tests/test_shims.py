@@ -3,7 +3,6 @@ layouts for the same blocks, and a PyTorch trainer feeding a JAX rollout (and th
 the two shims' Sender and Receiver, bit for bit."""
 
 import inspect
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 import wb  # noqa: E402
+from harness.threads import together  # noqa: E402
 import wb_jax  # noqa: E402
 import wb_torch  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
@@ -69,25 +69,6 @@ def _ckpt(seed):
             "b": rng.standard_normal(6, dtype=np.float32).astype(wb.dtypes.dtype_info("bfloat16").numpy)}
 
 
-def _together(*makers):
-    """Runs the constructors at once (each connects to the other) and returns their results."""
-    out, errors = [None] * len(makers), []
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-    threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(makers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
-
-
 @pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
 @pytest.mark.parametrize("staging", [False, True])
 def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, staging):
@@ -106,13 +87,13 @@ def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, stag
     zeros = {"torch": {n: torch.zeros_like(t) for n, t in torch_params.items()},
              "jax": {n: wb_jax.from_numpy(np.zeros_like(a), dev) for n, a in ck.items()}}
     kw = dict(store=store, staging=staging, timeout=30, wait_timeout=30)
-    tx, rx = _together(
+    tx, rx = together(
         lambda: shim[t_kind].Sender(params[t_kind], plan, 0,
                                     transports=wb.LocalTransport(0, hub, timeout=30), **kw),
         lambda: shim[r_kind].Receiver(zeros[r_kind], plan, 1,
                                       transports=wb.LocalTransport(1, hub, timeout=30), **kw))
     with tx, rx:
-        got = _together(tx.push, rx.apply)[1]
+        got = together(tx.push, rx.apply)[1]
         assert tx.version == rx.version == 1
         if r_kind == "torch":
             assert got is zeros["torch"]  # written in place: the same tensors
@@ -125,7 +106,7 @@ def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, stag
                     t.mul_(-2)
         else:
             params["jax"] = {n: a * -2 for n, a in jax_params.items()}
-        got = _together(lambda: tx.push(params[t_kind]), rx.apply)[1]
+        got = together(lambda: tx.push(params[t_kind]), rx.apply)[1]
         assert rx.version == 2
         for n, a in ck.items():
             want = (a * np.asarray(-2, a.dtype)).astype(a.dtype)

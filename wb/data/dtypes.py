@@ -13,7 +13,7 @@ import numpy as np
 
 from wb.errors import SpecError
 
-__all__ = ["DType", "dtype_info", "canonical_dtype"]
+__all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype"]
 
 
 class DType(NamedTuple):
@@ -79,3 +79,16 @@ def dtype_info(dtype: object) -> DType:
         16
     """
     return _TABLE[canonical_dtype(dtype)]
+
+
+def known_dtype(dtype: object) -> str | None:
+    """:func:`canonical_dtype` of ``dtype``, or ``None`` where wb does not know it.
+
+    Examples:
+        >>> known_dtype("bf16"), known_dtype("complex64")
+        ('bfloat16', None)
+    """
+    try:
+        return canonical_dtype(dtype)
+    except SpecError:
+        return None

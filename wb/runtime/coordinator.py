@@ -115,6 +115,18 @@ def fetch_part(store, rank: int, *, name: str = "wb", timeout: float = 600.0) ->
     return RankPlan.from_bytes(get_large(store, f"{name}/part/{rank}", timeout))
 
 
+def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
+               **plan_kwargs) -> Plan | None:
+    """Publishes this process's layouts; in the process holding rank 0, gathers everyone's and
+    returns the plan of them (``None`` elsewhere)."""
+    publish_layouts(store, layouts, world=world, name=name)
+    if not any(lay.worker.rank == 0 for lay in layouts):
+        return None
+    everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
+    return make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
+                     [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+
+
 def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
                 planned: list | None = None, **plan_kwargs) -> RankPlans:
     """Every process publishes its workers' layouts; the one holding rank 0 plans and publishes
@@ -152,11 +164,8 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         [0, 1]
     """
     layouts = list(layouts)
-    publish_layouts(store, layouts, world=world, name=name)
-    if any(lay.worker.rank == 0 for lay in layouts):
-        everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
-        p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
-                      [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+    p = _plan_here(store, layouts, world=world, name=name, timeout=timeout, **plan_kwargs)
+    if p is not None:
         if planned is not None:
             planned.append(p)
         mine = {lay.worker.rank for lay in layouts}
@@ -183,12 +192,7 @@ def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float =
     store limits its values. Ranks must be ``0 .. world - 1`` across all processes.
 
     Args:
-        store: the rendezvous store every process shares.
-        layouts: this process's workers' layouts (as each probed its own load path).
-        world: the number of workers (trainers + rollouts) of the plan.
-        name: keeps the keys of concurrent sessions apart.
-        timeout: seconds to wait for the other processes.
-        plan_kwargs: passed to :func:`wb.plan` (``cluster=``, ``chunk_bytes=``).
+        store, layouts, world, name, timeout, plan_kwargs: as :func:`agree_parts`.
 
     Returns:
         The :class:`wb.Plan`, the same in every process.
@@ -197,12 +201,8 @@ def agree_plan(store, layouts, *, world: int, name: str = "wb", timeout: float =
         TransferError: a rank outside ``0 .. world - 1``, or another process did not publish its
             layouts (or the plan) within ``timeout``.
     """
-    layouts = list(layouts)
-    publish_layouts(store, layouts, world=world, name=name)
-    if any(lay.worker.rank == 0 for lay in layouts):
-        everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
-        p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
-                      [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+    p = _plan_here(store, list(layouts), world=world, name=name, timeout=timeout, **plan_kwargs)
+    if p is not None:
         f = io.BytesIO()
         p.save(f)
         set_large(store, f"{name}/plan", f.getvalue())
