@@ -38,6 +38,7 @@ import wb
 from wb.cli.bench.baselines import broadcast_plans, needed_tensors, p2p_plan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.data.layout import Cluster
+from wb.data.rankplan import parts
 from wb.algorithms.planner import traffic_ratio
 from wb.layouts.presets import TINY, load_config, spec_from_config
 from wb.algorithms.simulate import ideal_s, simulate
@@ -208,10 +209,12 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
     with tempfile.TemporaryDirectory(prefix="wb-bench-") as tmp:
         work = Path(tmp)
         (work / "results").mkdir()
+        # every rank loads only its part of each plan, as after wb.agree_parts
         paths = {}
         for k, p in plans.items():
-            paths[k] = str(work / f"{k}.npz")
-            p.save(paths[k])
+            paths[k] = str(work / f"{k}.{{rank}}.part")
+            for part in parts(p):
+                Path(paths[k].format(rank=part.rank)).write_bytes(part.to_bytes())
         common = dict(cfg=cfg, store_dir=str(work / "store"), result_dir=str(work / "results"),
                       plans=paths, all_ranks=ranks, gpu_of={str(r): g for r, g in gpu_of.items()},
                       gather_rank=gather_rank, bcast_names=needed_tensors(spec, rollouts),

@@ -46,12 +46,17 @@ def _barrier(store, key: str, ranks, rank: int, timeout: float, *,
 
 class _Ctx:
     def __init__(self, job):
-        from wb.data.plan import Plan
+        from wb.data.rankplan import RankPlan
         from wb.runtime.rendezvous import DirectoryStore
 
         self.job, self.rank = job, job["rank"]
         self.store = DirectoryStore(job["store_dir"])
-        self.plans = {k: Plan.load(v) for k, v in job["plans"].items()}
+        # this rank's part of each plan (None: the rank has no part in it, as the gather rank in
+        # wb's plan)
+        self.plans = {}
+        for k, v in job["plans"].items():
+            f = Path(v.format(rank=self.rank))
+            self.plans[k] = RankPlan.from_bytes(f.read_bytes()) if f.exists() else None
         self.all_ranks = job["all_ranks"]
         self.gpu_of = {int(r): tuple(g) for r, g in job["gpu_of"].items()}
         self.timeout = job["timeout"]
@@ -72,7 +77,7 @@ class _Ctx:
         from wb.cli.bench.shaped import ShapedTransport
         from wb.runtime.transport.ucx import UcxTransport
 
-        if not plan_peers(plan, self.rank):
+        if plan is None or not plan_peers(plan, self.rank):
             return None
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
                          cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
@@ -99,11 +104,10 @@ def bench_main(job: dict) -> None:
         os.replace(tmp, out)
 
 
-def _role(plan, rank):
-    if rank not in plan.ranks:
+def _role(part, rank):
+    if part is None:
         return None, None
-    lay = plan.layout_of(rank)
-    return lay.worker.role.value, lay
+    return part.layout.worker.role.value, part.layout
 
 
 def _same(xp, bufs, want) -> bool:
