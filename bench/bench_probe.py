@@ -1,9 +1,9 @@
-"""Probe time per checkpoint element: ``wb_torch.probe`` now and that of 0.2.0, side by side.
+"""Probe time per checkpoint element: ``wb_torch.probe`` now and before (dc0dd51), side by side.
 
 The rank probed is a ``TinyRollout`` TP rank (vLLM-style load_weights) of a preset's dimensions with
 few layers and experts (default: qwen3-30b-a3b, 2 layers, 8 experts, TP=8 rank 0: 0.74 G
-checkpoint elements). The probe of 0.2.0 is read from git (``--before``, the commit before issue
-13's work) and run through the same load closure the 0.2.0 ``wb_torch.probe`` used. Both runs start
+checkpoint elements). The earlier probe is read from git (``--before``, the commit before issue
+13's work) and run through the same load closure that ``wb_torch.probe`` used. Both runs start
 from a freshly built model; both sets of maps are checked against ``expected_maps``, the
 per-element oracle. A third run reads the maps back from a cache (``cache=``).
 
@@ -54,7 +54,7 @@ def legacy_probe_module(commit: str) -> types.ModuleType:
 
 
 def legacy_torch_probe(core, model, spec):
-    """The 0.2.0 ``wb_torch.probe``: parameters read once, numpy views, the old core."""
+    """``wb_torch.probe`` before issue 13: parameters read once, numpy views, the old core."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
 

@@ -114,7 +114,7 @@ def test_large_ids_take_several_passes_and_stay_exact():
 
 def test_extra_memory_is_one_checkpoint_tensor_plus_a_constant_per_buffer_element():
     """The bound the module docstring states, measured: numpy reports its allocations to
-    tracemalloc. The probe of 0.2.0 took ~14 bytes per *checkpoint* element here (int64 ids)."""
+    tracemalloc. The probe before issue 13 took ~14 bytes per *checkpoint* element here (int64 ids)."""
     import tracemalloc
 
     from wb.algorithms.probe import TRANSIENT_BYTES_PER_ELEMENT
@@ -136,4 +136,4 @@ def test_extra_memory_is_one_checkpoint_tensor_plus_a_constant_per_buffer_elemen
     kept = 1 + (passes + 1) * 1
     bound = spec.nbytes + n * (kept + TRANSIENT_BYTES_PER_ELEMENT) + (1 << 20)
     assert peak <= bound, (peak, bound)
-    assert peak < 4 * spec.numel  # the int64 ids of 0.2.0 alone were 8 bytes per element
+    assert peak < 4 * spec.numel  # the int64 ids of the earlier probe alone were 8 bytes per element
