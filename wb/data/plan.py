@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from wb.data.layout import (
     layouts_to_arrays,
 )
 
-__all__ = ["Messages", "Pieces", "Plan", "Traffic", "Transfers", "run_local"]
+__all__ = ["Messages", "Pieces", "Plan", "Traffic", "Transfers", "run_local", "schedule"]
 
 #: Format of :meth:`Plan.save` files: 2 stores layouts and slots as arrays (1 as JSON per buffer).
 PLAN_FORMAT = 2
@@ -175,6 +176,18 @@ class Plan:
         intra = moved & ~cross
         intra_node = {nodes[i]: int(v) for i, v in zip(*_sum_by(dn[intra], b[intra]))}
         return Traffic(trainer_out, node_in, node_out, intra_node)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides which bytes go where (hex sha256; peers compare it
+        before any byte moves). Computed once: a plan never changes."""
+        return _fingerprint(self)
+
+    @functools.cached_property
+    def schedule(self) -> np.ndarray:
+        """``(messages,) float64``: when each message should move (:func:`schedule`), computed
+        once for every rank that takes its part of this plan."""
+        return schedule(self.messages)
 
     @functools.cached_property
     def _by_rank(self) -> dict[int, Layout]:
@@ -529,3 +542,60 @@ def run_local(plan: Plan, trainer_buffers: Mapping[int, Mapping[str, np.ndarray]
         src = bufs[T.src_slot[t]][T.src_f0[t] + i * T.src_fa[t] + j * T.src_fb[t]]
         bufs[T.dst_slot[t]][T.dst_f0[t] + i * T.dst_fa[t] + j * T.dst_fb[t]] = src
     return {int(r): dict(b) for r, b in rollout_buffers.items()}
+
+
+def _fingerprint(plan: Plan) -> str:
+    """A hash of everything in ``plan`` that decides which bytes go where (hex sha256)."""
+    h = hashlib.sha256()
+    for lay in (*plan.trainers, *plan.rollouts):
+        w = lay.worker
+        h.update(json.dumps([w.rank, w.node, w.role.value, w.local_rank,
+                             [[n, list(b.shape), b.dtype] for n, b in lay.buffers.items()]]).encode())
+    for nt in (plan.corr, plan.pieces, plan.transfers, plan.messages):
+        for v in nt:
+            if isinstance(v, np.ndarray):
+                h.update(np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()
+
+
+def schedule(M: Messages) -> np.ndarray:
+    """When each message should move, as a fraction of its trainer's stream (0 first, 1 last).
+
+    A trainer sends to many rollout GPUs; sending all of one destination's messages before the
+    next (plan order) would feed one GPU at a time, and the GPUs fed last could only start their
+    forwards at the very end. Instead a trainer interleaves its destinations: its k-th message
+    to a GPU goes when that pair's stream is as far along as all its others, so every rollout
+    GPU receives (and forwards) at a steady rate from the start. A forwarded message inherits
+    the time of the stage-1 message it descends from (a hop later). Receivers post staged
+    receives in the same order.
+
+    Args:
+        M: ``plan.messages``.
+
+    Returns:
+        ``(messages,) float64``: each message's time.
+    """
+    n = M.nbytes.size
+    when = np.zeros(n, np.float64)
+    root = M.parent < 0
+    r = np.flatnonzero(root)
+    if r.size:
+        pair = M.src_rank[r].astype(np.int64) * (int(M.dst_rank.max()) + 1) + M.dst_rank[r]
+        o = np.lexsort((r, pair))  # by pair, then plan order within the pair
+        rs, ps, nb = r[o], pair[o], M.nbytes[r[o]].astype(np.float64)
+        starts = np.r_[True, ps[1:] != ps[:-1]]
+        grp = np.cumsum(starts) - 1
+        tot = np.bincount(grp, weights=nb)
+        before = np.cumsum(nb) - nb
+        first = before[starts][grp]
+        when[rs] = (before - first) / np.maximum(tot[grp], 1.0)
+    # forwards: their root's time, plus a little per hop (parents have lower ids than children)
+    child = np.flatnonzero(~root)
+    for _ in range(64):
+        if not child.size:
+            break
+        new = when[M.parent[child]] + 1e-6
+        if np.array_equal(new, when[child]):
+            break
+        when[child] = new
+    return when

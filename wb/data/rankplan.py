@@ -10,7 +10,6 @@ refused. Saved and loaded as ``.npz`` bytes (arrays and a small JSON header; no 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import zipfile
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wb.data.layout import Layout, Role, layouts_from_arrays, layouts_to_arrays
-from wb.data.plan import Messages, Pieces, Plan, Transfers
+from wb.data.plan import Messages, Pieces, Plan, Transfers, schedule
 from wb.errors import PlanError
 
 __all__ = ["RankPlan", "RankPlans", "fingerprint", "part_of", "parts", "schedule"]
@@ -40,60 +39,9 @@ def _npz_deflated(arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def fingerprint(plan: Plan) -> str:
-    """A hash of everything in ``plan`` that decides which bytes go where (hex sha256)."""
-    h = hashlib.sha256()
-    for lay in (*plan.trainers, *plan.rollouts):
-        w = lay.worker
-        h.update(json.dumps([w.rank, w.node, w.role.value, w.local_rank,
-                             [[n, list(b.shape), b.dtype] for n, b in lay.buffers.items()]]).encode())
-    for nt in (plan.corr, plan.pieces, plan.transfers, plan.messages):
-        for v in nt:
-            if isinstance(v, np.ndarray):
-                h.update(np.ascontiguousarray(v).tobytes())
-    return h.hexdigest()
-
-
-def schedule(M: Messages) -> np.ndarray:
-    """When each message should move, as a fraction of its trainer's stream (0 first, 1 last).
-
-    A trainer sends to many rollout GPUs; sending all of one destination's messages before the
-    next (plan order) would feed one GPU at a time, and the GPUs fed last could only start their
-    forwards at the very end. Instead a trainer interleaves its destinations: its k-th message
-    to a GPU goes when that pair's stream is as far along as all its others, so every rollout
-    GPU receives (and forwards) at a steady rate from the start. A forwarded message inherits
-    the time of the stage-1 message it descends from (a hop later). Receivers post staged
-    receives in the same order.
-
-    Args:
-        M: ``plan.messages``.
-
-    Returns:
-        ``(messages,) float64``: each message's time.
-    """
-    n = M.nbytes.size
-    when = np.zeros(n, np.float64)
-    root = M.parent < 0
-    r = np.flatnonzero(root)
-    if r.size:
-        pair = M.src_rank[r].astype(np.int64) * (int(M.dst_rank.max()) + 1) + M.dst_rank[r]
-        o = np.lexsort((r, pair))  # by pair, then plan order within the pair
-        rs, ps, nb = r[o], pair[o], M.nbytes[r[o]].astype(np.float64)
-        starts = np.r_[True, ps[1:] != ps[:-1]]
-        grp = np.cumsum(starts) - 1
-        tot = np.bincount(grp, weights=nb)
-        before = np.cumsum(nb) - nb
-        first = before[starts][grp]
-        when[rs] = (before - first) / np.maximum(tot[grp], 1.0)
-    # forwards: their root's time, plus a little per hop (parents have lower ids than children)
-    child = np.flatnonzero(~root)
-    for _ in range(64):
-        if not child.size:
-            break
-        new = when[M.parent[child]] + 1e-6
-        if np.array_equal(new, when[child]):
-            break
-        when[child] = new
-    return when
+    """A hash of everything in ``plan`` that decides which bytes go where (hex sha256; computed
+    once per plan: :attr:`Plan.fingerprint`)."""
+    return plan.fingerprint
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,8 +107,8 @@ class RankPlan:
         Args:
             plan: the whole plan.
             rank: a worker of ``plan``.
-            when: ``schedule(plan.messages)`` when already computed (:func:`parts` shares it).
-            fingerprint_: ``fingerprint(plan)`` when already computed.
+            when: the plan's schedule, when already at hand (default :attr:`Plan.schedule`).
+            fingerprint_: the plan's fingerprint, likewise (:attr:`Plan.fingerprint`).
             messages: ``(k,) int64`` the sorted indices of ``rank``'s messages, when known.
 
         Raises:
@@ -171,7 +119,7 @@ class RankPlan:
         if messages is None:
             messages = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
         mi = np.asarray(messages, np.int64)
-        when = schedule(M) if when is None else when
+        when = plan.schedule if when is None else when
         count = M.count[mi]
         starts = np.zeros(mi.size + 1, np.int64)
         np.cumsum(count, out=starts[1:])
@@ -188,7 +136,7 @@ class RankPlan:
                            message=np.repeat(np.arange(mi.size, dtype=np.int64), count))
         msgs = Messages(M.stage[mi], M.src_rank[mi], M.dst_rank[mi], M.nbytes[mi], M.parent[mi],
                         starts[:-1], count)
-        return cls(int(rank), fingerprint(plan) if fingerprint_ is None else fingerprint_,
+        return cls(int(rank), plan.fingerprint if fingerprint_ is None else fingerprint_,
                    layout, tuple(lay.worker.rank for lay in plan.trainers), mi, when[mi], msgs,
                    sub, Pieces(*(f[pcs] for f in P)), tab.rank[slots],
                    tuple(plan.slots[s].buffer for s in slots.tolist()))
@@ -272,7 +220,7 @@ def parts(plan: Plan, ranks=None) -> Iterator[RankPlan]:
         :class:`RankPlan`, in the order of ``ranks``.
     """
     M = plan.messages
-    when, fp = schedule(M), fingerprint(plan)
+    when, fp = plan.schedule, plan.fingerprint
     ranks = plan.ranks if ranks is None else [int(r) for r in ranks]
     # messages by rank, once: each message belongs to its source and (if other) its destination
     idx = np.arange(M.stage.size, dtype=np.int64)

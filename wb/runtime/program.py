@@ -127,9 +127,8 @@ class Program:
             part = part_of(plan, rank)
         except PlanError as e:
             raise TransferError(str(e)) from None
-        self.part, self.layout = part, part.layout
         # the rank's own transfers and pieces, numbered within the part (what the loop reads)
-        self.plan, self.rank = part, part.rank
+        self.part, self.layout, self.rank = part, part.layout, part.rank
         M, T, P = part.messages, part.transfers, part.pieces
         self.slot_buf = list(part.slot_buffer)  # slot of the part -> buffer name
         self.messages: dict[int, Message] = {}  # plan message index -> this rank's Message

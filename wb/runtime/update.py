@@ -228,7 +228,7 @@ class _Update:
                  traced: bool):
         self.prog, self.msgs, self.flat, self.xp = prog, prog.messages, flat, xp
         self.transport, self.tag_base = transport, tag_base
-        self.T, self.P = prog.plan.transfers, prog.plan.pieces
+        self.T, self.P = prog.part.transfers, prog.part.pieces
         # UCX reads and writes device memory outside our CUDA stream, so device work must finish
         # before a send is posted or a message counts as landed: see `fencer`
         self.fence = fencer(xp)
