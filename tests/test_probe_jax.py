@@ -7,6 +7,7 @@ jax = pytest.importorskip("jax")
 
 import wb  # noqa: E402
 import wb_jax  # noqa: E402
+from wb_jax.probing import DeviceArrays  # noqa: E402
 from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_jax.testing import checkpoint_arrays, expected_maps, make_load_fn, make_mesh  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_impure_jax_load_is_refused():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16: the feed test below
 def test_device_probe_equals_oracle(dtype):
     cfg = dict(TINY, dtype=dtype)
-    maps = wb_jax.probe(make_load_fn(cfg), spec_from_config(cfg), arrays=wb_jax._DeviceArrays())
+    maps = wb_jax.probe(make_load_fn(cfg), spec_from_config(cfg), arrays=DeviceArrays(chunk=1 << 10))
     want = expected_maps(cfg, tp=1)
     assert set(maps) == set(want)
     for key, ids in want.items():
@@ -64,21 +65,26 @@ def test_device_probe_equals_oracle(dtype):
 @needs4
 def test_device_probe_of_sharded_leaves_equals_oracle():
     maps = wb_jax.probe(make_load_fn(TINY, make_mesh(2, 2)), spec_from_config(TINY),
-                        arrays=wb_jax._DeviceArrays())
+                        arrays=DeviceArrays(chunk=1 << 10))
     for key, ids in expected_maps(TINY, tp=2).items():
         np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
-@pytest.mark.parametrize("pass_index", [0, 1, None])
-def test_device_feed_equals_the_host_feed(dtype, pass_index):
+@pytest.mark.parametrize("dtype, pass_index", [
+    (dt, k) for dt in ["bfloat16", "float16", "float32", "float8_e4m3fn"]
+    for k in ([0, 1, 2, None] if dt == "float32" else [0, 1, 2, 3, 4, None])])  # ids < 2**63
+@pytest.mark.parametrize("skip", [0, 2**33 + 77])
+def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
     from wb.algorithms.probe import HostArrays, digit_base
 
-    spec = wb.CheckpointSpec({"a": ((7,), dtype), "b": ((37, 300), dtype), "c": ((5,), dtype)})
+    # `skip` ids before the fed tensors (never fed) put them where the high digits change
+    pad = {"pad": ((skip,), dtype)} if skip else {}
+    spec = wb.CheckpointSpec({**pad, "a": ((7,), dtype), "b": ((37, 300), dtype),
+                              "c": ((5,), dtype), "d": ((70_000,), dtype)})
     base = digit_base([dtype])
-    for name in spec:
+    for name in set(spec) - {"pad"}:
         host = HostArrays().feed(spec, name, base, pass_index)
-        dev = wb_jax._DeviceArrays().feed(spec, name, base, pass_index)
+        dev = DeviceArrays().feed(spec, name, base, pass_index)
         assert np.asarray(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
 
 
@@ -86,4 +92,4 @@ def test_device_probe_refuses_an_impure_load():
     spec = wb.CheckpointSpec({"w": ((8, 4), "float32")})
     with pytest.raises(wb.ProbeError, match=r"buffer `\['w'\]` element \(\d+, \d+\)"):
         wb_jax.probe(lambda ck: {"w": jax.numpy.asarray(ck["w"]) * 2.0}, spec,
-                     arrays=wb_jax._DeviceArrays())
+                     arrays=DeviceArrays(chunk=1 << 10))

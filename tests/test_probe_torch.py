@@ -1,12 +1,17 @@
 """wb_torch.probe on the reference vLLM-style rollout model: exact for every dtype and TP rank."""
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
 import wb  # noqa: E402
 import wb_torch  # noqa: E402
+from wb_torch.probing import DeviceArrays, check_digit, run_marks  # noqa: E402
 from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_torch.testing import TinyRollout, expected_maps  # noqa: E402
 
@@ -67,7 +72,7 @@ def test_numpy_round_trip_keeps_dtype():
 
 # --- the device implementation (what runs on a GPU), exercised on CPU tensors -------------------
 def device_arrays():
-    return wb_torch._DeviceArrays(torch.device("cpu"))
+    return DeviceArrays(torch.device("cpu"), chunk=1 << 12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -81,14 +86,19 @@ def test_device_probe_equals_oracle(dtype, tp, rank):
         np.testing.assert_array_equal(maps[name].to_indices(), ids, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
-@pytest.mark.parametrize("pass_index", [0, 1, 2, None])
-def test_device_feed_equals_the_host_feed(dtype, pass_index):
+@pytest.mark.parametrize("dtype, pass_index", [
+    (dt, k) for dt in ["bfloat16", "float16", "float32", "float8_e4m3fn"]
+    for k in ([0, 1, 2, None] if dt == "float32" else [0, 1, 2, 3, 4, None])])  # ids < 2**63
+@pytest.mark.parametrize("skip", [0, 2**33 + 77])
+def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
     from wb.algorithms.probe import HostArrays, digit_base
 
-    spec = wb.CheckpointSpec({"a": ((7,), dtype), "b": ((37, 300), dtype), "c": ((5,), dtype)})
+    # `skip` ids before the fed tensors (never fed) put them where the high digits change
+    pad = {"pad": ((skip,), dtype)} if skip else {}
+    spec = wb.CheckpointSpec({**pad, "a": ((7,), dtype), "b": ((37, 300), dtype),
+                              "c": ((5,), dtype), "d": ((70_000,), dtype)})
     base = digit_base([dtype])
-    for name in spec:
+    for name in set(spec) - {"pad"}:
         host = HostArrays().feed(spec, name, base, pass_index)
         dev = device_arrays().feed(spec, name, base, pass_index)
         assert wb_torch.to_numpy(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
@@ -96,11 +106,11 @@ def test_device_feed_equals_the_host_feed(dtype, pass_index):
 
 @pytest.mark.parametrize("base", [16, 256, 2048, 2**24, 1000])
 def test_device_check_digit_equals_the_core_one(base):
-    from wb.algorithms.probe import check_digit
+    from wb.algorithms.probe import check_digit as core_check_digit
 
     ids = np.random.default_rng(base).integers(0, 2**40, 50_000)
-    got = wb_torch._check_digit(torch.from_numpy(ids), base).numpy()
-    np.testing.assert_array_equal(got, check_digit(ids.copy(), base))
+    got = check_digit(torch.from_numpy(ids), base).numpy()
+    np.testing.assert_array_equal(got, core_check_digit(ids.copy(), base))
 
 
 def test_device_probe_refuses_a_scaling_load_naming_the_parameter():
@@ -111,3 +121,54 @@ def test_device_probe_refuses_a_scaling_load_naming_the_parameter():
     with pytest.raises(wb.ProbeError, match=r"buffer `model\.layers\.\d\.self_attn\.o_proj\.weight`"
                        r" element \(\d+, \d+\)"):
         wb_torch.probe(model, SPEC, load_weights=scaled, arrays=device_arrays())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 2**32))
+def test_device_run_marks_equal_the_core_ones(cols, rows, seed):
+    """On random maps mixing runs, steps, wrapping ids and -1 holes, the marks torch finds are
+    the core's, and the runs they give rebuild the ids exactly."""
+    from wb.data import sourcemap as sm
+
+    rng = np.random.default_rng(seed)
+    n = cols * rows
+    kind = rng.integers(0, 3, n)
+    steps = rng.choice([1, -1, 0, 7, 2**62], n)
+    v = np.cumsum(np.where(kind == 0, steps, rng.integers(-5, 5, n)))
+    v[kind == 2] = -1
+    v[rng.random(n) < 0.05] = np.iinfo(np.int64).max  # neighbours' differences wrap
+    want = sm.run_marks(v.copy(), cols)
+    got = run_marks(torch.from_numpy(v.copy()), cols)
+    for a, b, field in zip(got, want, sm.RunMarks._fields):
+        np.testing.assert_array_equal(a, b, err_msg=field)
+    runs = sm.runs_from_marks(got, n, cols, 0)
+    back = wb.SourceMap.from_runs((rows, cols), runs).to_indices()
+    np.testing.assert_array_equal(back, v.reshape(rows, cols))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_probe_is_exact_and_its_extra_memory_is_bounded():
+    """The bound of wb_torch.probing's docstring, measured with the CUDA allocator: kept bytes
+    per rank element, TRANSIENT_BYTES per element of the largest tensor (or decode chunk), and
+    the checkpoint tensors load_weights holds (one at a time, two while the allocator recycles)."""
+    from wb.algorithms.probe import digit_base
+    from wb.layouts.presets import load_config
+    from wb_torch.probing import TRANSIENT_BYTES
+
+    cfg = dict(load_config("qwen3-30b-a3b"), num_hidden_layers=1, num_experts=8)
+    spec = spec_from_config(cfg)
+    model = TinyRollout(cfg, tp_rank=1, tp_size=8, dtype=torch.bfloat16, device="cuda")
+    rank = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    passes = math.ceil(math.log(spec.numel, digit_base(spec.dtypes))) + 1
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    maps = wb_torch.probe(model, spec)  # DeviceArrays on the parameters' GPU
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    for name, ids in expected_maps(cfg, tp_rank=1, tp_size=8).items():
+        np.testing.assert_array_equal(maps[name].to_indices(), ids, err_msg=name)
+    bound = ((1 + passes) * rank + TRANSIENT_BYTES * largest
+             + 2 * max(spec.size(n) * 2 for n in spec) + (64 << 20))  # bf16 checkpoint
+    assert extra <= bound, (extra, bound, extra / rank)

@@ -1,8 +1,5 @@
 """JAX shim of WeightBridge: the same functions, names and signatures as :mod:`wb_torch`.
 
-Long because probing on JAX's device (``_DeviceArrays``) is jax code and lives here, as in
-:mod:`wb_torch`.
-
 =========================  ==============================================================
 ``probe``                  source maps of the params a load function builds, by running it
                            on id-encoded checkpoint arrays
@@ -34,6 +31,7 @@ import numpy as np
 
 import wb
 import wb.algorithms.probe as probe_algo
+from wb_jax.probing import DeviceArrays
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +121,8 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
         key: what distinguishes this process's maps (JSON-able, e.g. ``{"mesh": [2, 4]}``).
         arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
             Default: on JAX's default device when it is an accelerator (checkpoint arrays made
-            there and passed to ``load_fn`` as ``jax.Array``; leaves checked there; per-pass
-            digits come back as bytes, since int64 ids need ``jax_enable_x64``), numpy on the
+            there and passed to ``load_fn`` as ``jax.Array``; leaves checked and decoded there;
+            only runs of ids come back: :class:`wb_jax.probing.DeviceArrays`), numpy on the
             host when JAX runs on CPU (faster there, as for :func:`wb_torch.probe`).
 
     Returns:
@@ -138,96 +136,9 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
     """
     info = _leaf_info(load_fn, spec) if cache is not None else None
     if arrays is None:
-        arrays = probe_algo.HostArrays() if jax.default_backend() == "cpu" else _DeviceArrays()
+        arrays = probe_algo.HostArrays() if jax.default_backend() == "cpu" else DeviceArrays()
     return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress, cache=cache,
                     key=key, buffers=info, arrays=arrays)
-
-
-class _DeviceArrays:
-    """The probe's per-element work (:class:`wb.algorithms.probe.ProbeArrays`) with ``jax.numpy``
-    on a device: checkpoint arrays built there from per-base tables and O(rows) indices the core
-    computes (float32 at base 2**24 is built on the host and put there), leaves checked there
-    (whatever their sharding), and the written mask and per-pass digits (1 byte each at base <=
-    256) brought back for the host to decode, as int64 ids would need ``jax_enable_x64``.
-
-    Extra device memory: a checkpoint array twice while it is built (its pieces, then the
-    joined array); per leaf element a few bytes of masks and digits per pass.
-    """
-
-    def __init__(self, device: Any = None):
-        self.device = device or jax.devices()[0]
-        self._tables: dict[tuple, Any] = {}
-
-    def _values(self, base: int, dtype: np.dtype) -> Any:
-        key = ("values", base, dtype.name)
-        if key not in self._tables:
-            v = np.arange(1, base + 1, dtype=np.float32).astype(dtype)
-            self._tables[key] = jax.device_put(v, self.device)
-        return self._tables[key]
-
-    def _check(self, base: int, dtype: np.dtype) -> Any:
-        key = ("check", base, dtype.name)
-        if key not in self._tables:
-            self._tables[key] = self._values(base, dtype)[
-                jax.device_put(probe_algo.check_table(base).astype(np.int32), self.device)]
-        return self._tables[key]
-
-    def feed(self, spec, name, base, pass_index):
-        import jax.numpy as jnp
-
-        dtype = wb.dtypes.dtype_info(spec.dtype(name)).numpy
-        shape, first, n = spec.shape(name), spec.offset(name), spec.size(name)
-        if base > probe_algo.TABLE_MAX or n == 0:
-            return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
-                                  self.device)
-        values, pieces = self._values(base, dtype), []
-        for start, m, w, row0, col0 in probe_algo.segments(first, n, base):
-            idx = probe_algo.row_index(pass_index, row0, m, base)
-            if idx is None:
-                piece = jnp.broadcast_to(values[col0:col0 + w], (m, w))
-            else:
-                idx = jax.device_put(idx.astype(np.int32), self.device)
-                piece = (jnp.broadcast_to(values[idx][:, None], (m, w)) if pass_index is not None
-                         else self._check(base, dtype)[idx, col0:col0 + w])
-            pieces.append(piece.reshape(-1))
-        return jnp.concatenate(pieces).reshape(shape)
-
-    def buffer(self, name, arr):
-        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-            raise wb.ProbeError(f"leaf `{name}` is a {type(arr).__name__}, not an array")
-        return arr
-
-    def dtype_name(self, a):
-        return wb.dtypes.known_dtype(a.dtype)
-
-    def read(self, a, base):
-        import jax.numpy as jnp
-
-        flat = jnp.asarray(a).reshape(-1)
-        if wb.dtypes.canonical_dtype(flat.dtype).startswith("float8"):
-            flat = flat.astype(jnp.float16)  # exact
-        if jnp.issubdtype(flat.dtype, jnp.floating):
-            ok = (flat >= 0) & (flat <= base) & (flat == jnp.round(flat))  # NaN fails all
-        else:
-            ok = (flat >= 0) & (flat <= base)
-        if not bool(ok.all()):
-            i = int(jnp.argmin(ok))
-            return ok, ok, probe_algo.Bad(
-                i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
-        d = flat.astype(jnp.int32)
-        digit = jnp.uint8 if base <= 256 else jnp.int16 if base <= 2**15 else jnp.int32
-        return d != 0, (d - 1).astype(digit), None
-
-    def first_difference(self, a, b):
-        import jax.numpy as jnp
-
-        if bool(jnp.array_equal(a, b)):
-            return None
-        return int(jnp.argmax(a != b))
-
-    def decode(self, written, digits, base, numel):
-        host = [np.asarray(d).astype(probe_algo.digit_dtype(base)) for d in digits]
-        return probe_algo.HostArrays().decode(np.asarray(written), host, base, numel)
 
 
 def _leaf_info(load_fn, spec: wb.CheckpointSpec) -> dict[str, tuple] | None:

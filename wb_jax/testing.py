@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from wb.data.dtypes import dtype_info
+from wb.data.sourcemap import SourceMap
 from wb.data.spec import CheckpointSpec
 from wb.errors import SpecError
 from wb.layouts import TINY, ModelDims, spec_from_config
@@ -242,7 +243,8 @@ def make_load_fn(cfg: Mapping = TINY,
     return load
 
 
-def expected_maps(cfg: Mapping = TINY, tp: int = 1) -> dict[str, np.ndarray]:
+def expected_maps(cfg: Mapping = TINY, tp: int = 1, *,
+                  as_maps: bool = False) -> dict[str, np.ndarray] | dict[str, SourceMap]:
     """The oracle: which global checkpoint id each element of each params leaf holds.
 
     Computed with numpy only and written independently of :func:`make_load_fn` (each transform
@@ -252,11 +254,13 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1) -> dict[str, np.ndarray]:
     Args:
         cfg: a qwen3_moe architecture config.
         tp: the mesh's tp size; it only sets the padded vocabulary ``Vp`` (``None`` mesh: 1).
+        as_maps: return :class:`wb.SourceMap` values, each built from its ids and dropped before
+            the next leaf's (for dimensions whose int64 ids would not fit in memory at once).
 
     Returns:
         ``{jax.tree_util.keystr(path): ids}`` for every leaf of the params pytree, e.g.
         ``"['layers'][0]['attn']['q']"``; ``ids`` is an int64 array of the leaf's global shape,
-        -1 where the leaf holds padding (zeros).
+        -1 where the leaf holds padding (zeros). With ``as_maps``, SourceMaps of those ids.
 
     Raises:
         SpecError: (a ValueError) tp < 1, the architecture is not qwen3_moe, or a field is missing.
@@ -282,37 +286,47 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1) -> dict[str, np.ndarray]:
         # [n*hd, h] (row n_*hd + d_ is head n_, dim d_) -> [h, n, hd]
         return ids.reshape(n, hd, h).transpose(2, 0, 1)
 
-    out: dict[str, np.ndarray] = {"['embed']": padded_rows("model.embed_tokens.weight")}
-    for i in range(d.layers):
+    def leaves(i: int) -> dict[str, Callable[[], np.ndarray]]:
+        """Layer ``i``'s leaves: ``{key: a function giving its ids}`` (built when asked)."""
         key, p = f"['layers'][{i}]", f"model.layers.{i}."
-        out[f"{key}['input_norm']"] = spec.ids(p + "input_layernorm.weight")
-        out[f"{key}['post_norm']"] = spec.ids(p + "post_attention_layernorm.weight")
-        a = p + "self_attn."
-        out[f"{key}['attn']['q']"] = heads_in(spec.ids(a + "q_proj.weight"), nh)
-        out[f"{key}['attn']['k']"] = heads_in(spec.ids(a + "k_proj.weight"), kv)
-        out[f"{key}['attn']['v']"] = heads_in(spec.ids(a + "v_proj.weight"), kv)
-        # o_proj [h, nh*hd] (column n_*hd + d_) -> [nh, hd, h]
-        out[f"{key}['attn']['o']"] = spec.ids(a + "o_proj.weight").reshape(h, nh, hd).transpose(
-            1, 2, 0)
-        out[f"{key}['attn']['q_norm']"] = spec.ids(a + "q_norm.weight")
-        out[f"{key}['attn']['k_norm']"] = spec.ids(a + "k_norm.weight")
-        m = p + "mlp."
+        a, m = p + "self_attn.", p + "mlp."
+        ids = spec.ids
+        out = {
+            f"{key}['input_norm']": lambda: ids(p + "input_layernorm.weight"),
+            f"{key}['post_norm']": lambda: ids(p + "post_attention_layernorm.weight"),
+            f"{key}['attn']['q']": lambda: heads_in(ids(a + "q_proj.weight"), nh),
+            f"{key}['attn']['k']": lambda: heads_in(ids(a + "k_proj.weight"), kv),
+            f"{key}['attn']['v']": lambda: heads_in(ids(a + "v_proj.weight"), kv),
+            # o_proj [h, nh*hd] (column n_*hd + d_) -> [nh, hd, h]
+            f"{key}['attn']['o']": lambda: ids(a + "o_proj.weight").reshape(
+                h, nh, hd).transpose(1, 2, 0),
+            f"{key}['attn']['q_norm']": lambda: ids(a + "q_norm.weight"),
+            f"{key}['attn']['k_norm']": lambda: ids(a + "k_norm.weight"),
+        }
         if i < d.n_dense:
-            out[f"{key}['mlp']['gate_up']"] = np.stack(
-                [np.swapaxes(spec.ids(m + f"{w}_proj.weight"), 0, 1) for w in ("gate", "up")])
-            out[f"{key}['mlp']['down']"] = np.swapaxes(spec.ids(m + "down_proj.weight"), 0, 1)
+            out[f"{key}['mlp']['gate_up']"] = lambda: np.stack(
+                [np.swapaxes(ids(m + f"{w}_proj.weight"), 0, 1) for w in ("gate", "up")])
+            out[f"{key}['mlp']['down']"] = lambda: np.swapaxes(ids(m + "down_proj.weight"), 0, 1)
         else:
-            out[f"{key}['mlp']['router']"] = np.swapaxes(spec.ids(m + "gate.weight"), 0, 1)
+            out[f"{key}['mlp']['router']"] = lambda: np.swapaxes(ids(m + "gate.weight"), 0, 1)
             # [2, E, mi, h] of PyTorch weights, then [in, out] kernels by swapping the last axes
-            torch_layout = np.array([[spec.ids(m + f"experts.{e}.{w}_proj.weight")
-                                      for e in range(d.experts)] for w in ("gate", "up")])
-            out[f"{key}['mlp']['gate_up']"] = np.swapaxes(torch_layout, -1, -2)
-            out[f"{key}['mlp']['down']"] = np.swapaxes(np.array(
-                [spec.ids(m + f"experts.{e}.down_proj.weight") for e in range(d.experts)]), -1, -2)
-    out["['final_norm']"] = spec.ids("model.norm.weight")
+            out[f"{key}['mlp']['gate_up']"] = lambda: np.swapaxes(np.array(
+                [[ids(m + f"experts.{e}.{w}_proj.weight") for e in range(d.experts)]
+                 for w in ("gate", "up")]), -1, -2)
+            out[f"{key}['mlp']['down']"] = lambda: np.swapaxes(np.array(
+                [ids(m + f"experts.{e}.down_proj.weight") for e in range(d.experts)]), -1, -2)
+        return out
+
+    todo: dict[str, Callable[[], np.ndarray]] = {
+        "['embed']": lambda: padded_rows("model.embed_tokens.weight")}
+    for i in range(d.layers):
+        todo.update(leaves(i))
+    todo["['final_norm']"] = lambda: spec.ids("model.norm.weight")
     if not d.tied:
-        out["['lm_head']"] = padded_rows("lm_head.weight").T
-    return {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in out.items()}
+        todo["['lm_head']"] = lambda: padded_rows("lm_head.weight").T
+    if as_maps:
+        return {k: SourceMap.from_indices(f()) for k, f in todo.items()}
+    return {k: np.ascontiguousarray(f(), dtype=np.int64) for k, f in todo.items()}
 
 
 def checkpoint_arrays(spec: CheckpointSpec, seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,7 +1,5 @@
 """PyTorch shim of WeightBridge: the same functions, names and signatures as :mod:`wb_jax`.
 
-Long because probing on the parameters' device (``_DeviceArrays``) is torch code and lives here.
-
 =========================  ==============================================================
 ``probe``                  source maps of a model's parameters, by running its own
                            ``load_weights`` on id-encoded tensors
@@ -35,6 +33,7 @@ import torch
 
 import wb
 import wb.algorithms.probe as probe_algo
+from wb_torch.probing import DeviceArrays
 
 __all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
            "to_numpy", "from_numpy"]
@@ -142,7 +141,8 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
         key: what distinguishes this rank (JSON-able, e.g. ``{"tp": 8, "rank": 3}``).
         arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
             Default: on the parameters' device with torch when it is a GPU (checkpoint tensors
-            made there, checked and decoded there; one int64 array per tensor comes back), numpy
+            made there, checked and decoded there; only runs of ids come back:
+            :class:`wb_torch.probing.DeviceArrays`), numpy
             on the host for CPU parameters (its kernels beat torch's int64 and bfloat16 CPU
             kernels several times over: ``bench/bench_probe.py``).
 
@@ -183,144 +183,12 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
         return _ParamViews(after) if on_host else {n: _local(t) for n, t in after.items()}
 
     if arrays is None:
-        arrays = probe_algo.HostArrays() if device.type == "cpu" else _DeviceArrays(device)
+        arrays = probe_algo.HostArrays() if device.type == "cpu" else DeviceArrays(device)
     on_host = isinstance(arrays, probe_algo.HostArrays)
     info = {n: (tuple(_local(t).shape), wb.dtypes.canonical_dtype(t.dtype), _local(t).device.type)
             for n, t in params.items()}
     return wb.probe(spec, load, progress=progress, cache=cache, key=key, buffers=info,
                     arrays=arrays)
-
-
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_HASH_MUL = 0x9E3779B97F4A7C15 - 2**64  # the core's row hash multiplier as a wrapping int64
-
-
-class _DeviceArrays:
-    """The probe's per-element work (:class:`wb.algorithms.probe.ProbeArrays`) with torch on the
-    parameters' device: checkpoint tensors are made there (as same-width integers, from per-base
-    tables and O(rows) indices the core computes), each pass's parameters are checked there, and
-    ids are decoded there; one int64 array per parameter comes back to the host, for its map.
-
-    Extra device memory: per element of the probed tensors, 1 byte (written mask) plus one digit
-    per pass (1 byte at base <= 256, 2 at <= 2048, 4 above), and while one tensor is read or
-    decoded at most ``wb.algorithms.probe.TRANSIENT_BYTES_PER_ELEMENT`` more; plus the
-    checkpoint tensors ``load_weights`` holds at once.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._tables: dict[tuple, torch.Tensor] = {}
-
-    def _values(self, base: int, dtype: torch.dtype) -> torch.Tensor:
-        """``(base,)`` raw bits of ``digit + 1`` in ``dtype``."""
-        key = ("values", base, dtype)
-        if key not in self._tables:
-            v = torch.arange(1, base + 1, dtype=torch.float32, device=self.device).to(dtype)
-            self._tables[key] = v.view(_RAW[v.element_size()])
-        return self._tables[key]
-
-    def _check(self, base: int, dtype: torch.dtype) -> torch.Tensor:
-        key = ("check", base, dtype)
-        if key not in self._tables:
-            idx = torch.from_numpy(probe_algo.check_table(base)).to(self.device)
-            self._tables[key] = self._values(base, dtype)[idx]
-        return self._tables[key]
-
-    def feed(self, spec, name, base, pass_index):
-        dtype = getattr(torch, spec.dtype(name))
-        out = torch.empty(spec.shape(name), dtype=dtype, device=self.device)
-        flat = out.view(-1).view(_RAW[out.element_size()])
-        first, n = spec.offset(name), out.numel()
-        if base > probe_algo.TABLE_MAX:  # wide bases (float32): chunked arithmetic on the device
-            for a in range(0, n, 1 << 22):
-                ids = torch.arange(first + a, first + min(n, a + (1 << 22)), device=self.device)
-                digit = _pass_digits(ids, pass_index, base) + 1
-                out.view(-1)[a:a + ids.numel()] = digit.to(
-                    torch.float32 if base <= 2**24 else torch.float64)
-            return out
-        values = self._values(base, dtype)
-        for start, m, w, row0, col0 in probe_algo.segments(first, n, base):
-            out2d = flat[start:start + m * w].view(m, w)
-            idx = probe_algo.row_index(pass_index, row0, m, base)
-            if idx is None:
-                out2d.copy_(values[col0:col0 + w].expand(m, w))
-                continue
-            idx = torch.from_numpy(idx).to(self.device)
-            if pass_index is not None:
-                out2d.copy_(values[idx].unsqueeze(1).expand(m, w))
-            else:
-                out2d.copy_(self._check(base, dtype)[idx, col0:col0 + w])
-        return out
-
-    def buffer(self, name, arr):
-        if not isinstance(arr, torch.Tensor):
-            raise wb.ProbeError(f"`{name}` is a {type(arr).__name__}, not a tensor")
-        return arr.detach()
-
-    def dtype_name(self, a):
-        return wb.dtypes.known_dtype(a.dtype)
-
-    def read(self, a, base):
-        flat = a.reshape(-1)
-        if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            flat = flat.to(torch.float16)  # exact; few kernels take float8 operands
-        if flat.is_floating_point():
-            ok = (flat >= 0) & (flat <= base) & (flat == torch.round(flat))  # NaN fails all
-        else:
-            ok = (flat >= 0) & (flat <= base)
-        if not bool(ok.all()):
-            i = int((~ok).nonzero()[0, 0])
-            return ok, ok, probe_algo.Bad(
-                i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
-        del ok
-        d = flat.to(torch.int32)
-        digit_dtype = torch.uint8 if base <= 256 else torch.int16 if base <= 2**15 else torch.int32
-        return d != 0, (d - 1).to(digit_dtype), None
-
-    def first_difference(self, a, b):
-        if torch.equal(a, b):
-            return None
-        return int((a != b).nonzero()[0, 0])
-
-    def decode(self, written, digits, base, numel):
-        *id_digits, check = digits
-        ids = torch.zeros(written.shape, dtype=torch.int64, device=self.device)
-        scale = 1
-        for d in id_digits:
-            ids.add_(d.to(torch.int64), alpha=scale)
-            scale *= base
-        ids.masked_fill_(~written, 0)  # unwritten elements hold no digits
-        over = ids >= numel
-        if bool(over.any()):
-            i = int(over.nonzero()[0, 0])
-            return (ids.cpu().numpy(), probe_algo.Bad(i, f"decodes to id {int(ids[i])} >= numel "
-                                                      f"{numel}"), False)
-        wrong = written & (check != _check_digit(ids, base))
-        if bool(wrong.any()):
-            i = int(wrong.nonzero()[0, 0])
-            return (ids.cpu().numpy(), probe_algo.Bad(
-                i, "disagrees between the id passes and the check pass"), True)
-        ids.masked_fill_(~written, -1)
-        return ids.cpu().numpy(), None, False
-
-
-def _check_digit(ids: torch.Tensor, base: int) -> torch.Tensor:
-    """``wb.algorithms.probe.check_digit`` on the device (int64 ids >= 0)."""
-    if base & (base - 1):  # not a power of two (a base given by hand): on the host
-        return torch.from_numpy(probe_algo.check_digit(ids.cpu().numpy(), base)).to(ids.device)
-    shift, mask = base.bit_length() - 1, base - 1
-    # int64 products wrap like the core's uint64 ones; the arithmetic shift differs from the
-    # logical one only in bits the mask drops (base <= 2**24 keeps bits 24..47 of the product)
-    h = ids >> shift  # in place from here: 2 int64 temporaries per element, not 7
-    h.mul_(_HASH_MUL).bitwise_right_shift_(24).bitwise_and_(mask)
-    col = (ids & mask).mul_(probe_algo.COL_MUL % base)
-    return h.add_(col).bitwise_and_(mask)
-
-
-def _pass_digits(ids: torch.Tensor, pass_index: int | None, base: int) -> torch.Tensor:
-    if pass_index is None:
-        return _check_digit(ids, base)
-    return ids // base ** pass_index % base
 
 
 # --- params -> ranks ---------------------------------------------------------------------------

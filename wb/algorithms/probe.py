@@ -42,13 +42,13 @@ import numpy as np
 
 from wb.data.dtypes import dtype_info
 from wb.data.mapcache import BufferInfo, MapCache, cache_file, fingerprint
-from wb.data.sourcemap import SourceMap
+from wb.data.sourcemap import Runs, SourceMap, run_marks, runs_from_marks
 from wb.errors import ProbeError, SpecError
 from wb.data.spec import CheckpointSpec
 
 __all__ = ["probe", "digit_base", "ProbeCheckpoint", "ProbeArrays", "HostArrays", "Bad",
            "segments", "row_index", "check_table", "pass_digits", "check_digit", "TABLE_MAX",
-           "COL_MUL", "TRANSIENT_BYTES_PER_ELEMENT", "digit_dtype"]
+           "COL_MUL", "TRANSIENT_BYTES_PER_ELEMENT", "DECODE_CHUNK", "digit_dtype", "chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ COL_MUL = 2654435761
 #: their byte image, the check digits and two masks); a test measures it with tracemalloc.
 TRANSIENT_BYTES_PER_ELEMENT = 40
 _ROW_MUL = np.uint64(0x9E3779B97F4A7C15)
+#: Elements of a buffer decoded at once (whole rows): bounds the transient memory of decoding.
+DECODE_CHUNK = 1 << 22
 #: Bases up to this are fed from per-base tables (``(B, B)`` for the check pass: 8 MiB at 2048).
 TABLE_MAX = 2048
 
@@ -281,18 +283,32 @@ class ProbeArrays(Protocol):
     def dtype_name(self, a: Any) -> str | None:
         """The canonical dtype name of a buffer, ``None`` when wb does not know it."""
 
-    def read(self, a: Any, base: int) -> tuple[Any, Any, Bad | None]:
-        """``(written, digits, bad)``: flat mask of written elements, their digits (any integer
-        type), and the first element that is not an integer ``0 .. base`` (``None``: none)."""
+    def read(self, a: Any, base: int) -> tuple[Any, Any, Any]:
+        """``(written, digits, ok)``: flat mask of written elements, their digits (any integer
+        type), and whether every element is an integer ``0 .. base``: anything :meth:`all_true`
+        takes (a device scalar, so a pass needs no synchronisation per buffer)."""
 
-    def first_difference(self, a: Any, b: Any) -> int | None:
-        """The first flat index where two masks differ, ``None`` if they are equal."""
+    def first_bad(self, a: Any, base: int) -> Bad:
+        """The first element of ``a`` that is not an integer ``0 .. base`` (after ``read``'s
+        ``ok`` was false)."""
 
-    def decode(self, written: Any, digits: list, base: int, numel: int
-               ) -> tuple[np.ndarray, Bad | None, bool]:
-        """``(ids, bad, in_check_pass)``: flat int64 numpy ids (``-1`` unwritten) from the
-        per-pass digits (the last one the check pass's), or the first element whose id is
-        ``>= numel`` (``in_check_pass`` False) or disagrees with its check digit (True)."""
+    def same(self, a: Any, b: Any) -> Any:
+        """Whether two masks are equal, as :meth:`all_true` takes it."""
+
+    def first_difference(self, a: Any, b: Any) -> int:
+        """The first flat index where two masks differ (after :meth:`same` was false)."""
+
+    def all_true(self, oks: list) -> bool:
+        """Whether every ``ok`` of :meth:`read` and :meth:`same` is true: one wait per pass."""
+
+    def runs(self, written: Any, digits: list, base: int, numel: int, cols: int
+             ) -> tuple[Runs | None, Bad | None, bool]:
+        """``(runs, bad, in_check_pass)``: the maximal affine runs (:class:`wb.data.sourcemap.Runs`,
+        numpy, O(runs)) of the ids decoded from the per-pass digits (the last one the check
+        pass's; unwritten elements are ``-1``) of a buffer viewed as rows of ``cols``; or the
+        first element whose id is ``>= numel`` (``in_check_pass`` False) or disagrees with its
+        check digit (True). Ids are decoded a chunk of rows at a time (see
+        :data:`DECODE_CHUNK`); only the runs leave the device."""
 
 
 class HostArrays:
@@ -319,13 +335,37 @@ class HostArrays:
         return dtype_info(a.dtype).name if _dtype_known(a.dtype) else None
 
     def read(self, a, base):
-        return _read(a, base, digit_dtype(base))
+        w, d, bad = _read(a, base, digit_dtype(base))
+        return w, d, bad is None
+
+    def first_bad(self, a, base):
+        return _read(a, base, digit_dtype(base))[2]
+
+    def same(self, a, b):
+        return np.array_equal(a, b)
 
     def first_difference(self, a, b):
-        return None if np.array_equal(a, b) else int(np.argmax(a != b))
+        return int(np.argmax(a != b))
 
-    def decode(self, written, digits, base, numel):
-        return _decode(written, digits, base, numel)
+    def all_true(self, oks):
+        return all(oks)
+
+    def runs(self, written, digits, base, numel, cols):
+        parts = []
+        for lo, hi in chunks(written.size, cols):
+            ids, bad, in_check = _decode(written[lo:hi], [d[lo:hi] for d in digits], base, numel)
+            if bad is not None:
+                return None, bad._replace(index=bad.index + lo), in_check
+            parts.append(runs_from_marks(run_marks(ids, cols), hi - lo, cols, lo // cols))
+        return Runs.concat(parts), None, False
+
+
+def chunks(n: int, cols: int, chunk: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` flat ranges of whole rows of ``cols`` covering ``n`` elements, each about
+    ``chunk`` (default :data:`DECODE_CHUNK`) elements or one row."""
+    step = max(1, (chunk or DECODE_CHUNK) // max(cols, 1)) * cols
+    for lo in range(0, n, step):
+        yield lo, min(n, lo + step)
 
 
 def _as_numpy(name: str, arr: Any) -> np.ndarray:
@@ -491,6 +531,7 @@ def _probe_with_base(spec, load, base, progress, allow_narrowing, arrays):
         elif set(out) != set(shapes):
             raise ProbeError(f"the load function returned different buffers in {labels[k]} than in "
                              f"pass 1: {sorted(set(out) ^ set(shapes))[:5]}")
+        checks = []  # (name, buffer, ok of its digits, ok of its written mask): checked at once
         for name, arr in out.items():
             a = arrays.buffer(name, arr)
             shape = tuple(a.shape)
@@ -499,31 +540,44 @@ def _probe_with_base(spec, load, base, progress, allow_narrowing, arrays):
             elif shape != shapes[name]:
                 raise ProbeError(f"buffer `{name}` changed shape from {shapes[name]} to {shape} "
                                  f"in {labels[k]}")
-            w, d, bad = arrays.read(a, base)
-            if bad is not None:
-                raise _bad(name, shape, bad.index, bad.what, labels[k])
+            w, d, ok = arrays.read(a, base)
             if k == 0:
-                written[name] = w
+                written[name], same = w, True
             else:
-                i = arrays.first_difference(w, written[name])
-                if i is not None:
-                    raise _bad(name, shape, i, "was written in some passes and not in others",
-                               labels[k])
+                same = arrays.same(w, written[name])
+            checks.append((name, a, ok, same))
             digits.setdefault(name, []).append(d)
             del w, d, a, arr
+        if not arrays.all_true([c for _, _, ok, same in checks for c in (ok, same)]):
+            _raise_first_bad(arrays, checks, shapes, written, base, labels[k])
         # the buffers may be views of this pass's checkpoint tensors: dropped, their memory is
         # the next pass's (see _Pool)
-        del out, ck
+        del out, ck, checks
         bar.advance()
     bar.close()
     maps: dict[str, SourceMap] = {}
-    for name in shapes:
-        ids, bad, in_check = arrays.decode(written.pop(name), digits.pop(name), base, spec.numel)
+    for name, shape in shapes.items():
+        cols = shape[-1] if shape else 1
+        runs, bad, in_check = arrays.runs(written.pop(name), digits.pop(name), base, spec.numel,
+                                          cols)
         if bad is not None:
-            raise _bad(name, shapes[name], bad.index, bad.what,
+            raise _bad(name, shape, bad.index, bad.what,
                        labels[passes] if in_check else "the decoded ids")
-        maps[name] = SourceMap.from_indices(ids.reshape(shapes[name]))
+        maps[name] = SourceMap.from_runs(shape, runs)
     return maps
+
+
+def _raise_first_bad(arrays, checks, shapes, written, base, label) -> None:
+    """Raises the error of the first buffer whose digits or written mask failed in a pass."""
+    for name, a, ok, same in checks:
+        if not arrays.all_true([ok]):
+            bad = arrays.first_bad(a, base)
+            raise _bad(name, shapes[name], bad.index, bad.what, label)
+        if not arrays.all_true([same]):
+            w = arrays.read(a, base)[0]
+            raise _bad(name, shapes[name], arrays.first_difference(w, written[name]),
+                       "was written in some passes and not in others", label)
+    raise AssertionError("a pass failed its check but no buffer did")
 
 
 def _decode(w, digits, base, numel) -> tuple[np.ndarray, Bad | None, bool]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from wb.errors import SpecError
 
-__all__ = ["SourceMap", "Blocks", "MAX_ID"]
+__all__ = ["SourceMap", "Blocks", "Runs", "RunMarks", "run_marks", "runs_from_marks", "MAX_ID"]
 
 #: Largest id a layout accepts (the codec itself is exact for any int64 value).
 MAX_ID = 2**62 - 1
@@ -110,51 +110,110 @@ def _run_starts(v: np.ndarray, valid: np.ndarray, forced: np.ndarray) -> np.ndar
     it keeps the run's step. Positions whose second difference is zero never start a run, so only
     the (few) candidates are looked at: in a chain of consecutive candidates, starts alternate.
     """
-    n = v.shape[0]
     cand = forced.copy()
-    if n > 2:
+    if v.shape[0] > 2:
         dd = v[2:] - 2 * v[1:-1] + v[:-2]  # wraps mod 2**64 exactly like the ids' differences
         cand[2:] |= valid[2:] & ~forced[1:-1] & (dd != 0)
     pos = np.flatnonzero(cand)
+    return pos[_alternate(pos, forced[pos])]
+
+
+def _alternate(pos: np.ndarray, forced: np.ndarray) -> np.ndarray:
+    """Which candidates start a run (bool mask over ``pos``): every forced one, then every
+    other one along a chain of consecutive positions."""
     if pos.size == 0:
-        return pos
-    head = forced[pos].copy()
+        return np.zeros(0, dtype=bool)
+    head = forced.copy()
     head[0] = True
     head[1:] |= pos[1:] != pos[:-1] + 1
     idx = np.arange(pos.size)
     head_idx = np.maximum.accumulate(np.where(head, idx, 0))
-    return pos[(idx - head_idx) % 2 == 0]
+    return (idx - head_idx) % 2 == 0
 
 
-def _row_runs(ids2d: np.ndarray, row_offset: int) -> tuple[np.ndarray, ...]:
-    """Maximal affine runs along each row of a chunk: ``(row, c0, nc, id0, sc)`` arrays."""
-    rows, cols = ids2d.shape
-    v = ids2d.reshape(-1)
+class Runs(NamedTuple):
+    """Maximal affine runs along the rows of a map's 2-D view; all fields ``(n,) int64``.
+
+    Row ``row`` holds ids ``id0 + (c - c0) * sc`` at columns ``c0 <= c < c0 + nc`` (``sc`` is 0
+    for a run of one). :meth:`SourceMap.from_runs` stacks them into blocks.
+    """
+
+    row: np.ndarray
+    c0: np.ndarray
+    nc: np.ndarray
+    id0: np.ndarray
+    sc: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[Runs]) -> Runs:
+        if not parts:
+            return Runs(*(np.zeros(0, np.int64) for _ in range(5)))
+        return Runs(*(np.concatenate(f).astype(np.int64, copy=False) for f in zip(*parts)))
+
+
+class RunMarks(NamedTuple):
+    """What finding the runs of ``n`` ids needs from them, O(runs): computed where the ids are
+    (numpy here; a shim's device), finished on the host by :func:`runs_from_marks`.
+
+    With ``valid = v != -1``, ``forced`` = valid and at a row start or after an invalid element:
+    """
+
+    cand: np.ndarray  # (k,) int64 sorted positions that are forced or valid, after a non-forced
+    #                   element, with a non-zero second difference ``v[i] - 2 v[i-1] + v[i-2]``
+    forced: np.ndarray  # (k,) bool: ``cand`` is forced
+    v_at: np.ndarray  # (k,) int64 ``v[cand]``
+    v_next: np.ndarray  # (k,) int64 ``v[min(cand + 1, n - 1)]``
+    last: np.ndarray  # (l,) int64 sorted positions of valid elements whose successor is invalid,
+    #                   starts a row, or is past the end
+
+
+def run_marks(v: np.ndarray, cols: int) -> RunMarks:
+    """:class:`RunMarks` of flat int64 ids ``v`` (whole rows of ``cols``), with numpy."""
+    n = v.shape[0]
     valid = v != -1
     forced = valid.copy()
     forced[1:] &= ~valid[:-1]
     forced[::cols] = valid[::cols]
-    starts = _run_starts(v, valid, forced)
-    stop = ~valid
-    stop[starts] = True
-    stop[::cols] = True
-    stops = np.append(np.flatnonzero(stop), v.size)
-    ends = stops[np.searchsorted(stops, starts, side="right")]
-    ends = np.minimum(ends, (starts // cols + 1) * cols)  # a run never leaves its row
+    cand = forced.copy()
+    if n > 2:
+        dd = v[2:] - 2 * v[1:-1] + v[:-2]  # wraps mod 2**64 exactly like the ids' differences
+        cand[2:] |= valid[2:] & ~forced[1:-1] & (dd != 0)
+        del dd
+    pos = np.flatnonzero(cand)
+    last = valid.copy()
+    last[:-1] &= ~valid[1:] | forced[1:]  # forced[i+1] and valid[i]: i + 1 starts a row
+    return RunMarks(pos, forced[pos], v[pos], v[np.minimum(pos + 1, n - 1)], np.flatnonzero(last))
+
+
+def runs_from_marks(m: RunMarks, n: int, cols: int, row_offset: int = 0) -> Runs:
+    """The maximal affine runs of ``n`` ids (whole rows of ``cols``, the first of them row
+    ``row_offset``) from their :class:`RunMarks`: O(runs), the same runs :func:`run_marks`'s ids
+    give directly."""
+    sel = _alternate(m.cand, m.forced)
+    starts = m.cand[sel]
+    ends = np.append(starts[1:], n)
+    if starts.size:
+        ends = np.minimum(ends, m.last[np.searchsorted(m.last, starts)] + 1)
     length = ends - starts
-    id0 = v[starts]
-    sc = np.zeros_like(id0)
-    two = length > 1
-    sc[two] = v[starts[two] + 1] - id0[two]
-    return starts // cols + row_offset, starts % cols, length, id0, sc
+    id0 = m.v_at[sel]
+    sc = np.where(length > 1, m.v_next[sel] - id0, 0)
+    return Runs(starts // cols + row_offset, starts % cols, length, id0, sc)
+
+
+def _row_runs(ids2d: np.ndarray, row_offset: int) -> Runs:
+    """Maximal affine runs along each row of a chunk."""
+    rows, cols = ids2d.shape
+    v = ids2d.reshape(-1)
+    return runs_from_marks(run_marks(v, cols), v.size, cols, row_offset)
 
 
 def _merge_rows(row, c0, nc, id0, sc) -> Blocks:
     """Stacks runs of consecutive rows with the same columns and step into affine blocks."""
     if row.size == 0:
         return Blocks.empty()
-    order = np.lexsort((row, sc, nc, c0))
-    row, c0, nc, id0, sc = row[order], c0[order], nc[order], id0[order], sc[order]
+    if not _lexsorted((row, sc, nc, c0)):  # probed maps come sorted: no sort needed
+        order = np.lexsort((row, sc, nc, c0))
+        row, c0, nc, id0, sc = row[order], c0[order], nc[order], id0[order], sc[order]
     n = row.size
     forced = np.ones(n, dtype=bool)
     forced[1:] = ((c0[1:] != c0[:-1]) | (nc[1:] != nc[:-1]) | (sc[1:] != sc[:-1])
@@ -166,7 +225,20 @@ def _merge_rows(row, c0, nc, id0, sc) -> Blocks:
     two = nr > 1
     sr[two] = id0[starts[two] + 1] - id0[starts[two]]
     b = Blocks(row[starts], nr, c0[starts], nc[starts], id0[starts], sr, sc[starts])
-    return b.take(np.lexsort((b.c0, b.r0)))
+    if not _lexsorted((b.c0, b.r0)):
+        b = b.take(np.lexsort((b.c0, b.r0)))
+    return b
+
+
+def _lexsorted(keys: tuple[np.ndarray, ...]) -> bool:
+    """Whether ``np.lexsort(keys)`` is the identity (last key primary), in O(n)."""
+    undecided = np.ones(keys[0].size - 1, dtype=bool)
+    for k in reversed(keys):
+        a, b = k[:-1], k[1:]
+        if (undecided & (a > b)).any():
+            return False
+        undecided &= a == b
+    return True
 
 
 def _diff2_of_blocks(rows: int, cols: int, b: Blocks) -> tuple[np.ndarray, np.ndarray]:
@@ -251,18 +323,22 @@ class SourceMap:
             raise SpecError(f"source map ids must fit int64, found {ids.max()}")
         shape = ids.shape
         rows, cols = _view2d(shape)
-        runs: list[tuple[np.ndarray, ...]] = []
+        runs: list[Runs] = []
         if rows * cols:
             v2 = ids.reshape(rows, cols)
             step = max(1, _CHUNK // cols)
             for r in range(0, rows, step):
                 chunk = np.asarray(v2[r:r + step], dtype=np.int64)
                 runs.append(_row_runs(chunk, r))
-        if runs:
-            blocks = _merge_rows(*(np.concatenate(f) for f in zip(*runs)))
-        else:
-            blocks = Blocks.empty()
-        return cls(shape, *_diff2_of_blocks(rows, cols, blocks), blocks=blocks)
+        return cls.from_runs(shape, Runs.concat(runs))
+
+    @classmethod
+    def from_runs(cls, shape: tuple[int, ...], runs: Runs) -> SourceMap:
+        """A map from the maximal affine runs along its rows (as :func:`runs_from_marks` gives
+        them; any order), in O(runs): how a probe that decoded ids on a device builds maps."""
+        rows, cols = _view2d(tuple(shape))
+        blocks = _merge_rows(*runs) if len(runs.row) else Blocks.empty()
+        return cls(tuple(shape), *_diff2_of_blocks(rows, cols, blocks), blocks=blocks)
 
     @classmethod
     def from_blocks(cls, shape: tuple[int, ...], blocks: Blocks, *,

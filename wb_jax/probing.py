@@ -1,0 +1,241 @@
+"""The probe's per-element work on JAX's device, with ``jax.numpy`` (mirrors
+:mod:`wb_torch.probing`).
+
+:class:`DeviceArrays` is a :class:`wb.algorithms.probe.ProbeArrays`. Every step is one jitted
+function, compiled once per shape and dtype (the values that change from tensor to tensor and
+pass to pass are arguments), so a pass is a stream of dispatches the host never waits for:
+
+- a checkpoint array is made on the device from its first id by 32-bit arithmetic (pass ``k``'s
+  digit of id ``first + j`` is ``(c + q(j)) mod B`` with ``q`` a shift of ``j``), and, for the
+  check pass, the hash of each row of ``B`` ids, computed on the host (O(elements / B));
+- every leaf is checked there, and a pass waits once, for all its checks;
+- after the last pass, ids are decoded there a chunk of rows at a time, with 64-bit integers
+  (``jax.enable_x64`` inside these functions only), their runs are found there, and only the runs
+  (O(runs)) come back for :meth:`wb.SourceMap.from_runs`.
+
+Extra device memory: per leaf element 1 byte (the written mask) plus one digit per pass (1 byte
+at base <= 256, 2 at <= 2**15, 4 above), kept across passes; while a leaf is read, or a chunk of
+``chunk`` elements decoded, at most :data:`TRANSIENT_BYTES` more per element; plus the
+checkpoint arrays ``load_fn`` holds at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import wb
+import wb.algorithms.probe as probe_algo
+from wb.data.sourcemap import RunMarks, Runs, runs_from_marks
+
+__all__ = ["DeviceArrays", "TRANSIENT_BYTES"]
+
+#: Bound on the transient device bytes per element of the leaf being read, or of the chunk being
+#: decoded (as :data:`wb_torch.probing.TRANSIENT_BYTES`).
+TRANSIENT_BYTES = 48
+
+_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # the core's row hash multiplier
+
+
+def _x64():
+    return jax.enable_x64(True)
+
+
+class DeviceArrays:
+    """:class:`wb.algorithms.probe.ProbeArrays` with ``jax.numpy`` on ``device`` (the module
+    docstring says what runs where and the memory it takes).
+
+    Args:
+        device: where checkpoint arrays are made (default: JAX's first device).
+        chunk: elements of a leaf decoded at once (whole rows).
+    """
+
+    def __init__(self, device=None, chunk: int = 1 << 26):
+        self.device = device or jax.devices()[0]
+        self.chunk = int(chunk)
+        self._zeros: dict[int, jax.Array] = {}
+
+    # --- feeding --------------------------------------------------------------------------------
+    def feed(self, spec, name, base, pass_index):
+        dtype = wb.dtypes.dtype_info(spec.dtype(name)).numpy
+        shape, first, n = spec.shape(name), spec.offset(name), spec.size(name)
+        if base & (base - 1) or n == 0 or n >= 2**31 - base:  # a base given by hand: the host's
+            return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
+                                  self.device)
+        bits = base.bit_length() - 1
+        rows = n // base + 2  # rows of ids the tensor touches, at most
+        if pass_index is None:
+            c, split, shift = 0, 0, 0
+            hrow = probe_algo.row_index(None, first // base, rows, base).astype(np.int32)
+            hrow = jax.device_put(hrow, self.device)
+        else:
+            p = base ** pass_index
+            c, r = first // p % base, first % p
+            split, shift = min(p - r, n), min(bits * pass_index, 31)
+            if rows not in self._zeros:
+                self._zeros[rows] = jax.device_put(np.zeros(rows, np.int32), self.device)
+            hrow = self._zeros[rows]
+        args = np.asarray([c, split, shift, first % base, pass_index is None], np.int32)
+        return _feed(jax.device_put(args, self.device), hrow, shape=tuple(shape),
+                     dtype=np.dtype(dtype), bits=bits)
+
+    # --- reading --------------------------------------------------------------------------------
+    def buffer(self, name, arr):
+        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            raise wb.ProbeError(f"leaf `{name}` is a {type(arr).__name__}, not an array")
+        return arr
+
+    def dtype_name(self, a):
+        return wb.dtypes.known_dtype(a.dtype)
+
+    def read(self, a, base):
+        return _read(jnp.asarray(a), base=base)
+
+    def first_bad(self, a, base):
+        flat = np.asarray(a).reshape(-1).astype(np.float64)  # an error path: on the host
+        with np.errstate(invalid="ignore"):
+            ok = (flat >= 0) & (flat <= base) & (flat == np.round(flat))
+        i = int(np.argmin(ok))
+        return probe_algo.Bad(i, f"reads {flat[i]}, not an integer digit 0..{base}")
+
+    def same(self, a, b):
+        return _same(a, b)
+
+    def first_difference(self, a, b):
+        return int(np.argmax(np.asarray(a) != np.asarray(b)))
+
+    def all_true(self, oks):
+        if not all(bool(o) for o in oks if not isinstance(o, jax.Array)):
+            return False
+        dev = [o for o in oks if isinstance(o, jax.Array)]
+        return bool(np.all(jax.device_get(dev))) if dev else True
+
+    # --- decoding -------------------------------------------------------------------------------
+    def runs(self, written, digits, base, numel, cols):
+        n = int(written.size)
+        rows_per = max(1, self.chunk // max(cols, 1))
+        size = min(n, rows_per * cols)  # one static chunk size per leaf; the last one overlaps
+        spans = list(probe_algo.chunks(n, cols, self.chunk))
+        parts = []
+        with _x64():
+            def launch(lo, cap):
+                start = min(lo, n - size)
+                return _runs_chunk(written, digits, np.int64(start), np.int64(lo - start),
+                                   np.int64(numel), size=size, cols=cols, base=base, cap=cap)
+
+            cap = 4 * (size // cols) + 64  # the usual few runs per row
+            outs = jax.device_get([launch(lo, cap) for lo, _ in spans])  # one wait per leaf
+            for (lo, hi), out in zip(spans, outs):
+                flags, n_cand, n_last = (int(x) for x in out[0])
+                if max(n_cand, n_last) > cap:  # more runs than that: room for every element
+                    out = jax.device_get(launch(lo, size))
+                    flags, n_cand, n_last = (int(x) for x in out[0])
+                if flags:
+                    return None, _decode_bad(written, digits, base, numel, lo, hi), flags == 2
+                start = min(lo, n - size)
+                pos, forced, v_at, v_next, last = out[1:]
+                m = RunMarks(pos[:n_cand] - (lo - start), forced[:n_cand].astype(bool),
+                             v_at[:n_cand], v_next[:n_cand], last[:n_last] - (lo - start))
+                parts.append(runs_from_marks(m, hi - lo, cols, lo // cols))
+        return Runs.concat(parts), None, False
+
+
+def _decode_bad(written, digits, base, numel, lo, hi) -> probe_algo.Bad:
+    """The first bad element of a chunk, found again on the host (an error path)."""
+    w = np.asarray(written)[lo:hi]
+    *id_digits, check = (np.asarray(x)[lo:hi].astype(np.int64) for x in digits)
+    ids = sum(d * base ** k for k, d in enumerate(id_digits))
+    ids[~w] = 0
+    over = ids >= numel
+    if over.any():
+        i = int(np.argmax(over))
+        return probe_algo.Bad(lo + i, f"decodes to id {ids[i]} >= numel {numel}")
+    i = int(np.argmax(w & (check != probe_algo.check_digit(ids, base))))
+    return probe_algo.Bad(lo + i, "disagrees between the id passes and the check pass")
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "bits"))
+def _feed(args, hrow, *, shape, dtype, bits):
+    """One pass's values of a checkpoint tensor: ``args = (c, split, shift, col0, is_check)``."""
+    c, split, shift, col0, is_check = (args[i] for i in range(5))
+    n = math.prod(shape)
+    mask = (1 << bits) - 1
+    j = jax.lax.iota(jnp.int32, n)
+    q = jnp.where(j >= split, 1 + jax.lax.shift_right_logical(j - split, shift), 0)
+    digit = (c + q) & mask
+    col = col0 + j
+    t = jax.lax.shift_right_logical(col, jnp.int32(bits))
+    # T(col) = col * COL_MUL mod B: the low bits of a wrapping 32-bit product
+    tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(probe_algo.COL_MUL % 2**32)
+    chk = ((hrow[t].astype(jnp.uint32) + tcol) & jnp.uint32(mask)).astype(jnp.int32)
+    d = jnp.where(is_check != 0, chk, digit)
+    return (d + 1).astype(jnp.float32).astype(dtype).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("base",))
+def _read(a, *, base):
+    flat = a.reshape(-1)
+    if wb.dtypes.canonical_dtype(flat.dtype).startswith("float8"):
+        flat = flat.astype(jnp.float16)  # exact
+    if jnp.issubdtype(flat.dtype, jnp.floating):
+        ok = (flat >= 0) & (flat <= base) & (flat == jnp.round(flat))  # NaN fails all
+    else:
+        ok = (flat >= 0) & (flat <= base)
+    d = jnp.where(ok, flat, 0).astype(jnp.int32)
+    digit = jnp.uint8 if base <= 256 else jnp.int16 if base <= 2**15 else jnp.int32
+    return d != 0, (d - 1).astype(digit), ok.all()
+
+
+@jax.jit
+def _same(a, b):
+    return (a == b).all()
+
+
+@functools.partial(jax.jit, static_argnames=("size", "cols", "base", "cap"))
+def _runs_chunk(written, digits, start, keep_from, numel, *, size, cols, base, cap):
+    """Decodes ``size`` elements from ``start`` (whole rows) and finds their run marks, kept from
+    ``keep_from`` on: ``(counts, cand, forced, v_at, v_next, last)``, each list padded to
+    ``cap``; ``counts = (flags, n_cand, n_last)``, flags 1: an id beyond ``numel``, 2: a check
+    digit disagrees (then the marks are meaningless)."""
+    *id_digits, check = digits
+    w = jax.lax.dynamic_slice(written, (start,), (size,))
+    ids = jnp.zeros(size, jnp.int64)
+    for k, d in enumerate(id_digits):
+        ids = ids + jax.lax.dynamic_slice(d, (start,), (size,)).astype(jnp.int64) * base ** k
+    ids = jnp.where(w, ids, 0)
+    over = (ids >= numel).any()
+    wrong = (w & (jax.lax.dynamic_slice(check, (start,), (size,)).astype(jnp.int64)
+                  != _check_digit(ids, base))).any()
+    v = jnp.where(w, ids, -1)
+    valid = w
+    idx = jnp.arange(size, dtype=jnp.int64)
+    rowstart = idx % cols == 0
+    prev_valid = jnp.concatenate([jnp.zeros(1, bool), valid[:-1]])
+    forced = valid & (rowstart | ~prev_valid)
+    dd = jnp.concatenate([jnp.zeros(2, jnp.int64), v[2:] - 2 * v[1:-1] + v[:-2]])
+    prev_forced = jnp.concatenate([jnp.ones(1, bool), forced[:-1]])
+    cand = forced | (valid & ~prev_forced & (dd != 0) & (idx >= 2))
+    next_valid = jnp.concatenate([valid[1:], jnp.zeros(1, bool)])
+    next_forced = jnp.concatenate([forced[1:], jnp.zeros(1, bool)])
+    last = valid & (~next_valid | next_forced)
+    keep = idx >= keep_from
+    cand, last = cand & keep, last & keep
+    (pos,) = jnp.nonzero(cand, size=cap, fill_value=0)
+    (lpos,) = jnp.nonzero(last, size=cap, fill_value=0)
+    counts = jnp.stack([jnp.where(over, 1, jnp.where(wrong, 2, 0)).astype(jnp.int64),
+                        cand.sum(dtype=jnp.int64), last.sum(dtype=jnp.int64)])
+    return (counts, pos, forced[pos].astype(jnp.int8), v[pos],
+            v[jnp.minimum(pos + 1, size - 1)], lpos)
+
+
+def _check_digit(ids, base):
+    """``wb.algorithms.probe.check_digit`` of int64 ids (power-of-two base), in uint64."""
+    bits, mask = base.bit_length() - 1, np.uint64(base - 1)
+    u = ids.astype(jnp.uint64)
+    h = jax.lax.shift_right_logical((u >> np.uint64(bits)) * _HASH_MUL, np.uint64(24))
+    col = (u & mask) * np.uint64(probe_algo.COL_MUL % base)
+    return ((h + col) & mask).astype(jnp.int64)
