@@ -1,8 +1,9 @@
 """Probe time per checkpoint element: ``wb_torch.probe`` now and before (dc0dd51), side by side.
 
 With ``--framework jax``, ``wb_jax.probe`` of the reference JAX trainer's ``load_fn``
-(``wb_jax.testing.make_load_fn``: transposes, reshapes, stacks; one device, so every checkpoint
-element lands in a leaf) on JAX's default device.
+(``wb_jax.testing.make_load_fn``: transposes, reshapes, stacks) on JAX's default device: with
+``--tp 1`` every checkpoint element lands in a leaf; with ``--tp 8`` the leaves are what one device
+of a (1, 8) mesh holds (``tp_shard``).
 
 The rank probed is a ``TinyRollout`` TP rank (vLLM-style load_weights) of a preset's dimensions with
 few layers and experts (default: qwen3-30b-a3b, 2 layers, 8 experts, TP=8 rank 0: 0.74 G
@@ -133,7 +134,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tp", type=int, default=8, help="torch: the TinyRollout's TP degree")
+    ap.add_argument("--tp", type=int, default=8,
+                    help="the TP degree of the rank probed (torch: TinyRollout's; JAX: the "
+                         "reference trainer's leaves as device --rank of a (1, tp) mesh holds them)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu", help="torch: where the model's parameters live")
@@ -155,12 +158,14 @@ def main(argv=None) -> dict:
         import wb_jax
         from wb_jax import testing as jt
 
-        args.tp, args.no_before, args.device = 1, True, jax.default_backend()
+        args.no_before, args.device = True, jax.default_backend()
         # JAX compiles each shape once per process; a persistent cache (JAX_COMPILATION_CACHE_DIR)
         # shares the compiles between ranks and restarts
         compile_cache = jax.config.jax_compilation_cache_dir
-        want = jt.expected_maps(cfg, tp=1, as_maps=True)  # int64 ids of every leaf: too big
-        load_fn = jt.make_load_fn(cfg)
+        # int64 ids of every leaf at once would not fit: SourceMaps, one leaf at a time
+        want = jt.expected_maps(cfg, tp=args.tp, tp_rank=args.rank if args.tp > 1 else None,
+                                as_maps=True)
+        load_fn = jt.make_load_fn(cfg, tp_shard=(args.rank, args.tp) if args.tp > 1 else None)
         arrays = wb_jax.probing.DeviceArrays if args.arrays == "device" else lambda: None
         rank_elements = sum(math.prod(s) for s in _leaf_shapes(load_fn, spec))
 

@@ -131,6 +131,26 @@ def test_load_places_every_element_where_the_oracle_says(axes):
         np.testing.assert_array_equal(got, oracle[key], err_msg=key)
 
 
+@needs_4_devices
+@pytest.mark.parametrize("cfg", [TINY32, dict(TINY32, first_k_dense_replace=1)], ids=["moe", "dense"])
+def test_tp_shard_is_what_one_device_of_the_mesh_holds(cfg):
+    """make_load_fn(tp_shard=(r, 4)) gives device r's shard of the (1, 4) mesh's leaves, and
+    expected_maps(tp_rank=r) those shards of the oracle."""
+    ckpt = _id_checkpoint(cfg)
+    mesh = make_mesh(1, 4)
+    full = _leaves(make_load_fn(cfg, mesh)(ckpt))
+    oracle = expected_maps(cfg, tp=4)
+    for r in range(4):
+        part = _leaves(make_load_fn(cfg, tp_shard=(r, 4))(ckpt))
+        part_oracle = expected_maps(cfg, tp=4, tp_rank=r)
+        assert part.keys() == full.keys() == part_oracle.keys()
+        for key, leaf in full.items():
+            shard = next(s for s in leaf.addressable_shards if s.device == mesh.devices[0, r])
+            np.testing.assert_array_equal(np.asarray(part[key]), np.asarray(shard.data),
+                                          err_msg=key)
+            np.testing.assert_array_equal(part_oracle[key], oracle[key][shard.index], err_msg=key)
+
+
 @pytest.mark.parametrize("axes", MESHES, ids=str)
 def test_leaves_carry_the_documented_shardings(axes):
     if axes is not None and len(jax.devices()) < 4:

@@ -62,6 +62,16 @@ def test_device_probe_equals_oracle(dtype):
         np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
 
 
+@pytest.mark.parametrize("tp, rank", [(2, 1), (4, 2)])
+def test_device_probe_of_one_tp_shard_equals_oracle(tp, rank):
+    maps = wb_jax.probe(make_load_fn(TINY, tp_shard=(rank, tp)), spec_from_config(TINY),
+                        arrays=DeviceArrays(chunk=1 << 10))
+    want = expected_maps(TINY, tp, tp_rank=rank, as_maps=True)
+    assert set(maps) == set(want)
+    for key, sm in want.items():
+        assert maps[key] == sm, key
+
+
 @needs4
 def test_device_probe_of_sharded_leaves_equals_oracle():
     maps = wb_jax.probe(make_load_fn(TINY, make_mesh(2, 2)), spec_from_config(TINY),

@@ -21,8 +21,10 @@ checkpoint arrays ``load_fn`` holds at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +60,48 @@ class DeviceArrays:
         self.device = device or jax.devices()[0]
         self.chunk = int(chunk)
         self._zeros: dict[int, jax.Array] = {}
+        self._warm: set = set()
+
+    # --- compiling ahead ------------------------------------------------------------------------
+    # Each step compiles once per shape (0.1-0.3 s each on a GPU): the first call of each is made
+    # here for every shape at once, from threads, so the compiles run in parallel (XLA releases
+    # the GIL while compiling); the calls the probe makes then find them compiled.
+    def _warm_feeds(self, spec, base: int) -> None:
+        kinds = {(spec.shape(n), spec.dtype(n)) for n in spec if 0 < spec.size(n) < 2**31 - base}
+        todo = [(shape, dt) for shape, dt in kinds if (shape, dt, base) not in self._warm]
+        self._warm.update((shape, dt, base) for shape, dt in todo)
+        first = {}
+        for n in spec:
+            first.setdefault((spec.shape(n), spec.dtype(n)), n)
+        one = wb.CheckpointSpec  # a one-tensor spec per shape: feed() builds its arguments
+
+        def warm(key):
+            shape, dt = key
+            jax.block_until_ready(self.feed(one({"w": (shape, dt)}), "w", base, None))
+            jax.block_until_ready(self.feed(one({"w": (shape, dt)}), "w", base, 1))
+        _parallel(warm, todo)
+
+    def prepare(self, buffers, base, passes):
+        def warm(a):
+            w, d, ok = _read(jnp.asarray(a), base=base)
+            _same(w, w)
+            n = int(w.size)
+            cols = a.shape[-1] if a.ndim else 1
+            size = min(n, max(1, self.chunk // max(cols, 1)) * cols)
+            with _x64():
+                jax.block_until_ready(_runs_chunk(
+                    w, [d] * (passes + 1), np.int64(0), np.int64(0), np.int64(1),
+                    size=size, cols=cols, base=base, cap=4 * (size // cols) + 64))
+        seen = {}
+        for a in buffers.values():
+            seen.setdefault((tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", ""))), a)
+        _parallel(warm, list(seen.values()))
 
     # --- feeding --------------------------------------------------------------------------------
     def feed(self, spec, name, base, pass_index):
+        if len(spec) > 1 and not base & (base - 1) and (spec.shape(name), spec.dtype(name),
+                                                          base) not in self._warm:
+            self._warm_feeds(spec, base)
         dtype = wb.dtypes.dtype_info(spec.dtype(name)).numpy
         shape, first, n = spec.shape(name), spec.offset(name), spec.size(name)
         if base & (base - 1) or n == 0 or n >= 2**31 - base:  # a base given by hand: the host's
@@ -144,6 +185,17 @@ class DeviceArrays:
         return Runs.concat(parts), None, False
 
 
+def _parallel(fn, items) -> None:
+    """``fn`` of every item, from a few threads; the first error is raised."""
+    if len(items) <= 1:
+        for x in items:
+            fn(x)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(items), os.cpu_count() or 1, 16)) as ex:
+        for f in [ex.submit(fn, x) for x in items]:
+            f.result()
+
+
 def _decode_bad(written, digits, base, numel, lo, hi) -> probe_algo.Bad:
     """The first bad element of a chunk, found again on the host (an error path)."""
     w = np.asarray(written)[lo:hi]
@@ -224,12 +276,20 @@ def _runs_chunk(written, digits, start, keep_from, numel, *, size, cols, base, c
     last = valid & (~next_valid | next_forced)
     keep = idx >= keep_from
     cand, last = cand & keep, last & keep
-    (pos,) = jnp.nonzero(cand, size=cap, fill_value=0)
-    (lpos,) = jnp.nonzero(last, size=cap, fill_value=0)
+    pos, n_cand = _first_true(cand, cap)
+    lpos, n_last = _first_true(last, cap)
     counts = jnp.stack([jnp.where(over, 1, jnp.where(wrong, 2, 0)).astype(jnp.int64),
-                        cand.sum(dtype=jnp.int64), last.sum(dtype=jnp.int64)])
+                        n_cand, n_last])
     return (counts, pos, forced[pos].astype(jnp.int8), v[pos],
             v[jnp.minimum(pos + 1, size - 1)], lpos)
+
+
+def _first_true(mask, cap):
+    """``(positions of the first cap true elements (sorted; padding: the last index), count)``:
+    a prefix count and a binary search per output, not a scatter over every element."""
+    cs = jnp.cumsum(mask, dtype=jnp.int32)
+    pos = jnp.searchsorted(cs, jnp.arange(1, cap + 1, dtype=jnp.int32), side="left")
+    return jnp.minimum(pos, mask.shape[0] - 1).astype(jnp.int64), cs[-1].astype(jnp.int64)
 
 
 def _check_digit(ids, base):

@@ -133,8 +133,8 @@ def _mesh_axes(mesh: Mesh | None) -> tuple[int, int]:
     return shape["dp"], shape["tp"]
 
 
-def make_load_fn(cfg: Mapping = TINY,
-                 mesh: Mesh | None = None) -> Callable[[Mapping[str, Any]], dict]:
+def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
+                 tp_shard: tuple[int, int] | None = None) -> Callable[[Mapping[str, Any]], dict]:
     """The reference JAX trainer's ``load``: full HF checkpoint tensors -> sharded params pytree.
 
     ``load`` only moves data (transposes, reshapes, stacks, zero padding with ``jax.numpy``) and
@@ -145,6 +145,9 @@ def make_load_fn(cfg: Mapping = TINY,
         mesh: a mesh with axes ``("dp", "tp")`` (see :func:`make_mesh`); each leaf is placed with
             ``jax.device_put(x, NamedSharding(mesh, spec))``. ``None``: plain single-device arrays,
             laid out as for ``tp = 1``.
+        tp_shard: ``(rank, tp)`` instead of a mesh: each leaf is what device ``rank`` of a
+            ``(dp=1, tp)`` mesh holds, as a plain array (one device's load, on a machine with
+            fewer devices); :func:`expected_maps` with ``tp_rank`` is its oracle.
 
     Returns:
         ``load(ckpt)``, where ``ckpt`` maps every tensor name of ``spec_from_config(cfg)`` to its
@@ -167,6 +170,10 @@ def make_load_fn(cfg: Mapping = TINY,
     """
     d = _dims(cfg)
     dp, tp = _mesh_axes(mesh)
+    if tp_shard is not None:
+        if mesh is not None or not 0 <= tp_shard[0] < tp_shard[1]:
+            raise SpecError(f"tp_shard={tp_shard} needs mesh=None and 0 <= rank < tp")
+        tp = tp_shard[1]
     _check_fits(d, dp, tp)
     spec = spec_from_config(cfg)
     vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
@@ -174,6 +181,10 @@ def make_load_fn(cfg: Mapping = TINY,
     kv_spec = P(None, "tp", None) if d.kv_heads % tp == 0 else P()
 
     def put(x: jax.Array, pspec: P) -> jax.Array:
+        if tp_shard is not None and "tp" in tuple(pspec):
+            axis, (r, n) = tuple(pspec).index("tp"), tp_shard
+            k = x.shape[axis] // n
+            return jax.lax.slice_in_dim(x, r * k, (r + 1) * k, axis=axis)
         return x if mesh is None else jax.device_put(x, NamedSharding(mesh, pspec))
 
     def load(ckpt: Mapping[str, Any]) -> dict:
@@ -243,7 +254,7 @@ def make_load_fn(cfg: Mapping = TINY,
     return load
 
 
-def expected_maps(cfg: Mapping = TINY, tp: int = 1, *,
+def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = None,
                   as_maps: bool = False) -> dict[str, np.ndarray] | dict[str, SourceMap]:
     """The oracle: which global checkpoint id each element of each params leaf holds.
 
@@ -254,6 +265,8 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *,
     Args:
         cfg: a qwen3_moe architecture config.
         tp: the mesh's tp size; it only sets the padded vocabulary ``Vp`` (``None`` mesh: 1).
+        tp_rank: only what device ``tp_rank`` of a ``(dp=1, tp)`` mesh holds (the oracle of
+            ``make_load_fn(cfg, tp_shard=(tp_rank, tp))``).
         as_maps: return :class:`wb.SourceMap` values, each built from its ids and dropped before
             the next leaf's (for dimensions whose int64 ids would not fit in memory at once).
 
@@ -324,6 +337,27 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *,
     todo["['final_norm']"] = lambda: spec.ids("model.norm.weight")
     if not d.tied:
         todo["['lm_head']"] = lambda: padded_rows("lm_head.weight").T
+    if tp_rank is not None:
+        # the axis each leaf is split along over "tp" (the module docstring's PartitionSpecs)
+        axis = {"['embed']": 0, "['q']": 1, "['k']": 1 if kv % tp == 0 else None,
+                "['v']": 1 if kv % tp == 0 else None, "['o']": 0, "['router']": None,
+                "['gate_up']": 1, "['down']": 0, "['lm_head']": 1}
+        dense = {f"['layers'][{i}]['mlp']" for i in range(d.n_dense)}
+
+        def shard(key: str, f: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+            leaf = key[key.rfind("["):]
+            ax = axis.get(leaf)
+            if key[:key.rfind("[")] in dense:  # dense MLP: gate_up (None, dp, tp), down (tp, None)
+                ax = {"['gate_up']": 2, "['down']": 0}[leaf]
+            if ax is None:
+                return f
+
+            def part() -> np.ndarray:
+                ids = f()
+                k = ids.shape[ax] // tp
+                return np.take(ids, np.arange(tp_rank * k, (tp_rank + 1) * k), axis=ax)
+            return part
+        todo = {k: shard(k, f) for k, f in todo.items()}
     if as_maps:
         return {k: SourceMap.from_indices(f()) for k, f in todo.items()}
     return {k: np.ascontiguousarray(f(), dtype=np.int64) for k, f in todo.items()}

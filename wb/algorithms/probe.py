@@ -256,6 +256,9 @@ class ProbeCheckpoint(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self.spec.names)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would build the tensor
+        return name in self.spec
+
     def __len__(self) -> int:
         return len(self.spec)
 
@@ -282,6 +285,10 @@ class ProbeArrays(Protocol):
 
     def dtype_name(self, a: Any) -> str | None:
         """The canonical dtype name of a buffer, ``None`` when wb does not know it."""
+
+    def prepare(self, buffers: Mapping[str, Any], base: int, passes: int) -> None:
+        """Optional: told every buffer of pass 1 before any is read (``passes`` id passes
+        follow, then the check pass), e.g. to compile per-shape kernels ahead, in parallel."""
 
     def read(self, a: Any, base: int) -> tuple[Any, Any, Any]:
         """``(written, digits, ok)``: flat mask of written elements, their digits (any integer
@@ -532,6 +539,8 @@ def _probe_with_base(spec, load, base, progress, allow_narrowing, arrays):
             raise ProbeError(f"the load function returned different buffers in {labels[k]} than in "
                              f"pass 1: {sorted(set(out) ^ set(shapes))[:5]}")
         checks = []  # (name, buffer, ok of its digits, ok of its written mask): checked at once
+        if k == 0 and hasattr(arrays, "prepare"):
+            arrays.prepare({n: arrays.buffer(n, a) for n, a in out.items()}, base, passes)
         for name, arr in out.items():
             a = arrays.buffer(name, arr)
             shape = tuple(a.shape)
