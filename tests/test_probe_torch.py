@@ -38,7 +38,7 @@ def test_maps_are_compact():
     maps = wb_torch.probe(TinyRollout(TINY, tp_rank=1, tp_size=2), SPEC)
     qkv = maps["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.blocks.count == 3 and qkv.nnz <= 48  # q rows, k rows, v rows
-    w13 = maps["model.layers.1.mlp.experts.w13_weight"]
+    w13 = maps["model.layers.1.mlp.experts.routed_experts.w13_weight"]
     assert w13.blocks.count <= 4 and w13.nnz <= 64  # 2 local experts x (gate, up), adjacent ids merge
 
 

@@ -100,7 +100,7 @@ def test_dtypes_construct_and_load(dtype):
         assert tuple(p.shape) == want[name].shape, name
         assert p.dtype == (torch.float32 if name.endswith("k_scale") else dtype), name
     # One value end to end: layer 1's expert 3 (rank 1's second expert) up_proj row 0.
-    w13 = model.model.layers[1].mlp.experts.w13_weight
+    w13 = model.model.layers[1].mlp.experts.routed_experts.w13_weight
     up = tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     assert torch.equal(w13[1, TINY["moe_intermediate_size"]].float(), up[0].float())
     assert model.model.layers[0].self_attn.attn.k_scale.item() == 1.0

@@ -190,11 +190,17 @@ class _FusedExperts(nn.Module):
         self.w2_weight = _parameter((n, h, mi), loader, dtype=dtype, device=device)
 
 
+class _SharedFusedMoE(nn.Module):  # vLLM 0.33 keeps the fused experts one level down
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
+        super().__init__()
+        self.routed_experts = _FusedExperts(d, tp_rank, tp_size, **kw)
+
+
 class _MoE(nn.Module):
     def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
         super().__init__()
         self.gate = _Weight((d.experts, d.hidden), _load_replicated, **kw)
-        self.experts = _FusedExperts(d, tp_rank, tp_size, **kw)
+        self.experts = _SharedFusedMoE(d, tp_rank, tp_size, **kw)
 
 
 class _DecoderLayer(nn.Module):
@@ -229,7 +235,8 @@ _STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
 
 def _expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
     """vLLM's ``FusedMoE.make_expert_params_mapping``: (param prefix, ckpt part, expert, shard)."""
-    return [("experts.w13_" if shard in ("w1", "w3") else "experts.w2_",
+    return [("experts.routed_experts.w13_" if shard in ("w1", "w3")
+             else "experts.routed_experts.w2_",
              f"experts.{e}.{ckpt}.", e, shard)
             for e in range(num_experts)
             for shard, ckpt in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
@@ -402,11 +409,11 @@ def expected_maps(cfg: Mapping = TINY, *, tp_rank: int = 0,
             out[p + "mlp.gate.weight"] = spec.ids(p + "mlp.gate.weight")
             E = d.experts
             mine = range(r * E // tp, (r + 1) * E // tp)
-            e = p + "mlp.experts."
-            out[e + "w13_weight"] = np.stack([
+            e, f = p + "mlp.experts.", p + "mlp.experts.routed_experts."
+            out[f + "w13_weight"] = np.stack([
                 np.concatenate([spec.ids(f"{e}{j}.gate_proj.weight"),
                                 spec.ids(f"{e}{j}.up_proj.weight")]) for j in mine])
-            out[e + "w2_weight"] = np.stack([spec.ids(f"{e}{j}.down_proj.weight") for j in mine])
+            out[f + "w2_weight"] = np.stack([spec.ids(f"{e}{j}.down_proj.weight") for j in mine])
     out["model.norm.weight"] = spec.ids("model.norm.weight")
     if "lm_head.weight" in spec:  # absent when tied: the model then has one shared parameter
         out["lm_head.weight"] = vocab_rows("lm_head.weight")

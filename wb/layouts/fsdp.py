@@ -12,7 +12,7 @@ import numpy as np
 
 from wb.data.layout import BufferSpec, Layout, Role
 from wb.errors import SpecError
-from wb.layouts.blocks import broadcast_blocks, buffer_spec
+from wb.layouts.blocks import broadcast_blocks, buffer_spec, slice_block
 from wb.layouts.dims import ModelDims
 from wb.layouts.presets import spec_from_config
 from wb.layouts.shards import check_world, worker_layouts
@@ -36,6 +36,9 @@ def fsdp_trainer(cfg: Mapping, *, nodes: Sequence[str], gpus_per_node: int = 8,
       ``_fsdp_wrapped_module.model.layers.{i}._fsdp_wrapped_module._flat_param``; the root unit
       ``_fsdp_wrapped_module._flat_param`` holds the rest (embeddings, final norm, lm_head).
     - ``unit="model"``: no auto-wrap, the root unit holds the whole model.
+    - Checkpoint tensors in another dtype than the weights (DeepSeek-V3's float32
+      ``e_score_correction_bias``) are module buffers, not parameters, in the trainers that keep
+      them so: never flattened, every rank holds them whole under their checkpoint names.
 
     Args:
         cfg: model config (:func:`wb.layouts.presets.load_config`).
@@ -64,11 +67,14 @@ def fsdp_trainer(cfg: Mapping, *, nodes: Sequence[str], gpus_per_node: int = 8,
         raise SpecError(f"{fn}: `unit` must be 'layer' (one flat parameter per decoder layer) or "
                         f"'model' (one for the whole model), got {unit!r}")
     sizes = np.diff(spec.offsets)
+    flat = [k for k, n in enumerate(spec.names) if spec.dtype(n) == d.dtype]
+    kept = [n for n in spec.names if spec.dtype(n) != d.dtype]  # buffers, replicated
     if unit == "model":
-        units = {_FSDP_ROOT: np.arange(len(spec))}
+        units = {_FSDP_ROOT: np.asarray(flat, dtype=np.int64)}
     else:
         root, layer_of = [], {}
-        for k, n in enumerate(spec.names):
+        for k in flat:
+            n = spec.names[k]
             if n.startswith("model.layers."):
                 layer_of.setdefault(int(n.split(".", 3)[2]), []).append(k)
             else:
@@ -92,5 +98,8 @@ def fsdp_trainer(cfg: Mapping, *, nodes: Sequence[str], gpus_per_node: int = 8,
             first_id = toff[k0:k1][keep] + lo - start[k0:k1][keep]
             blk = broadcast_blocks(0, 1, lo - a, hi - lo, first_id, 0, 1)
             per_rank[r][name] = buffer_spec((shard,), blk, d.dtype)
+    for r in range(world):
+        for n in kept:
+            per_rank[r][n] = buffer_spec(spec.shape(n), slice_block(spec, n), spec.dtype(n))
     return worker_layouts(per_rank, Role.TRAINER, first_rank,
                           lambda g: (nodes[g // gpus_per_node], g % gpus_per_node))

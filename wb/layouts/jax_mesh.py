@@ -104,8 +104,8 @@ def jax_trainer(cfg: Mapping, *, dp: int, fsdp: int, tp: int, nodes: Sequence[st
     vl = Vp // tp
     n = fsdp * tp  # distinct shards; x = fsdp_i * tp + tp_i
 
-    def rep(name: str) -> BufferSpec:
-        return buffer_spec(spec.shape(name), slice_block(spec, name), dt)
+    def rep(name: str) -> BufferSpec:  # whole, in the checkpoint tensor's own dtype
+        return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
 
     def kernel(name: str, split: str) -> Callable[[int], BufferSpec]:
         """``[in, out]`` kernel of HF weight ``name``: ``split`` "ft" = (fsdp, tp), "tf" =

@@ -155,8 +155,8 @@ def megatron_trainer(cfg: Mapping, *, tp: int, pp: int, ep: int, etp: int = 1,
         return lambda t: buffer_spec((vl, h), slice_block(spec, name, rows=(t * vl, (t + 1) * vl)),
                                      dt)
 
-    def rep(name: str) -> BufferSpec:
-        return buffer_spec(spec.shape(name), slice_block(spec, name), dt)
+    def rep(name: str) -> BufferSpec:  # whole, in the checkpoint tensor's own dtype
+        return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
 
     per_rank: list[dict[str, BufferSpec]] = [{} for _ in range(world)]
     for p, layers in enumerate(stages):

@@ -79,7 +79,8 @@ def spec_from_config(cfg: Mapping) -> CheckpointSpec:
             E = d.experts
             t[p + "mlp.gate.weight"] = ((E, h), dt)
             if d.mla:
-                t[p + "mlp.gate.e_score_correction_bias"] = ((E,), dt)
+                # float32 whatever the weights' dtype, as real checkpoints and engines keep it
+                t[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32")
             for e in range(E):
                 t.update(_mlp(p + f"mlp.experts.{e}.", h, d.moe_intermediate, dt))
             if d.n_shared:

@@ -52,8 +52,8 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
     - dense layers: ``mlp.gate_up_proj.weight`` ``[2 * I / tp, h]`` (gate shard, then up shard),
       ``mlp.down_proj.weight`` ``[h, I / tp]``.
     - MoE layers: ``mlp.gate.weight`` ``[E, h]`` (and ``mlp.gate.e_score_correction_bias``)
-      replicated; ``mlp.experts.w13_weight`` ``[E_local, 2 * mi_local, h]`` (expert ``j``: gate
-      rows then up rows), ``mlp.experts.w2_weight`` ``[E_local, h, mi_local]``;
+      replicated; ``mlp.experts.routed_experts.w13_weight`` ``[E_local, 2 * mi_local, h]`` (expert ``j``: gate
+      rows then up rows), ``mlp.experts.routed_experts.w2_weight`` ``[E_local, h, mi_local]``;
       ``mlp.shared_experts.{gate_up_proj,down_proj}.weight`` TP-split like a dense MLP.
     - ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``
       replicated.
@@ -84,7 +84,7 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
         ...                     gpus_per_node=4, first_rank=4)
         >>> [(w.worker.rank, w.worker.node, w.worker.local_rank) for w in lays]
         [(4, 'rollout0', 0), (5, 'rollout0', 1), (6, 'rollout0', 2), (7, 'rollout0', 3)]
-        >>> lays[1].buffers["model.layers.1.mlp.experts.w13_weight"].shape   # [E/ep, 2*mi, h]
+        >>> lays[1].buffers["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape   # [E/ep, 2*mi, h]
         (2, 32, 32)
     """
     fn = "vllm_rollout"
@@ -128,8 +128,8 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
     check_divides(f"the vocabulary padded to a multiple of {VOCAB_PADDING}", Vp, tp, "tp", fix)
     vl = Vp // tp
 
-    def rep(name: str) -> BufferSpec:
-        return buffer_spec(spec.shape(name), slice_block(spec, name), dt)
+    def rep(name: str) -> BufferSpec:  # whole, in the checkpoint tensor's own dtype
+        return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
 
     def vocab(name: str) -> Callable[[int], BufferSpec]:
         return lambda t: buffer_spec((vl, h), slice_block(spec, name, rows=(t * vl, (t + 1) * vl)),
@@ -188,7 +188,7 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
     def experts(i: int) -> list[Entry]:
         E, mi = d.experts, d.moe_intermediate
         gate, up, down = expert_offsets(spec, i, E)
-        m = f"model.layers.{i}.mlp.experts."
+        m = f"model.layers.{i}.mlp.experts.routed_experts."
         if ep == 1:  # every expert TP-split over the G GPUs of the replica
             ml = mi // G
             return [(m + "w13_weight", lambda g: buffer_spec(
