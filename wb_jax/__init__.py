@@ -231,7 +231,7 @@ def _devices(params: Any, ranks: Ranks) -> dict[Any, int]:
 
 def _host_or_device(a):
     """A shard's buffer as wb takes it: a numpy view on the CPU backend (no copy), the device
-    array itself (``__cuda_array_interface__``) on GPUs."""
+    array itself on GPUs (the core reads it through DLPack)."""
     if a.device.platform == "cpu":
         return np.asarray(a)
     return a

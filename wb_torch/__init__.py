@@ -242,17 +242,15 @@ def _array(name: str, t: torch.Tensor):
                                f"tensor's own storage, which must be one dense block")
     if t.device.type == "cpu":
         return to_numpy(t)
-    # CUDA: the tensor itself (__cuda_array_interface__); bf16/fp8 as same-width integers,
-    # which the executor moves as raw bits
-    return t.view(_BITS[t.dtype][0]) if t.dtype in _BITS else t
+    return t.detach()  # CUDA: the tensor itself, read through DLPack (wb.runtime.dlpack)
 
 
 def buffers(params: Params, ranks: Ranks) -> dict[int, dict[str, Any]]:
     """Arrays that share memory with the tensors (no copy), per rank, as :mod:`wb` takes them.
 
     CPU tensors become numpy views (bfloat16 / float8 through ml_dtypes); CUDA tensors stay
-    tensors (``__cuda_array_interface__``), bfloat16 / float8 viewed as same-width integers, which
-    the executor moves as raw bits. DTensors give their local shard.
+    tensors (detached: the same storage), which the core reads through DLPack. DTensors give
+    their local shard.
 
     Args:
         params: an ``nn.Module`` (its parameters and persistent buffers) or ``{name: tensor}``.

@@ -1,4 +1,4 @@
-"""A worker's buffers as the runtime takes them: numpy, DLPack host arrays or CUDA arrays, checked
+"""A worker's buffers as the runtime takes them: numpy, CuPy or any DLPack array, host or CUDA, checked
 against the plan before any byte moves, viewed without copying, copied on their own device.
 
 Every function here is shared by the executor (which checks and flattens a rank's buffers once
@@ -16,6 +16,7 @@ import numpy as np
 from wb.data.dtypes import canonical_dtype, dtype_info
 from wb.data.layout import Layout
 from wb.errors import TransferError
+from wb.runtime import dlpack
 
 __all__ = ["as_array", "check_buffers", "fixed_memory", "copy", "copy_of", "aligned_empty"]
 
@@ -24,48 +25,64 @@ _NO_NATIVE = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def as_array(name: str, buf: Any, *, rank: int) -> tuple[Any, Any]:
-    """``(array module, array)`` of a numpy / DLPack / CUDA array, without copying.
+    """``(array module, array)`` of any array wb takes, without copying.
 
     Args:
         name: the buffer's name (for the error message).
-        buf: a numpy array, a host array with ``__dlpack__`` (or anything ``np.asarray`` takes), or
-            a CUDA array (``__cuda_array_interface__``: CuPy, PyTorch, ...).
+        buf: a numpy or CuPy array; any array that exports DLPack (``__dlpack__``: PyTorch, JAX,
+            CuPy, numpy, ...), on the host or a CUDA device, read by :mod:`wb.runtime.dlpack`
+            without importing its framework; else a CUDA array (``__cuda_array_interface__``) or
+            anything ``np.asarray`` takes.
         rank: the worker's rank (for the error message).
 
     Returns:
-        ``(numpy, ndarray)`` for host memory, ``(cupy, cupy.ndarray)`` on the buffer's own device
-        for CUDA memory; both share memory with ``buf``.
+        ``(numpy, ndarray)`` for host memory (bfloat16 / float8 as ml_dtypes dtypes),
+        ``(cupy, cupy.ndarray)`` on the buffer's own device for CUDA memory (bfloat16 / float8 as
+        same-width unsigned integers); both share memory with ``buf``.
 
     Raises:
-        TransferError: ``buf`` is a CUDA array and CuPy is not installed.
+        TransferError: ``buf`` is in CUDA memory and CuPy is not installed, lives on a device
+            wb does not move, or its DLPack export fails (a tensor that requires grad: detach it).
 
     Examples:
         >>> xp, a = as_array("w", np.zeros(3, np.float32), rank=0)
         >>> xp is np, a.shape
         (True, (3,))
     """
-    if hasattr(buf, "__cuda_array_interface__"):
-        try:
-            import cupy
-        except ImportError as e:
-            raise TransferError(f"rank {rank}: buffer `{name}` is a CUDA array; packing on the "
-                                f"device needs CuPy (pip install cupy-cuda12x / cupy-cuda13x)"
-                                ) from e
-        if isinstance(buf, cupy.ndarray):
-            return cupy, buf  # never cupy.asarray: it copies to the thread's current device
-        # another framework's CUDA array: view it from its own device (same reason)
+    if isinstance(buf, np.ndarray):
+        return np, buf
+    t = type(buf)
+    if t.__name__ == "ndarray" and t.__module__.startswith("cupy"):
+        import cupy
+
+        return cupy, buf  # never cupy.asarray: it copies to the thread's current device
+    if hasattr(buf, "__dlpack__") and hasattr(buf, "__dlpack_device__"):
+        kind = int(buf.__dlpack_device__()[0])
+        if kind in dlpack.HOST:
+            return np, dlpack.host_view(dlpack.read(buf, f"rank {rank}: buffer `{name}`"))
+        if kind in dlpack.CUDA:
+            return _cupy(name, rank), dlpack.cuda_view(
+                dlpack.read(buf, f"rank {rank}: buffer `{name}`"), _cupy(name, rank))
+        raise TransferError(f"rank {rank}: buffer `{name}` is on DLPack device type {kind}; wb "
+                            f"moves host and CUDA memory")
+    if hasattr(buf, "__cuda_array_interface__"):  # a CUDA array without DLPack
+        cupy = _cupy(name, rank)
         ptr = int(buf.__cuda_array_interface__["data"][0])
         dev = cupy.cuda.runtime.pointerGetAttributes(ptr).device if ptr else None
         if dev is None or dev < 0:
             return cupy, cupy.asarray(buf)
-        with cupy.cuda.Device(dev):
+        with cupy.cuda.Device(dev):  # from its own device, not the thread's current one
             return cupy, cupy.asarray(buf)
-    if isinstance(buf, np.ndarray):
-        return np, buf
+    return np, np.asarray(buf)
+
+
+def _cupy(name: str, rank: int):
     try:
-        return np, np.from_dlpack(buf) if hasattr(buf, "__dlpack__") else np.asarray(buf)
-    except (TypeError, BufferError, RuntimeError):
-        return np, np.asarray(buf)
+        import cupy
+    except ImportError as e:
+        raise TransferError(f"rank {rank}: buffer `{name}` is in CUDA memory; moving it needs "
+                            f"CuPy (pip install cupy-cuda12x / cupy-cuda13x)") from e
+    return cupy
 
 
 def check_buffers(mine: Layout, buffers: Mapping[str, Any], *,
