@@ -213,3 +213,33 @@ def test_a_killed_trainer_leaves_the_previous_version_and_apply_raises(plan_file
         failed_in_2 += last == 1
     assert failed_in_2 >= 1
     assert time.time() - t0 < 150
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["die", "stop"])
+def test_a_rollout_that_dies_or_stops_mid_transfer_is_named_within_seconds(plan_file, tmp_path,
+                                                                           how):
+    """Heartbeats: with a 60 s inactivity timeout, the workers waiting for a rollout that exits
+    (kill -9 alike) or is stopped (SIGSTOP: every thread, its heartbeat's too) mid-transfer name
+    it within seconds: the heartbeat, not the timeout."""
+    import re
+
+    from harness.multiproc import coord_child_main
+
+    p = wb.Plan.load(plan_file / "plan.npz")
+    sends = {r: int((p.messages.src_rank == r).sum()) for r in range(4, 8)}
+    victim = max(sends, key=sends.get)  # the rollout that forwards most
+    assert sends[victim] > 1
+    stamp = tmp_path / "stamp"
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 2, "timeout": 60},
+                    faults={victim: {f"{how}_after": 1, "stamp": str(stamp)}}, join_timeout=70)
+    gone = float(stamp.read_text())
+    errors = {r: (res or {}).get("error") or (res or {}).get("close_error") or ""
+              for r, res in run.results.items() if r != victim}
+    named = [r for r, e in errors.items()
+             if "stopped beating" in e and re.search(rf"\b{victim} \(\d", e)]
+    assert named, errors
+    detect = sorted(run.results[r]["error_at"] - gone for r in named)
+    assert detect[-1] < 30, detect  # seconds: the heartbeat's grace, not the 60 s timeout
+    print(f"{how}: rank {victim} named by ranks {named} after {[round(d, 1) for d in detect]} s")

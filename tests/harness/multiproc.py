@@ -13,6 +13,8 @@ import faulthandler
 import json
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -33,14 +35,20 @@ class Fault:
 
     die_after: int | None = None
     hang_after: int | None = None
+    stop_after: int | None = None  # SIGSTOP the whole process (every thread stops: a hung host)
+    stamp: str | None = None  # a file the time of the death or stop is written to
     other_plan: str | None = None  # path of another plan file
     bad_buffer: str | None = None  # name of a buffer to give the wrong shape
     in_version: int | None = None  # count sends only from this update on (coordinator runs)
 
 
+_STAMP_LOCK = threading.Lock()
+
+
 class _FaultyTransport:
     def __init__(self, inner, fault: Fault):
         self.inner, self.fault, self.sends = inner, fault, 0
+        self.stamped = False
         self.rank = inner.rank
         self.armed = fault.in_version is None
 
@@ -52,11 +60,23 @@ class _FaultyTransport:
         if not self.armed:
             return self.inner.send(peer, buf, tag)
         if f.die_after is not None and self.sends >= f.die_after:
+            self._stamp()
             os._exit(17)  # a crash: no goodbye to anyone
+        if f.stop_after is not None and self.sends >= f.stop_after:
+            self._stamp()
+            os.kill(os.getpid(), signal.SIGSTOP)
         if f.hang_after is not None and self.sends >= f.hang_after:
             time.sleep(3600)
         self.sends += 1
         return self.inner.send(peer, buf, tag)
+
+    def _stamp(self) -> None:
+        with _STAMP_LOCK:  # several threads may send: the first to break writes, once
+            if self.fault.stamp and not self.stamped:
+                self.stamped = True
+                tmp = Path(self.fault.stamp + ".tmp")
+                tmp.write_text(repr(time.time()))
+                os.replace(tmp, self.fault.stamp)
 
     def recv(self, peer, buf, tag):
         return self.inner.recv(peer, buf, tag)
@@ -253,7 +273,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                                name="agree", timeout=timeout, chunk_bytes=plan.chunk_bytes)
             result["part_messages"] = int(plan[rank].index.size)
         transport = UcxTransport(rank, store, timeout=timeout)
-        if fault.die_after is not None:
+        if fault.die_after is not None or fault.stop_after is not None:
             transport = _FaultyTransport(transport, fault)
         base = buffers_for(plan, rank, fill=True)
         mapped = mapped_for(plan, rank)
@@ -276,7 +296,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 try:
                     v = rx.apply()
                 except TransferError as e:
-                    result["error"] = str(e)
+                    result["error"], result["error_at"] = str(e), time.time()
                     want = version_bits(base, rx.version, mapped)
                     result["intact"] = bool(all(np.array_equal(bufs[k].view(np.uint8),
                                                                want[k].view(np.uint8))
@@ -294,6 +314,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 result["close_error"] = str(e)
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
-        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(),
+                      error_at=time.time())
     Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
 

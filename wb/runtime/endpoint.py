@@ -20,6 +20,7 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans
 from wb.errors import PlanError, TransferError
 from wb.runtime.executor import connect
+from wb.runtime.liveness import Heartbeat, Watch
 from wb.runtime.program import Program
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import ExecStats
@@ -116,6 +117,9 @@ class Endpoint:
         # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
         # for it, and refuse peers that run another plan before any update.
         self.peers = connect(self.program.part, self.rank, transport)
+        # Liveness: beat from now on; a stalled update asks which peer went silent
+        self.heartbeat = Heartbeat(store, self.key("alive", self.rank))
+        self.watch = Watch(store, lambda r: self.key("alive", r))
 
     # --- the store ------------------------------------------------------------------------------
     def key(self, *parts) -> str:
@@ -167,7 +171,12 @@ class Endpoint:
         """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
         at set-up, joined for ``v``)."""
         return self.program.run(arrays, self.transport, tag_base=v << 32,
-                                staging_bytes=self.staging_bytes, timeout=self.timeout)
+                                staging_bytes=self.staging_bytes, timeout=self.timeout,
+                                liveness=self.watch)
+
+    def stop(self) -> None:
+        """Stops beating (the worker is closing)."""
+        self.heartbeat.stop()
 
     def record(self, v: int, stall_s: float, t: Transferred) -> None:
         """Records version ``v``: ``stall_s`` seconds blocked the caller."""

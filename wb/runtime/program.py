@@ -198,7 +198,8 @@ class Program:
 
     def run(self, buffers: Mapping[str, Any], transport, *, tag_base: int = 0,
             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
-            trace: list | None = None, layout: Layout | None = None) -> ExecStats:
+            trace: list | None = None, layout: Layout | None = None,
+            liveness=None) -> ExecStats:
         """Runs one update: this rank's sends, receives, local copies and forwards.
 
         Args:
@@ -213,6 +214,8 @@ class Program:
             trace: a list to append one :class:`~wb.runtime.update.TraceEntry` per message of
                 this rank to (for finding where an update's time goes).
             layout: this worker's own layout (as it probed it); refused if the plan's differs.
+            liveness: a :class:`~wb.runtime.liveness.Watch` over the peers' heartbeats: a peer
+                that stops beating fails the update within its grace, not after ``timeout``.
 
         Returns:
             :class:`~wb.runtime.update.ExecStats`.
@@ -229,6 +232,8 @@ class Program:
             # starts on device 0)
             with next(iter(flat.values())).device:
                 return run_update(self, flat, xp, transport, tag_base=tag_base,
-                                  staging_bytes=staging_bytes, timeout=timeout, trace=trace)
+                                  staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                                  liveness=liveness)
         return run_update(self, flat, xp, transport, tag_base=tag_base,
-                          staging_bytes=staging_bytes, timeout=timeout, trace=trace)
+                          staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                          liveness=liveness)

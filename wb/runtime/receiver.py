@@ -350,6 +350,7 @@ class Receiver:
             return
         self._closed = True
         self._path.close(self._end.timeout + 5)
+        self._end.stop()
         if self._error is None:  # after a failure the executor has aborted the transport
             self._end.transport.close()
 

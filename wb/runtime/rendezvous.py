@@ -145,7 +145,8 @@ class JaxStore:
         self.max_value_bytes = max_value_bytes
 
     def set(self, key: str, value: bytes) -> None:
-        self.client.key_value_set_bytes(self.prefix + key, bytes(value))
+        # overwrite, as every store here does (heartbeats write one key again and again)
+        self.client.key_value_set_bytes(self.prefix + key, bytes(value), allow_overwrite=True)
 
     def get(self, key: str, timeout: float) -> bytes:
         try:

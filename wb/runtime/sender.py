@@ -212,6 +212,7 @@ class Sender:
             self._path.finish(charge=False)
         finally:
             self._closed = True
+            self._end.stop()
             self._end.transport.close()
 
     def __enter__(self) -> Sender:

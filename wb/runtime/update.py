@@ -172,17 +172,27 @@ def abort(transport) -> None:
         log.exception("closing the transport after a failure")
 
 
+#: Seconds without progress before a stalled update asks the liveness watch about its peers.
+ASK_AFTER_S = 1.0
+
+
 def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
-               staging_bytes: int, timeout: float, trace: list | None) -> ExecStats:
+               staging_bytes: int, timeout: float, trace: list | None,
+               liveness=None) -> ExecStats:
     """Runs one update of ``program`` (a :class:`~wb.runtime.program.Program`) over checked,
     flattened buffers and a connected transport (see :meth:`Program.run`, which calls this).
 
+    ``liveness`` (a :class:`~wb.runtime.liveness.Watch`): once no progress has been made for
+    :data:`ASK_AFTER_S`, it is asked (twice a second) whether a peer this rank still waits for
+    stopped beating; such a peer fails the update at once, long before ``timeout``.
+
     Raises:
-        TransferError: a failed or stalled transfer (the transport is then aborted).
+        TransferError: a failed or stalled transfer, or a silent peer (the transport is then
+            aborted).
     """
     u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
                 traced=trace is not None)
-    last = time.monotonic()
+    last = asked = time.monotonic()
     idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
     turns = 0
     try:
@@ -201,6 +211,11 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
                 last, idle = now, 0
             elif now - last > timeout:
                 raise TransferError(u.stalled(timeout))
+            elif liveness is not None and now - last > ASK_AFTER_S and now - asked > 0.5:
+                asked = now
+                silent = liveness.silent(u.waiting_for())
+                if silent:
+                    raise TransferError(u.silent(silent, now - last))
             else:
                 idle += 1
                 time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
@@ -427,6 +442,19 @@ class _Update:
             out.append(TraceEntry(m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p,
                                   p, d))
         return out
+
+    def waiting_for(self) -> set[int]:
+        """The peers of the messages not done yet."""
+        me, done = self.prog.rank, self.done
+        return {g.peer for m, g in self.msgs.items() if m not in done and g.peer != me}
+
+    def silent(self, silent: dict[int, float], stalled_s: float) -> str:
+        """The error for peers that stopped beating while this rank waits for them."""
+        who = ", ".join(f"{p} ({s:.1f} s)" for p, s in sorted(silent.items()))
+        return (f"rank {self.prog.rank}: {'peer' if len(silent) == 1 else 'peers'} {who} "
+                f"stopped beating (dead or hung: no heartbeat in the store for that long) while "
+                f"this update waited {stalled_s:.1f} s for it; "
+                + self.stalled(stalled_s).split("; ", 1)[-1])
 
     def stalled(self, timeout: float) -> str:
         """What the rank still waits for, naming peers and plan steps (the stall error)."""

@@ -1,0 +1,62 @@
+"""Heartbeats through the store: a beating worker is never called silent, a stopped one is after
+its grace, and a stalled update names a silent peer long before its inactivity timeout."""
+
+import time
+
+import numpy as np
+import pytest
+
+import wb
+from wb.runtime.liveness import Heartbeat, Watch
+from wb.runtime.program import Program
+from wb.runtime.rendezvous import DirectoryStore, MemoryStore
+from wb.runtime.transport.local import LocalHub, LocalTransport
+
+
+def _poll(watch, peers, seconds):
+    """Every answer of ``watch.silent(peers)`` over ``seconds``."""
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        out.append(watch.silent(peers))
+        time.sleep(0.02)
+    return out
+
+
+@pytest.mark.parametrize("store", [MemoryStore, DirectoryStore])
+def test_a_beating_worker_is_never_silent_and_a_stopped_one_is_after_its_grace(store, tmp_path):
+    s = store(tmp_path) if store is DirectoryStore else store()
+    hb = Heartbeat(s, "alive/0", interval=0.05)
+    watch = Watch(s, lambda r: f"alive/{r}", grace=0.4)
+    try:
+        assert all(a == {} for a in _poll(watch, [0], 1.2))  # three graces, always beating
+    finally:
+        hb.stop()
+    stopped = time.monotonic()
+    answers = _poll(watch, [0], 3.0)
+    silent_at = next(i for i, a in enumerate(answers) if a)  # it is called silent ...
+    assert all(0 in a for a in answers[silent_at:])  # ... and stays silent
+    assert answers[silent_at][0] > 0.4 and time.monotonic() - stopped >= 0.4
+
+
+def test_a_peer_that_never_beat_is_silent_a_grace_after_first_asked():
+    watch = Watch(MemoryStore(), lambda r: f"alive/{r}", grace=0.3)
+    assert watch.silent([7]) == {}
+    time.sleep(0.4)
+    assert set(watch.silent([7])) == {7}
+
+
+def test_a_stalled_update_names_the_silent_peer_before_its_timeout():
+    """Rank 1 receives from rank 0, which never runs and never beats: with a 60 s inactivity
+    timeout, the update fails after ASK_AFTER_S plus the grace, naming rank 0."""
+    w = np.arange(24, dtype=np.int64).reshape(4, 6)
+    t = wb.Layout(wb.Worker(0, "t", "trainer"),
+                  {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+    r = wb.Layout(wb.Worker(1, "r", "rollout"),
+                  {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+    p = wb.plan([t], [r])
+    watch = Watch(MemoryStore(), lambda k: f"alive/{k}", grace=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(wb.TransferError, match=r"peer 0 \(\d+\.\d s\) stopped beating"):
+        Program(p, 1).run({"w": np.zeros((4, 6), np.float32)}, LocalTransport(1, LocalHub()),
+                          timeout=60, liveness=watch)
+    assert time.monotonic() - t0 < 30  # the watch, not the 60 s timeout

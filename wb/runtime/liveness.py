@@ -1,0 +1,96 @@
+"""Liveness through the store: every worker beats, a stalled update asks whose beat stopped.
+
+A :class:`Heartbeat` thread writes a counter to the store every ``interval`` seconds, whatever the
+worker is doing (a long transfer of a healthy peer keeps beating: the thread needs the GIL only
+for a moment, and UCX and numpy release it). A :class:`Watch` reads the peers' counters and
+calls a peer dead or hung once its counter has not changed for ``grace`` seconds of the watcher's
+own clock (no clocks are compared across machines). An update that makes no progress asks the
+watch about the peers it still waits for, so a killed or stopped peer is named within about
+``grace`` seconds, not after the inactivity timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from wb.errors import TransferError
+
+__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two beats of a worker.
+BEAT_S = 0.5
+#: Seconds without a new beat after which a peer is called dead or hung.
+GRACE_S = 3.0
+
+
+class Heartbeat:
+    """Writes ``key`` = an increasing counter to ``store`` every ``interval`` s, from a daemon
+    thread, until :meth:`stop`.
+
+    Args:
+        store: the rendezvous store (``set``).
+        key: this worker's heartbeat key.
+        interval: seconds between beats.
+    """
+
+    def __init__(self, store, key: str, interval: float = BEAT_S):
+        self.store, self.key, self.interval = store, key, float(interval)
+        self._stop = threading.Event()
+        self._beats = 0
+        self._beat()  # the first beat before anyone waits for it
+        self._thread = threading.Thread(target=self._run, name=f"wb-heartbeat {key}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(self.key, str(self._beats).encode())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - a store hiccup must not kill the worker
+                log.warning("heartbeat %s: the store refused a beat", self.key, exc_info=True)
+
+    def stop(self) -> None:
+        """Stops beating (peers will call this worker gone after their grace)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval + 1)
+
+
+class Watch:
+    """Which peers stopped beating.
+
+    Args:
+        store: the rendezvous store (``get``).
+        key_of: ``rank -> heartbeat key``.
+        grace: seconds without a new beat after which a peer is dead or hung.
+    """
+
+    def __init__(self, store, key_of: Callable[[int], str], grace: float = GRACE_S):
+        self.store, self.key_of, self.grace = store, key_of, float(grace)
+        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last beat, when seen)
+
+    def silent(self, peers: Iterable[int]) -> dict[int, float]:
+        """``{peer: seconds since its beat last changed}`` for the peers silent longer than the
+        grace (a peer never seen counts from the first time it was asked about)."""
+        now = time.monotonic()
+        out = {}
+        for p in peers:
+            try:
+                beat = self.store.get(self.key_of(p), 0.05)  # 0 means "forever" to some stores
+            except TransferError:
+                beat = None
+            last, since = self._seen.get(p, (None, now))
+            if beat is not None and beat != last:
+                last, since = beat, now
+            self._seen[p] = (last, since)
+            if now - since > self.grace:
+                out[p] = now - since
+        return out
