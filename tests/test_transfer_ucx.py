@@ -243,3 +243,24 @@ def test_a_rollout_that_dies_or_stops_mid_transfer_is_named_within_seconds(plan_
     detect = sorted(run.results[r]["error_at"] - gone for r in named)
     assert detect[-1] < 30, detect  # seconds: the heartbeat's grace, not the 60 s timeout
     print(f"{how}: rank {victim} named by ranks {named} after {[round(d, 1) for d in detect]} s")
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_that_dies_between_versions_is_named_by_the_next_push(plan_file, tmp_path):
+    """A rollout exits after applying version 1: the trainers' push of version 2 waits for it to
+    join, and names it once it stops beating, long before the 60 s wait_timeout."""
+    from harness.multiproc import coord_child_main
+
+    stamp = tmp_path / "stamp"
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 2, "timeout": 60, "receiver_staging": False},
+                    faults={6: {"exit_before": 2, "stamp": str(stamp)}}, join_timeout=120)
+    assert run.exitcodes[6] == 17
+    gone = float(stamp.read_text())
+    named = [r for r in range(4) if "peer 6 (" in (run.results[r] or {}).get("error", "")
+             and "stopped beating" in run.results[r]["error"]]
+    assert named, {r: (run.results[r] or {}).get("error") for r in range(4)}
+    detect = sorted(run.results[r]["error_at"] - gone for r in named)
+    assert detect[-1] < 30, detect  # the heartbeat's grace, not the 60 s wait_timeout
+    print(f"between versions: rank 6 named by trainers {named} after "
+          f"{[round(d, 1) for d in detect]} s")

@@ -37,6 +37,7 @@ class Fault:
     hang_after: int | None = None
     stop_after: int | None = None  # SIGSTOP the whole process (every thread stops: a hung host)
     stamp: str | None = None  # a file the time of the death or stop is written to
+    exit_before: int | None = None  # a rollout exits before applying this version
     other_plan: str | None = None  # path of another plan file
     bad_buffer: str | None = None  # name of a buffer to give the wrong shape
     in_version: int | None = None  # count sends only from this update on (coordinator runs)
@@ -292,7 +293,11 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
         else:
             bufs = {k: np.zeros_like(v) for k, v in base.items()}
             rx = wb.Receiver(plan, rank, bufs, staging=options.get("receiver_staging", True), **kw)
-            for _ in range(options["versions"]):
+            for k in range(options["versions"]):
+                if fault.exit_before == k + 1:  # between versions: after applying the last
+                    if fault.stamp:
+                        Path(fault.stamp).write_text(repr(time.time()))
+                    os._exit(17)
                 try:
                     v = rx.apply()
                 except TransferError as e:

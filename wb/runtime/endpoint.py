@@ -114,12 +114,16 @@ class Endpoint:
         self.staging_bytes, self.timeout, self.wait_timeout = staging_bytes, timeout, wait_timeout
         self.trainers = list(self.program.part.trainers)
         self.stats: list[UpdateStats] = []  # one per version, in order
-        # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
-        # for it, and refuse peers that run another plan before any update.
-        self.peers = connect(self.program.part, self.rank, transport)
-        # Liveness: beat from now on; a stalled update asks which peer went silent
+        # Liveness: beat from now on; a stalled update or join asks which peer went silent
         self.heartbeat = Heartbeat(store, self.key("alive", self.rank))
         self.watch = Watch(store, lambda r: self.key("alive", r))
+        # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
+        # for it, and refuse peers that run another plan before any update.
+        try:
+            self.peers = connect(self.program.part, self.rank, transport)
+        except BaseException:
+            self.heartbeat.stop()
+            raise
 
     # --- the store ------------------------------------------------------------------------------
     def key(self, *parts) -> str:
@@ -131,11 +135,13 @@ class Endpoint:
 
     def await_keys(self, keys: Mapping[int, str], late: Callable[[int], str], *,
                    cancel: threading.Event | None = None) -> None:
-        """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store.
+        """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store; a
+        rank that stopped beating meanwhile fails the wait at once.
 
         Raises:
             CancelledError: ``cancel`` was set (the endpoint is closing).
-            TransferError: ``late(rank)``, the first key still missing at the deadline.
+            TransferError: ``late(rank)``, the first key still missing at the deadline, or a
+                rank waited for that stopped beating (dead or hung: named).
         """
         deadline = time.monotonic() + self.wait_timeout
         for r, key in keys.items():
@@ -146,6 +152,12 @@ class Endpoint:
                 except TransferError:
                     if cancel is not None and cancel.is_set():
                         raise CancelledError() from None
+                    silent = self.watch.silent([r]) if r != self.rank else {}
+                    if silent:
+                        raise TransferError(
+                            f"rank {self.rank}: peer {r} ({silent[r]:.1f} s) stopped beating "
+                            f"(dead or hung: no heartbeat in the store) while this rank waited "
+                            f"for `{key}`") from None
                     if time.monotonic() > deadline:
                         raise TransferError(late(r)) from None
 

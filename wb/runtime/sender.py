@@ -20,7 +20,7 @@ from wb.errors import TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
 from wb.runtime.stats import UpdateStats
-from wb.runtime.update import DEFAULT_STAGING_BYTES
+from wb.runtime.update import DEFAULT_STAGING_BYTES, abort
 
 __all__ = ["Sender"]
 
@@ -201,19 +201,25 @@ class Sender:
         self._path.finish(charge=False)
 
     def close(self) -> None:
-        """Waits for the last send, then closes the transport (a barrier with the peers).
+        """Waits for the last send, then closes the transport (a barrier with the peers; after
+        a failed version it is aborted instead: a peer may be dead, and would hold the barrier).
 
         Raises:
             TransferError: the last version failed (the transport is closed all the same).
         """
         if self._closed:
             return
+        failed = True
         try:
             self._path.finish(charge=False)
+            failed = False
         finally:
             self._closed = True
             self._end.stop()
-            self._end.transport.close()
+            if failed:
+                abort(self._end.transport)
+            else:
+                self._end.transport.close()
 
     def __enter__(self) -> Sender:
         return self
