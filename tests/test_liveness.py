@@ -60,3 +60,29 @@ def test_a_stalled_update_names_the_silent_peer_before_its_timeout():
         Program(p, 1).run({"w": np.zeros((4, 6), np.float32)}, LocalTransport(1, LocalHub()),
                           timeout=60, liveness=watch)
     assert time.monotonic() - t0 < 30  # the watch, not the 60 s timeout
+
+
+class _LossyStore(MemoryStore):
+    """Forgets keys now and then (a store that restarted, or dropped a write), seeded."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        if self._rng.random() < 0.3:
+            with self._cv:
+                self._data.pop(key, None)  # lost: the next beat writes it again
+        return super().get(key, timeout)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_store_that_loses_keys_does_not_make_a_beating_peer_silent(seed):
+    s = _LossyStore(seed)
+    hb = Heartbeat(s, "alive/0", interval=0.05)
+    watch = Watch(s, lambda r: f"alive/{r}", grace=0.4)
+    try:
+        assert all(a == {} for a in _poll(watch, [0], 1.5))
+    finally:
+        hb.stop()
+    assert any(_poll(watch, [0], 2.0))  # and a stopped one is still found
