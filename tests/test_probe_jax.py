@@ -8,6 +8,7 @@ jax = pytest.importorskip("jax")
 import wb  # noqa: E402
 import wb_jax  # noqa: E402
 from wb_jax.probing import DeviceArrays  # noqa: E402
+from harness.feeds import FEED_CASES, SKIPS, feed_mismatches  # noqa: E402
 from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_jax.testing import checkpoint_arrays, expected_maps, make_load_fn, make_mesh  # noqa: E402
 
@@ -80,22 +81,10 @@ def test_device_probe_of_sharded_leaves_equals_oracle():
         np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
 
 
-@pytest.mark.parametrize("dtype, pass_index", [
-    (dt, k) for dt in ["bfloat16", "float16", "float32", "float8_e4m3fn"]
-    for k in ([0, 1, 2, None] if dt == "float32" else [0, 1, 2, 3, 4, None])])  # ids < 2**63
-@pytest.mark.parametrize("skip", [0, 2**33 + 77])
+@pytest.mark.parametrize("dtype, pass_index", FEED_CASES)
+@pytest.mark.parametrize("skip", SKIPS)
 def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
-    from wb.algorithms.probe import HostArrays, digit_base
-
-    # `skip` ids before the fed tensors (never fed) put them where the high digits change
-    pad = {"pad": ((skip,), dtype)} if skip else {}
-    spec = wb.CheckpointSpec({**pad, "a": ((7,), dtype), "b": ((37, 300), dtype),
-                              "c": ((5,), dtype), "d": ((70_000,), dtype)})
-    base = digit_base([dtype])
-    for name in set(spec) - {"pad"}:
-        host = HostArrays().feed(spec, name, base, pass_index)
-        dev = DeviceArrays().feed(spec, name, base, pass_index)
-        assert np.asarray(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
+    assert list(feed_mismatches(dtype, pass_index, skip, DeviceArrays().feed, np.asarray)) == []
 
 
 def test_device_probe_refuses_an_impure_load():

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import wb  # noqa: E402
 import wb_torch  # noqa: E402
 from wb_torch.probing import DeviceArrays, check_digit, run_marks  # noqa: E402
+from harness.feeds import FEED_CASES, SKIPS, feed_mismatches  # noqa: E402
 from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 from wb_torch.testing import TinyRollout, expected_maps  # noqa: E402
 
@@ -86,22 +87,11 @@ def test_device_probe_equals_oracle(dtype, tp, rank):
         np.testing.assert_array_equal(maps[name].to_indices(), ids, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype, pass_index", [
-    (dt, k) for dt in ["bfloat16", "float16", "float32", "float8_e4m3fn"]
-    for k in ([0, 1, 2, None] if dt == "float32" else [0, 1, 2, 3, 4, None])])  # ids < 2**63
-@pytest.mark.parametrize("skip", [0, 2**33 + 77])
+@pytest.mark.parametrize("dtype, pass_index", FEED_CASES)
+@pytest.mark.parametrize("skip", SKIPS)
 def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
-    from wb.algorithms.probe import HostArrays, digit_base
-
-    # `skip` ids before the fed tensors (never fed) put them where the high digits change
-    pad = {"pad": ((skip,), dtype)} if skip else {}
-    spec = wb.CheckpointSpec({**pad, "a": ((7,), dtype), "b": ((37, 300), dtype),
-                              "c": ((5,), dtype), "d": ((70_000,), dtype)})
-    base = digit_base([dtype])
-    for name in set(spec) - {"pad"}:
-        host = HostArrays().feed(spec, name, base, pass_index)
-        dev = device_arrays().feed(spec, name, base, pass_index)
-        assert wb_torch.to_numpy(dev).tobytes() == np.ascontiguousarray(host).tobytes(), name
+    assert list(feed_mismatches(dtype, pass_index, skip, device_arrays().feed,
+                                wb_torch.to_numpy)) == []
 
 
 @pytest.mark.parametrize("base", [16, 256, 2048, 2**24, 1000])
