@@ -5,9 +5,9 @@
 function, compiled once per shape and dtype (the values that change from tensor to tensor and
 pass to pass are arguments), so a pass is a stream of dispatches the host never waits for:
 
-- a checkpoint array is made on the device from its first id by 32-bit arithmetic (pass ``k``'s
-  digit of id ``first + j`` is ``(c + q(j)) mod B`` with ``q`` a shift of ``j``), and, for the
-  check pass, the hash of each row of ``B`` ids, computed on the host (O(elements / B));
+- a checkpoint array is made on the device from its first id: pass ``k``'s digit of id
+  ``first + j`` is ``(c + q(j)) mod B`` with ``q`` a shift of ``j`` (32-bit arithmetic); the
+  check pass hashes each element's row of ``B`` ids with 64-bit integers, as the core does;
 - every leaf is checked there, and a pass waits once, for all its checks;
 - after the last pass, ids are decoded there a chunk of rows at a time, with 64-bit integers
   (``jax.enable_x64`` inside these functions only), their runs are found there, and only the runs
@@ -59,7 +59,6 @@ class DeviceArrays:
     def __init__(self, device=None, chunk: int = 1 << 26):
         self.device = device or jax.devices()[0]
         self.chunk = int(chunk)
-        self._zeros: dict[int, jax.Array] = {}
         self._warm: set = set()
 
     # --- compiling ahead ------------------------------------------------------------------------
@@ -108,21 +107,16 @@ class DeviceArrays:
             return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
                                   self.device)
         bits = base.bit_length() - 1
-        rows = n // base + 2  # rows of ids the tensor touches, at most
-        if pass_index is None:
-            c, split, shift = 0, 0, 0
-            hrow = probe_algo.row_index(None, first // base, rows, base).astype(np.int32)
-            hrow = jax.device_put(hrow, self.device)
-        else:
+        c = split = shift = 0
+        if pass_index is not None:
             p = base ** pass_index
             c, r = first // p % base, first % p
             split, shift = min(p - r, n), min(bits * pass_index, 31)
-            if rows not in self._zeros:
-                self._zeros[rows] = jax.device_put(np.zeros(rows, np.int32), self.device)
-            hrow = self._zeros[rows]
-        args = np.asarray([c, split, shift, first % base, pass_index is None], np.int32)
-        return _feed(jax.device_put(args, self.device), hrow, shape=tuple(shape),
-                     dtype=np.dtype(dtype), bits=bits)
+        args = np.asarray([c, split, shift, first % base, pass_index is None, first // base],
+                          np.int64)
+        with _x64():  # the check pass hashes 64-bit rows
+            return _feed(jax.device_put(args, self.device), shape=tuple(shape),
+                         dtype=np.dtype(dtype), bits=bits)
 
     # --- reading --------------------------------------------------------------------------------
     def buffer(self, name, arr):
@@ -211,20 +205,30 @@ def _decode_bad(written, digits, base, numel, lo, hi) -> probe_algo.Bad:
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "bits"))
-def _feed(args, hrow, *, shape, dtype, bits):
-    """One pass's values of a checkpoint tensor: ``args = (c, split, shift, col0, is_check)``."""
-    c, split, shift, col0, is_check = (args[i] for i in range(5))
+def _feed(args, *, shape, dtype, bits):
+    """One pass's values of a checkpoint tensor (traced with 64-bit integers):
+    ``args = (c, split, shift, col0, is_check, row0)``, ``row0`` the row of ``B`` ids the tensor
+    starts in."""
+    c, split, shift, col0, is_check, row0 = (args[i] for i in range(6))
     n = math.prod(shape)
     mask = (1 << bits) - 1
     j = jax.lax.iota(jnp.int32, n)
-    q = jnp.where(j >= split, 1 + jax.lax.shift_right_logical(j - split, shift), 0)
-    digit = (c + q) & mask
-    col = col0 + j
-    t = jax.lax.shift_right_logical(col, jnp.int32(bits))
-    # T(col) = col * COL_MUL mod B: the low bits of a wrapping 32-bit product
-    tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(probe_algo.COL_MUL % 2**32)
-    chk = ((hrow[t].astype(jnp.uint32) + tcol) & jnp.uint32(mask)).astype(jnp.int32)
-    d = jnp.where(is_check != 0, chk, digit)
+
+    def digits(_):
+        q = jnp.where(j >= split.astype(jnp.int32),
+                      1 + jax.lax.shift_right_logical(j - split.astype(jnp.int32),
+                                                      shift.astype(jnp.int32)), 0)
+        return (c.astype(jnp.int32) + q) & mask
+
+    def checks(_):  # (T(col) + G(row)) mod B, as wb.algorithms.probe.check_digit
+        col = col0.astype(jnp.int32) + j
+        rows = (row0 + jax.lax.shift_right_logical(col, jnp.int32(bits))).astype(jnp.uint64)
+        g = jax.lax.shift_right_logical(rows * _HASH_MUL, np.uint64(24)).astype(jnp.uint32)
+        # T(col) = col * COL_MUL mod B: the low bits of a wrapping 32-bit product
+        tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(probe_algo.COL_MUL % 2**32)
+        return ((g + tcol) & jnp.uint32(mask)).astype(jnp.int32)
+
+    d = jax.lax.cond(is_check != 0, checks, digits, None)
     return (d + 1).astype(jnp.float32).astype(dtype).reshape(shape)
 
 
