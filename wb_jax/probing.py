@@ -69,28 +69,22 @@ class DeviceArrays:
         kinds = {(spec.shape(n), spec.dtype(n)) for n in spec if 0 < spec.size(n) < 2**31 - base}
         todo = [(shape, dt) for shape, dt in kinds if (shape, dt, base) not in self._warm]
         self._warm.update((shape, dt, base) for shape, dt in todo)
-        first = {}
-        for n in spec:
-            first.setdefault((spec.shape(n), spec.dtype(n)), n)
-        one = wb.CheckpointSpec  # a one-tensor spec per shape: feed() builds its arguments
 
-        def warm(key):
-            shape, dt = key
-            jax.block_until_ready(self.feed(one({"w": (shape, dt)}), "w", base, None))
-            jax.block_until_ready(self.feed(one({"w": (shape, dt)}), "w", base, 1))
+        def warm(key):  # one function serves every pass: one call compiles it
+            one = wb.CheckpointSpec({"w": key})  # feed() builds the arguments
+            jax.block_until_ready(self.feed(one, "w", base, None))
         _parallel(warm, todo)
 
     def prepare(self, buffers, base, passes):
         def warm(a):
             w, d, ok = _read(jnp.asarray(a), base=base)
             _same(w, w)
-            n = int(w.size)
             cols = a.shape[-1] if a.ndim else 1
-            size = min(n, max(1, self.chunk // max(cols, 1)) * cols)
+            size, cap = self._chunk(int(w.size), cols)
             with _x64():
                 jax.block_until_ready(_runs_chunk(
                     w, [d] * (passes + 1), np.int64(0), np.int64(0), np.int64(1),
-                    size=size, cols=cols, base=base, cap=4 * (size // cols) + 64))
+                    size=size, cols=cols, base=base, cap=cap))
         seen = {}
         for a in buffers.values():
             seen.setdefault((tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", ""))), a)
@@ -130,12 +124,8 @@ class DeviceArrays:
     def read(self, a, base):
         return _read(jnp.asarray(a), base=base)
 
-    def first_bad(self, a, base):
-        flat = np.asarray(a).reshape(-1).astype(np.float64)  # an error path: on the host
-        with np.errstate(invalid="ignore"):
-            ok = (flat >= 0) & (flat <= base) & (flat == np.round(flat))
-        i = int(np.argmin(ok))
-        return probe_algo.Bad(i, f"reads {flat[i]}, not an integer digit 0..{base}")
+    def first_bad(self, a, base):  # an error path: on the host
+        return probe_algo.HostArrays().first_bad(np.asarray(a), base)
 
     def same(self, a, b):
         return _same(a, b)
@@ -150,28 +140,35 @@ class DeviceArrays:
         return bool(np.all(jax.device_get(dev))) if dev else True
 
     # --- decoding -------------------------------------------------------------------------------
+    def _chunk(self, n: int, cols: int) -> tuple[int, int]:
+        """``(size, cap)``: one static chunk size per leaf (whole rows; the last chunk overlaps
+        the one before) and room for the usual few runs per row."""
+        size = min(n, max(1, self.chunk // max(cols, 1)) * cols)
+        return size, 4 * (size // cols) + 64
+
     def runs(self, written, digits, base, numel, cols):
         n = int(written.size)
-        rows_per = max(1, self.chunk // max(cols, 1))
-        size = min(n, rows_per * cols)  # one static chunk size per leaf; the last one overlaps
+        size, cap = self._chunk(n, cols)
         spans = list(probe_algo.chunks(n, cols, self.chunk))
         parts = []
         with _x64():
-            def launch(lo, cap):
-                start = min(lo, n - size)
-                return _runs_chunk(written, digits, np.int64(start), np.int64(lo - start),
+            def launch(start, keep, cap):
+                return _runs_chunk(written, digits, np.int64(start), np.int64(keep),
                                    np.int64(numel), size=size, cols=cols, base=base, cap=cap)
 
-            cap = 4 * (size // cols) + 64  # the usual few runs per row
-            outs = jax.device_get([launch(lo, cap) for lo, _ in spans])  # one wait per leaf
-            for (lo, hi), out in zip(spans, outs):
+            starts = [min(lo, n - size) for lo, _ in spans]
+            outs = jax.device_get([launch(s, lo - s, cap)  # one wait per leaf
+                                   for s, (lo, _) in zip(starts, spans)])
+            for start, (lo, hi), out in zip(starts, spans, outs):
                 flags, n_cand, n_last = (int(x) for x in out[0])
                 if max(n_cand, n_last) > cap:  # more runs than that: room for every element
-                    out = jax.device_get(launch(lo, size))
+                    out = jax.device_get(launch(start, lo - start, size))
                     flags, n_cand, n_last = (int(x) for x in out[0])
-                if flags:
-                    return None, _decode_bad(written, digits, base, numel, lo, hi), flags == 2
-                start = min(lo, n - size)
+                if flags:  # found again on the host, an error path
+                    w = np.asarray(written)[lo:hi]
+                    _, bad, in_check = probe_algo.HostArrays().runs(
+                        w, [np.asarray(d)[lo:hi] for d in digits], base, numel, cols)
+                    return None, bad._replace(index=bad.index + lo), in_check
                 pos, forced, v_at, v_next, last = out[1:]
                 m = RunMarks(pos[:n_cand] - (lo - start), forced[:n_cand].astype(bool),
                              v_at[:n_cand], v_next[:n_cand], last[:n_last] - (lo - start))
@@ -188,20 +185,6 @@ def _parallel(fn, items) -> None:
     with concurrent.futures.ThreadPoolExecutor(min(len(items), os.cpu_count() or 1, 16)) as ex:
         for f in [ex.submit(fn, x) for x in items]:
             f.result()
-
-
-def _decode_bad(written, digits, base, numel, lo, hi) -> probe_algo.Bad:
-    """The first bad element of a chunk, found again on the host (an error path)."""
-    w = np.asarray(written)[lo:hi]
-    *id_digits, check = (np.asarray(x)[lo:hi].astype(np.int64) for x in digits)
-    ids = sum(d * base ** k for k, d in enumerate(id_digits))
-    ids[~w] = 0
-    over = ids >= numel
-    if over.any():
-        i = int(np.argmax(over))
-        return probe_algo.Bad(lo + i, f"decodes to id {ids[i]} >= numel {numel}")
-    i = int(np.argmax(w & (check != probe_algo.check_digit(ids, base))))
-    return probe_algo.Bad(lo + i, "disagrees between the id passes and the check pass")
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "bits"))

@@ -110,12 +110,18 @@ def _run_starts(v: np.ndarray, valid: np.ndarray, forced: np.ndarray) -> np.ndar
     it keeps the run's step. Positions whose second difference is zero never start a run, so only
     the (few) candidates are looked at: in a chain of consecutive candidates, starts alternate.
     """
+    pos = np.flatnonzero(_candidates(v, valid, forced))
+    return pos[_alternate(pos, forced[pos])]
+
+
+def _candidates(v: np.ndarray, valid: np.ndarray, forced: np.ndarray) -> np.ndarray:
+    """Where a run may start: forced positions, and valid ones after a non-forced element whose
+    second difference is not zero."""
     cand = forced.copy()
     if v.shape[0] > 2:
         dd = v[2:] - 2 * v[1:-1] + v[:-2]  # wraps mod 2**64 exactly like the ids' differences
         cand[2:] |= valid[2:] & ~forced[1:-1] & (dd != 0)
-    pos = np.flatnonzero(cand)
-    return pos[_alternate(pos, forced[pos])]
+    return cand
 
 
 def _alternate(pos: np.ndarray, forced: np.ndarray) -> np.ndarray:
@@ -174,11 +180,7 @@ def run_marks(v: np.ndarray, cols: int) -> RunMarks:
     forced = valid.copy()
     forced[1:] &= ~valid[:-1]
     forced[::cols] = valid[::cols]
-    cand = forced.copy()
-    if n > 2:
-        dd = v[2:] - 2 * v[1:-1] + v[:-2]  # wraps mod 2**64 exactly like the ids' differences
-        cand[2:] |= valid[2:] & ~forced[1:-1] & (dd != 0)
-        del dd
+    cand = _candidates(v, valid, forced)
     pos = np.flatnonzero(cand)
     last = valid.copy()
     last[:-1] &= ~valid[1:] | forced[1:]  # forced[i+1] and valid[i]: i + 1 starts a row

@@ -20,8 +20,6 @@ from wb.runtime import dlpack
 
 __all__ = ["as_array", "check_buffers", "fixed_memory", "copy", "copy_of", "aligned_empty"]
 
-# dtypes CuPy does not have: their CUDA arrays travel as same-width integers (see _raw_bits_ok)
-_NO_NATIVE = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def as_array(name: str, buf: Any, *, rank: int) -> tuple[Any, Any]:
@@ -137,7 +135,7 @@ def check_buffers(mine: Layout, buffers: Mapping[str, Any], *,
 def _raw_bits_ok(xp, dtype, want: str) -> bool:
     """CUDA arrays of bf16/fp8 travel as same-width integers (CuPy has no such dtypes, and torch's
     ``__cuda_array_interface__`` refuses them): accept exactly that case, nothing else."""
-    return (xp is not np and want in _NO_NATIVE and np.dtype(dtype).kind in "ui"
+    return (xp is not np and want in dlpack.RAW_BITS and np.dtype(dtype).kind in "ui"
             and np.dtype(dtype).itemsize == dtype_info(want).itemsize)
 
 

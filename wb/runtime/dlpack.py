@@ -23,12 +23,14 @@ import numpy as np
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
 
-__all__ = ["Tensor", "read", "host_view", "cuda_view", "HOST", "CUDA"]
+__all__ = ["Tensor", "read", "host_view", "cuda_view", "HOST", "CUDA", "RAW_BITS"]
 
 #: DLPack device types whose memory the host reads (CPU, CUDA pinned host memory).
 HOST = (1, 3)
 #: DLPack device types of CUDA device memory (device, managed).
 CUDA = (2, 13)
+#: dtypes numpy knows only through ml_dtypes and CuPy not at all: moved as raw bits.
+RAW_BITS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 # DLDataTypeCode -> wb dtype name, by (code, bits) (DLPack 1.1's dlpack.h)
 _DTYPES = types.MappingProxyType({
@@ -136,8 +138,7 @@ def _interface(t: Tensor, typestr: str, itemsize: int) -> dict:
 def host_view(t: Tensor) -> np.ndarray:
     """A numpy array of host memory ``t`` describes (bfloat16 / float8 as ml_dtypes dtypes)."""
     dt = np.dtype(dtype_info(t.dtype).numpy)
-    raw = f"|V{dt.itemsize}" if dt.kind == "V" or t.dtype == "bfloat16" or "float8" in t.dtype \
-        else dt.str
+    raw = f"|V{dt.itemsize}" if t.dtype in RAW_BITS else dt.str
     if math.prod(t.shape) == 0:
         return np.empty(t.shape, dt)
     a = np.asarray(_Interface("__array_interface__", _interface(t, raw, dt.itemsize), t.owner))
@@ -148,8 +149,7 @@ def cuda_view(t: Tensor, cupy: Any) -> Any:
     """A CuPy array of the CUDA memory ``t`` describes, on its own device (bfloat16 / float8 as
     same-width unsigned integers)."""
     dt = np.dtype(dtype_info(t.dtype).numpy)
-    typestr = np.dtype(f"u{dt.itemsize}").str if t.dtype in ("bfloat16", "float8_e4m3fn",
-                                                               "float8_e5m2") else dt.str
+    typestr = np.dtype(f"u{dt.itemsize}").str if t.dtype in RAW_BITS else dt.str
     iface = _interface(t, typestr, dt.itemsize)
     iface["stream"] = None  # the producer's work was ordered by __dlpack__
     with cupy.cuda.Device(t.device_id):

@@ -453,11 +453,16 @@ class _Update:
         who = ", ".join(f"{p} ({s:.1f} s)" for p, s in sorted(silent.items()))
         return (f"rank {self.prog.rank}: {'peer' if len(silent) == 1 else 'peers'} {who} "
                 f"stopped beating (dead or hung: no heartbeat in the store for that long) while "
-                f"this update waited {stalled_s:.1f} s for it; "
-                + self.stalled(stalled_s).split("; ", 1)[-1])
+                f"this update waited {stalled_s:.1f} s for it; Waiting for: " + self.waiting())
 
     def stalled(self, timeout: float) -> str:
-        """What the rank still waits for, naming peers and plan steps (the stall error)."""
+        """The stall error: no progress for ``timeout``, naming peers and plan steps."""
+        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q})
+        return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
+                f"or hung? Waiting for: " + self.waiting())
+
+    def waiting(self) -> str:
+        """What the rank still waits for: requests in flight, staging, forwards."""
         msgs, ready = self.msgs, self.ready
         waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}"
                    for _, g, _ in self.inflight.first(4)]
@@ -467,6 +472,4 @@ class _Update:
                     if g.out and g.parent >= 0 and g.parent not in self.done]
         for g in forwards[:2]:
             waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
-        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q})
-        return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
-                f"or hung? Waiting for: " + "; ".join(waiting))
+        return "; ".join(waiting)
