@@ -71,11 +71,36 @@ def test_missing_id_names_rollout_buffer_and_first_id():
         wb.correspond(trainers, rollouts)
 
 
-def test_dtype_clash_is_refused():
+def test_dtype_clash_beyond_a_float_conversion_is_refused():
     trainers = [lay(0, "t", "trainer", {"w": W}, dtype="float32")]
-    rollouts = [lay(1, "r", "rollout", {"w": W[:3]}, dtype="bfloat16")]
-    with pytest.raises(wb.PlanError, match="bfloat16 but the trainers hold its id 0 as float32"):
+    rollouts = [lay(1, "r", "rollout", {"w": W[:3]}, dtype="int32")]
+    with pytest.raises(wb.PlanError, match="`w` is int32 but the trainers hold its id 0 as "
+                                           "float32; wb converts only between float dtypes"):
         wb.correspond(trainers, rollouts)
+
+
+def test_trainers_holding_one_id_in_two_dtypes_are_refused():
+    trainers = [lay(0, "t", "trainer", {"w": W}, dtype="float32"),
+                lay(1, "t", "trainer", {"w": W[:2]}, dtype="bfloat16")]
+    with pytest.raises(wb.PlanError, match="hold id 0 both as float32 and as bfloat16"):
+        wb.correspond(trainers, [lay(2, "r", "rollout", {"w": W[:3]})])
+
+
+def test_needs_in_two_travelling_dtypes_split_the_cell():
+    trainers = [lay(0, "t", "trainer", {"w": W}, dtype="float32")]
+    rollouts = [lay(1, "r0", "rollout", {"w": W[:4]}, dtype="bfloat16"),
+                lay(2, "r1", "rollout", {"w": W[:4]}, dtype="float32"),
+                lay(3, "r2", "rollout", {"w": W[:4]}, dtype="float64")]
+    corr = wb.correspond(trainers, rollouts)
+    assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
+    from wb.data.dtypes import CODES
+    role = corr.slot_role[corr.inc_slot]
+    for c in np.unique(corr.inc_cell[role == 1]):
+        needs = [corr.slots[s].rank for s in corr.inc_slot[(corr.inc_cell == c) & (role == 1)]]
+        # bfloat16 travels as bfloat16; float32 and float64 needs share the float32 copy
+        assert (CODES[corr.cell_dtype[c]], sorted(needs)) in (("bfloat16", [1]),
+                                                              ("float32", [2, 3]))
+        assert ((corr.inc_cell == c) & (role == 0)).sum() == 1  # the holder is in every copy
 
 
 def test_layouts_in_the_wrong_list_are_refused():

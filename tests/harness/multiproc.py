@@ -137,7 +137,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                         staging_bytes=options.get("staging_bytes", 256 << 20))
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)
         if not trainer:
-            want = buffers_for(plan, rank, fill=True, xp=xp)
+            want = buffers_for(plan, rank, fill=True, xp=xp, held=options.get("held"))
             result["bit_identical"] = bool(all(
                 xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8)) for k in bufs))
     except TransferError as e:

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from wb.data.conversions import ITEMSIZE
 from wb.data.correspondence import Correspondence, correspond
 from wb.errors import PlanError
 from wb.data.layout import Cluster, Layout
@@ -134,9 +135,8 @@ def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], rou
 # --- per-cell facts -----------------------------------------------------------------------------
 
 def _cell_itemsize(corr: Correspondence, tab) -> np.ndarray:
-    size = np.zeros(corr.cell_id0.size, np.int64)
-    np.maximum.at(size, corr.inc_cell, tab.itemsize[corr.inc_slot])
-    return size
+    """Bytes per element of each cell as it travels (its dtype after any conversion)."""
+    return ITEMSIZE[corr.cell_dtype]
 
 
 def _key_in(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -341,7 +341,7 @@ def _cut(corr: Correspondence, tab, chunk_bytes: int) -> Pieces:
     j0 = ci * cols_per[c]
     pna = np.minimum(rows_per[c], na[c] - i0)
     pnb = np.minimum(cols_per[c], nb[c] - j0)
-    return Pieces(cells[c], i0, j0, pna, pnb, pna * pnb * item[c])
+    return Pieces(cells[c], i0, j0, pna, pnb, pna * pnb * item[c], corr.cell_dtype[cells[c]])
 
 
 def _expand(corr: Correspondence, tab, routes: Routes, pieces: Pieces, chunk_bytes: int
@@ -392,9 +392,11 @@ def _expand(corr: Correspondence, tab, routes: Routes, pieces: Pieces, chunk_byt
             parent = pm
         # A message also ends where the destination stops being one contiguous range (another
         # buffer, or a gap): then every message is received in place, without staging.
+        # (Nor does it mix travelling dtypes: one per message, so it packs and unpacks aligned.)
         n_el = (pieces.na * pieces.nb)[piece[at]]
+        wire = pieces.dtype[piece[at]]
         cut[1:] |= (dst_slot[at][1:] != dst_slot[at][:-1]) | (
-            dst_f0[at][1:] != dst_f0[at][:-1] + n_el[:-1])
+            dst_f0[at][1:] != dst_f0[at][:-1] + n_el[:-1]) | (wire[1:] != wire[:-1])
         csum = np.cumsum(nbytes[at]) - nbytes[at]
         base = np.maximum.accumulate(np.where(cut, csum, 0))
         bucket = (csum - base) // chunk_bytes

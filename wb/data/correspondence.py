@@ -22,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from wb.errors import PlanError
+from wb.data.conversions import check_dtypes, streams
+from wb.data.dtypes import CODES
 from wb.data.layout import Layout, Role
 from wb.data.sourcemap import Blocks
 
@@ -42,7 +44,11 @@ class Slot(NamedTuple):
 class Correspondence(NamedTuple):
     """Disjoint cells of ids and, per cell, every buffer region holding or needing it.
 
-    Incidences are sorted by cell. Element ``(i, j)`` of cell ``k`` (id
+    A cell also has the dtype its ids travel in (:func:`wb.data.dtypes.wire_dtype` of the
+    holders' dtype and its needs' dtype). Where rollouts need the same ids in dtypes that travel
+    differently (one rollout keeps a tensor in float32, another in bfloat16, the trainers hold it
+    in float32), the ids form one cell per travelling dtype, each with every holder and the needs
+    of that dtype; otherwise cells are disjoint. Incidences are sorted by cell. Element ``(i, j)`` of cell ``k`` (id
     ``cell_id0[k] + i * cell_S[k] + j``) sits at flat index ``f0 + i * fa + j * fb`` of the
     incidence's buffer.
     """
@@ -58,6 +64,7 @@ class Correspondence(NamedTuple):
     inc_f0: np.ndarray  # (n_inc,) int64 buffer flat index of the cell's first element
     inc_fa: np.ndarray  # (n_inc,) int64 buffer flat step per cell row
     inc_fb: np.ndarray  # (n_inc,) int64 buffer flat step per cell column
+    cell_dtype: np.ndarray  # (n_cells,) int8 code (wb.data.dtypes.CODES) of the dtype it travels in
 
     @property
     def cell_numel(self) -> np.ndarray:
@@ -352,15 +359,15 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
     Args:
         trainers: layouts of trainer workers (their buffers hold ids).
         rollouts: layouts of rollout workers (their buffers need ids).
-        check: raise if a needed id is held by no trainer, or a holder and a need of the same id
-            have different dtypes.
+        check: raise if a needed id is held by no trainer, trainers hold one id in different
+            dtypes, or a rollout needs an id in a dtype wb does not convert the held one to.
 
     Returns:
         The :class:`Correspondence`; ``.overlaps()`` lists holder -> need region pairs.
 
     Raises:
         PlanError: an id needed by a rollout buffer is held by no trainer (names the rollout rank,
-            buffer and first missing id), or dtypes disagree.
+            buffer and first missing id), or dtypes disagree beyond a float conversion.
     """
     slots: list[Slot] = []
     blocks: list[Blocks] = []
@@ -402,16 +409,19 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
     g1 = g0 + P.nrow
     slot_role = np.array([0 if s.role == Role.TRAINER else 1 for s in slots], np.int8)
     corr = _arrange(tuple(slots), slot_role, P, zone, g0, g1, b0, zS, zp, z_off, z_amin)
+    code = {n: i for i, n in enumerate(CODES)}
+    slot_dt = np.array([code[_dtype(trainers if s.role == Role.TRAINER else rollouts, s)]
+                        for s in slots], np.int64)
     if check:
-        _check(corr, trainers, rollouts)
-    return corr
+        _check(corr, slot_dt)
+    return streams(corr, slot_dt)
 
 
 def _arrange(slots, slot_role, P: _Rect, zone, g0, g1, b0, zS, zp, z_off, z_amin):
     empty = np.zeros(0, np.int64)
     if P.x0.size == 0:
         return Correspondence(slots, slot_role, empty, empty, empty, empty, empty, empty, empty,
-                              empty, empty)
+                              empty, empty, np.zeros(0, np.int8))
     bp = np.unique(np.concatenate([g0, g1]))  # slab breakpoints on global rows
     s0 = np.searchsorted(bp, g0)
     s1 = np.searchsorted(bp, g1)
@@ -449,10 +459,10 @@ def _arrange(slots, slot_role, P: _Rect, zone, g0, g1, b0, zS, zp, z_off, z_amin
     return Correspondence(
         slots, slot_role, cid0, cna, cb1 - cb0, zS[czone],
         inc_cell[order], P.slot[piece][order], f0[order], P.fa[piece][order],
-        P.fb[piece][order])
+        P.fb[piece][order], np.zeros(cells.size, np.int8))
 
 
-def _check(corr: Correspondence, trainers, rollouts) -> None:
+def _check(corr: Correspondence, slot_dt: np.ndarray) -> None:
     role = corr.slot_role[corr.inc_slot]
     n_cells = corr.cell_id0.size
     held = np.zeros(n_cells, bool)
@@ -470,19 +480,7 @@ def _check(corr: Correspondence, trainers, rollouts) -> None:
             f"`{s.buffer}` that no trainer holds (first missing id "
             f"{int(corr.cell_id0[corr.inc_cell[first]])}); check that every trainer layout was "
             f"probed with the same checkpoint spec and that together they hold the whole model")
-    dt = np.array([_dtype(trainers if s.role == Role.TRAINER else rollouts, s) for s in corr.slots])
-    if dt.size:
-        inc_dt = dt[corr.inc_slot]
-        hold_dt = np.full(n_cells, "", dtype=dt.dtype)
-        hold_dt[corr.inc_cell[~need]] = inc_dt[~need]
-        bad = need & (inc_dt != hold_dt[corr.inc_cell])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            s = corr.slots[corr.inc_slot[i]]
-            raise PlanError(
-                f"rollouts[{s.layout}] buffer `{s.buffer}` is {inc_dt[i]} but the trainers hold "
-                f"its id {int(corr.cell_id0[corr.inc_cell[i]])} as {hold_dt[corr.inc_cell[i]]}; "
-                f"dtype conversion in transit is not supported: make both sides the same dtype")
+    check_dtypes(corr, slot_dt)
 
 
 def _dtype(layouts, s: Slot) -> str:

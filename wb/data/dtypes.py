@@ -13,7 +13,8 @@ import numpy as np
 
 from wb.errors import SpecError
 
-__all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype"]
+__all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype", "CODES", "FLOATS",
+           "castable", "wire_dtype"]
 
 
 class DType(NamedTuple):
@@ -44,6 +45,11 @@ for _name, _np, _exact in [
     ("bool", np.dtype(np.bool_), 1),
 ]:
     _TABLE[_name] = DType(_name, _np, _np.itemsize, _exact)
+
+#: Every dtype name, in a fixed order: a dtype's code in plans and correspondences is its index.
+CODES: tuple[str, ...] = tuple(_TABLE)
+#: The dtypes wb converts between (one to another, round to nearest even).
+FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 _ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16",
             "fp32": "float32", "fp16": "float16", "fp8": "float8_e4m3fn"}
@@ -92,3 +98,56 @@ def known_dtype(dtype: object) -> str | None:
         return canonical_dtype(dtype)
     except SpecError:
         return None
+
+
+def castable(a: str, b: str) -> bool:
+    """Whether wb converts between canonical dtypes ``a`` and ``b`` (the same, or two floats).
+
+    Examples:
+        >>> castable("float32", "bfloat16"), castable("int32", "float32")
+        (True, False)
+    """
+    return a == b or (a in FLOATS and b in FLOATS)
+
+
+def wire_dtype(held: str, needed: str) -> str:
+    """The dtype an element held as ``held`` and needed as ``needed`` travels in.
+
+    Narrowing (``needed`` no wider) happens where the data lives, on the sending side, so fewer
+    bytes travel; widening happens on the receiving side. Either way the element is rounded at
+    most once, and every wider float holds every value of a narrower one exactly (so a forwarder
+    can narrow what it received back to the wire dtype without loss).
+
+    Examples:
+        >>> wire_dtype("float32", "bfloat16"), wire_dtype("bfloat16", "float32")
+        ('bfloat16', 'bfloat16')
+        >>> wire_dtype("float16", "bfloat16")  # as wide: converted by the sender
+        'bfloat16'
+    """
+    return needed if _TABLE[needed].itemsize <= _TABLE[held].itemsize else held
+
+
+#: The largest finite float8_e4m3fn: conversions to it saturate here (as ``torch.Tensor.to``).
+E4M3_MAX = 448.0
+
+
+def convert(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` in ``dst``'s dtype, on the host: how wb converts between floats.
+
+    Rounds to nearest, ties to even (``torch.Tensor.to``, ``ml_dtypes``); widening is exact.
+    A value beyond a dtype's largest finite one becomes infinite, except in ``float8_e4m3fn``
+    (which has no infinity): there it saturates to +-448, as ``torch.Tensor.to`` does. NaN stays
+    NaN (its payload is not kept). The CUDA kernels of :mod:`wb.runtime.casts` do the same.
+
+    Examples:
+        >>> out = np.empty(4, dtype_info("float8_e4m3fn").numpy)
+        >>> convert(out, np.array([1.0625, 1.1875, 1e6, -np.inf], np.float32)); out.tolist()
+        [1.0, 1.25, 448.0, -448.0]
+    """
+    if dst.dtype == src.dtype:
+        dst[...] = src
+        return
+    if dst.dtype == _TABLE["float8_e4m3fn"].numpy:
+        src = np.clip(src, -E4M3_MAX, E4M3_MAX)  # NaN stays NaN
+    with np.errstate(all="ignore"):  # overflow and underflow are defined above
+        dst[...] = src

@@ -25,7 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from wb.data.conversions import ITEMSIZE
 from wb.data.correspondence import Correspondence, Slot, correspond
+from wb.data.dtypes import CODES, castable, convert, dtype_info
 from wb.errors import PlanError
 from wb.data.layout import (
     Cluster,
@@ -37,8 +39,9 @@ from wb.data.layout import (
 
 __all__ = ["Messages", "Pieces", "Plan", "Traffic", "Transfers", "run_local", "schedule"]
 
-#: Format of :meth:`Plan.save` files: 2 stores layouts and slots as arrays (1 as JSON per buffer).
-PLAN_FORMAT = 2
+#: Format of :meth:`Plan.save` files: 3 adds the dtypes cells travel in; 2 stores layouts and
+#: slots as arrays (1 as JSON per buffer).
+PLAN_FORMAT = 3
 
 
 class Pieces(NamedTuple):
@@ -49,7 +52,8 @@ class Pieces(NamedTuple):
     j0: np.ndarray  # (p,) int64 first column within the cell
     na: np.ndarray  # (p,) int64 rows
     nb: np.ndarray  # (p,) int64 columns
-    nbytes: np.ndarray  # (p,) int64
+    nbytes: np.ndarray  # (p,) int64 as it travels
+    dtype: np.ndarray  # (p,) int8 code (wb.data.dtypes.CODES) of the dtype it travels in
 
 
 class Transfers(NamedTuple):
@@ -107,11 +111,13 @@ class _SlotTable(NamedTuple):
     node: np.ndarray  # (s,) int64 index into node names
     gpu: np.ndarray  # (s,) int64 global GPU index (node, local_rank)
     itemsize: np.ndarray  # (s,) int64
+    dtype: np.ndarray  # (s,) int64 code (wb.data.dtypes.CODES)
 
 
 def slot_table(slots: Sequence[Slot], trainers: Sequence[Layout], rollouts: Sequence[Layout]
                ) -> tuple[_SlotTable, list[str]]:
-    """Per-slot arrays: role, rank, node index, GPU index, itemsize; and the node names."""
+    """Per-slot arrays: role, rank, node index, GPU index, itemsize, dtype code; and the node
+    names."""
     lays = {Role.TRAINER: trainers, Role.ROLLOUT: rollouts}
     workers = [lays[s.role][s.layout].worker for s in slots]
     nodes = sorted({w.node for lay in (*trainers, *rollouts) for w in [lay.worker]})
@@ -124,7 +130,9 @@ def slot_table(slots: Sequence[Slot], trainers: Sequence[Layout], rollouts: Sequ
         np.array([w.rank for w in workers], np.int64),
         np.array([node_ix[w.node] for w in workers], np.int64),
         np.array([gpu_ix[(node_ix[w.node], w.local_rank)] for w in workers], np.int64),
-        np.array([lays[s.role][s.layout].buffers[s.buffer].itemsize for s in slots], np.int64))
+        np.array([lays[s.role][s.layout].buffers[s.buffer].itemsize for s in slots], np.int64),
+        np.array([CODES.index(lays[s.role][s.layout].buffers[s.buffer].dtype) for s in slots],
+                 np.int64))
     return table, nodes
 
 
@@ -290,7 +298,7 @@ class Plan:
             path: a file name or a readable binary file object.
 
         Raises:
-            PlanError: a plan saved by an older ``wb`` (format 1): make it again with
+            PlanError: a plan saved by an older ``wb`` (format 1 or 2): make it again with
                 :func:`wb.plan` and save it (plans are cheap to re-make).
         """
         with np.load(path, allow_pickle=False) as z:
@@ -388,6 +396,9 @@ def _verify(plan: Plan) -> None:
     if ((P.i0 < 0) | (P.j0 < 0) | (P.na < 1) | (P.nb < 1) | (P.i0 + P.na > ca)
             | (P.j0 + P.nb > cb)).any():
         raise _fail("a piece lies outside its cell")
+    if (P.dtype != corr.cell_dtype[P.cell]).any() or (P.nbytes != P.na * P.nb * ITEMSIZE[P.dtype]).any():
+        raise _fail("a piece does not travel in its cell's dtype, or its size is not its area "
+                    "times that dtype's")
     area = np.bincount(P.cell, weights=P.na * P.nb, minlength=corr.cell_id0.size)
     needed_cells = np.unique(corr.inc_cell[tab.role[corr.inc_slot] == 1])
     if not np.array_equal(area[needed_cells], corr.cell_numel[needed_cells]):
@@ -419,6 +430,13 @@ def _verify(plan: Plan) -> None:
             raise _fail(f"the {side} region is not where the buffer keeps these ids",
                         int(np.flatnonzero(bad)[0]), plan)
     src_role, dst_role = tab.role[T.src_slot], tab.role[T.dst_slot]
+    wire = P.dtype[T.piece]
+    for side, slot in (("source", T.src_slot), ("destination", T.dst_slot)):
+        dt = tab.dtype[slot]
+        for k in np.flatnonzero(np.r_[True, (dt[1:] != dt[:-1]) | (wire[1:] != wire[:-1])]):
+            if not castable(CODES[dt[k]], CODES[wire[k]]):
+                raise _fail(f"the {side} is {CODES[dt[k]]}, which wb does not convert to "
+                            f"{CODES[wire[k]]}", int(k), plan)
     if (dst_role != 1).any():
         raise _fail("a transfer writes into a trainer buffer", int(np.argmax(dst_role != 1)), plan)
     # Sources: a trainer directly, or a rollout buffer an earlier transfer filled with this piece.
@@ -509,7 +527,9 @@ def run_local(plan: Plan, trainer_buffers: Mapping[int, Mapping[str, np.ndarray]
         plan: the plan.
         trainer_buffers: ``{trainer rank: {buffer name: array}}`` holding the weights.
         rollout_buffers: ``{rollout rank: {buffer name: array}}`` to fill (written in place; any
-            contiguous arrays of the layouts' shapes and dtypes).
+            contiguous arrays of the layouts' shapes and dtypes). Where the plan converts an
+            element (a rollout needs it in another dtype than the trainers hold it), it is
+            converted as the executor does (:func:`wb.data.dtypes.convert`).
 
     Returns:
         ``rollout_buffers`` (as dicts), filled.
@@ -535,12 +555,24 @@ def run_local(plan: Plan, trainer_buffers: Mapping[int, Mapping[str, np.ndarray]
             raise PlanError(f"rollout rank {s.rank} buffer `{s.buffer}` must be C-contiguous")
         bufs[si] = arr.reshape(-1)
     P, T = plan.pieces, plan.transfers
+    tab, _ = plan.table
     for t in range(T.piece.size):
         p = T.piece[t]
         i = np.arange(P.na[p])[:, None]
         j = np.arange(P.nb[p])[None, :]
         src = bufs[T.src_slot[t]][T.src_f0[t] + i * T.src_fa[t] + j * T.src_fb[t]]
-        bufs[T.dst_slot[t]][T.dst_f0[t] + i * T.dst_fa[t] + j * T.dst_fb[t]] = src
+        dst = bufs[T.dst_slot[t]]
+        # as the executor does: converted to the dtype the piece travels in, then to the need's
+        # (where the layouts' dtypes differ from it)
+        if tab.dtype[T.src_slot[t]] != P.dtype[p]:
+            wire = np.empty(src.shape, dtype_info(CODES[P.dtype[p]]).numpy)
+            convert(wire, src)
+            src = wire
+        if tab.dtype[T.dst_slot[t]] != P.dtype[p]:
+            out = np.empty(src.shape, dst.dtype)
+            convert(out, src)
+            src = out
+        dst[T.dst_f0[t] + i * T.dst_fa[t] + j * T.dst_fb[t]] = src
     return {int(r): dict(b) for r, b in rollout_buffers.items()}
 
 

@@ -24,8 +24,8 @@ from wb.errors import PlanError
 
 __all__ = ["RankPlan", "RankPlans", "fingerprint", "part_of", "parts", "schedule"]
 
-#: Format of :meth:`RankPlan.to_bytes`.
-RANK_PLAN_FORMAT = 1
+#: Format of :meth:`RankPlan.to_bytes` (2: pieces carry the dtype they travel in).
+RANK_PLAN_FORMAT = 2
 
 
 def _npz_deflated(arrays: dict[str, np.ndarray]) -> bytes:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from wb.data.dtypes import CODES
 from wb.data.layout import Layout
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans, part_of, schedule
@@ -40,17 +41,21 @@ class Message:
         zc_dst: the same in the destination buffer (received zero-copy).
         out: sent (or copied locally) by this rank.
         local: source and destination are this rank (a local copy).
+        wire: the dtype its elements travel in (one per message).
+        conv: this rank converts them (from its buffers' dtype when sending, into them when
+            receiving): packed and unpacked, never zero-copy.
     """
 
     # slots: the update loop reads these fields a few times per message
     __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
-                 "local")
+                 "local", "wire", "conv")
 
     def __init__(self, m: int, stage: int, peer: int, nbytes: int, ts, parent: int,
-                 zc_src: bool, zc_dst: bool, out: bool, local: bool):
+                 zc_src: bool, zc_dst: bool, out: bool, local: bool, wire: str = "",
+                 conv: bool = False):
         self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
         self.parent, self.zc_src, self.zc_dst = parent, zc_src, zc_dst
-        self.out, self.local = out, local
+        self.out, self.local, self.wire, self.conv = out, local, wire, conv
 
     def label(self) -> str:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
@@ -131,6 +136,7 @@ class Program:
         self.part, self.layout, self.rank = part, part.layout, part.rank
         M, T, P = part.messages, part.transfers, part.pieces
         self.slot_buf = list(part.slot_buffer)  # slot of the part -> buffer name
+        self.slot_rank = part.slot_rank
         self.messages: dict[int, Message] = {}  # plan message index -> this rank's Message
         self.children: dict[int, list[int]] = {}  # message -> the forwards it releases here
         rank = part.rank
@@ -146,8 +152,12 @@ class Program:
             zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts],
                                      na, nb)
             peer = int(M.dst_rank[k]) if out else int(M.src_rank[k])
+            wire = CODES[int(P.dtype[T.piece[f]])] if c else ""
+            own = {self.dtype_of(int(x)) for x in (T.src_slot[ts] if out else T.dst_slot[ts][:1])}
+            conv = own != {wire} or (local and self.dtype_of(int(T.dst_slot[f])) != wire)
+            zc_src, zc_dst = zc_src and not conv, zc_dst and not conv
             self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
-                                       int(M.parent[k]), zc_src, zc_dst, out, local)
+                                       int(M.parent[k]), zc_src, zc_dst, out, local, wire, conv)
             self.when[m] = float(part.when[k])
             if out and M.parent[k] >= 0:
                 self.children.setdefault(int(M.parent[k]), []).append(m)
@@ -161,6 +171,13 @@ class Program:
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
         self._checked: _Checked | None = None
+
+    def dtype_of(self, slot: int) -> str:
+        """The dtype of this rank's buffer ``slot`` (a slot of the part); ``""`` for another
+        rank's."""
+        if int(self.slot_rank[slot]) != self.rank:
+            return ""
+        return self.layout.buffers[self.slot_buf[slot]].dtype
 
     def check(self, buffers: Mapping[str, Any], *,
               layout: Layout | None = None) -> tuple[dict[str, Any], Any]:

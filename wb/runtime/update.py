@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from wb.errors import TransferError
+from wb.runtime.casts import assign, xp_dtype
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "Inflight", "fencer", "abort",
            "run_update"]
@@ -286,22 +287,35 @@ class _Update:
         return _DeviceBytes(a, f0 * a.itemsize, g.nbytes)
 
     def pack(self, g):
+        """New staging holding message ``g``'s source regions in order, in its travelling dtype."""
         buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
-        o = 0
+        o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
         for t in g.ts:
             v = self.src_view(t)
-            n = v.size * v.itemsize
-            buf[o:o + n].view(v.dtype).reshape(v.shape)[...] = v
+            w = xp_dtype(xp, g.wire) if g.conv else v.dtype
+            n = v.size * w.itemsize
+            assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
+                   dtype_of(self.T.src_slot[t]) if g.conv else g.wire)
             o += n
         return buf
 
     def unpack(self, g, buf) -> None:
-        o = 0
+        """Message ``g``'s staging into its destination regions, in their dtype."""
+        o, xp = 0, self.xp
+        mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
         for t in g.ts:
             v = self.dst_view(t)
-            n = v.size * v.itemsize
-            v[...] = buf[o:o + n].view(v.dtype).reshape(v.shape)
+            w = xp_dtype(xp, g.wire) if g.conv else v.dtype
+            n = v.size * w.itemsize
+            assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
             o += n
+
+    def copy_local(self, g) -> None:
+        T, dtype_of = self.T, self.prog.dtype_of
+        for t in g.ts:
+            assign(self.xp, self.dst_view(t), self.src_view(t),
+                   dtype_of(T.dst_slot[t]) if g.conv else "",
+                   dtype_of(T.src_slot[t]) if g.conv else "")
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -342,8 +356,7 @@ class _Update:
             posted = True
             if g.local:
                 self.mark(g.m, 1)
-                for t in g.ts:
-                    self.dst_view(t)[...] = self.src_view(t)
+                self.copy_local(g)
                 self.after(self.fence(), g, None)
             elif packed:
                 buf = self.pack(g)

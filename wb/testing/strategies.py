@@ -134,11 +134,12 @@ class LayoutCase(NamedTuple):
 
 @st.composite
 def layouts(draw, *, max_rollouts: int = 4, max_nodes: int = 3, dtype: str = "bfloat16",
-            colocated: bool | None = None) -> LayoutCase:
+            colocated: bool | None = None, rollout_dtypes: tuple[str, ...] = ()) -> LayoutCase:
     """A spec, trainers that hold all of it, and rollout workers on nodes needing slice copies.
 
     With ``colocated`` (drawn when ``None``), rollout workers share nodes, and sometimes GPUs
-    (same node and ``local_rank``), with trainers.
+    (same node and ``local_rank``), with trainers. Trainers hold ``dtype``; rollout buffers are
+    ``dtype`` too, or each of a dtype drawn from ``rollout_dtypes`` (a plan that converts).
     """
     spec = draw(specs(dtypes=(dtype,)))
     holders = draw(holder_sets(spec))
@@ -151,7 +152,9 @@ def layouts(draw, *, max_rollouts: int = 4, max_nodes: int = 3, dtype: str = "bf
     n_nodes = draw(st.integers(1, max_nodes))
     rollouts = []
     for k in range(draw(st.integers(1, max_rollouts))):
-        bufs = {f"b{j}": BufferSpec(SourceMap.from_indices(draw(slice_copy(spec))), dtype)
+        bufs = {f"b{j}": BufferSpec(SourceMap.from_indices(draw(slice_copy(spec))),
+                                    draw(st.sampled_from(rollout_dtypes)) if rollout_dtypes
+                                    else dtype)
                 for j in range(draw(st.integers(1, 3)))}
         # colocated: rollout nodes are the trainer nodes n0, n1, ..., GPUs overlap theirs
         node = f"n{k % n_nodes}" if coloc else f"r{k % n_nodes}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wb.data.dtypes import dtype_info
+from wb.data.dtypes import convert, dtype_info
 
 __all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits"]
 
@@ -27,28 +27,46 @@ def weight_bits(ids, dtype: np.dtype, xp=np):
     return bits
 
 
-def buffers_for(plan, rank: int, *, fill: bool, xp=np) -> dict:
+def buffers_for(plan, rank: int, *, fill: bool, xp=np, held: str | None = None) -> dict:
     """This rank's buffers, made on the host (numpy) or the device (CuPy): trainer weights
-    (``fill``, element by element from the source map's blocks, one block at a time) or zeros."""
+    (``fill``, element by element from the source map's blocks, one block at a time) or zeros.
+
+    ``held``: the trainers' dtype, where this rank's buffers may be of another (a plan that
+    converts): the weights are then those values converted to each buffer's dtype, as
+    :func:`wb.data.dtypes.convert` does (made on the host)."""
     lay = plan.layout_of(rank)
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
-        raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
-        arr = xp.full(b.shape, 0, dtype=raw)  # resident, as live weights are (not lazy zero pages)
-        if fill:
-            rows, cols = b.sourcemap.view2d
-            v = arr.reshape(rows, cols)
-            bl = b.sourcemap.blocks
-            for k in range(bl.count):
-                i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
-                j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
-                ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
-                r0, c0 = int(bl.r0[k]), int(bl.c0[k])
-                v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
+        raw = np.dtype(f"u{dt.itemsize}")
+        if not fill:
+            arr = xp.full(b.shape, 0, dtype=raw)  # resident, as live weights are (not lazy)
+        elif held is None or held == b.dtype:
+            arr = _filled(b, dt, xp)
+        else:
+            hd = dtype_info(held).numpy
+            want = np.empty(b.shape, dt)
+            convert(want, _filled(b, hd, np).view(hd))
+            arr = xp.asarray(want.view(raw))
         # CuPy has no bfloat16/float8: device buffers of those stay raw integer bits
         out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
     return out
+
+
+def _filled(b, dt: np.dtype, xp):
+    """Raw bits of buffer ``b``'s weights as ``dt``: every mapped element
+    :func:`weight_bits` of its id, the others 0."""
+    arr = xp.full(b.shape, 0, dtype=np.dtype(f"u{dt.itemsize}"))
+    rows, cols = b.sourcemap.view2d
+    v = arr.reshape(rows, cols)
+    bl = b.sourcemap.blocks
+    for k in range(bl.count):
+        i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
+        j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
+        ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
+        r0, c0 = int(bl.r0[k]), int(bl.c0[k])
+        v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
+    return arr
 
 
 def mapped_for(plan, rank: int, xp=np) -> dict:
