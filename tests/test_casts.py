@@ -33,12 +33,12 @@ def _values(dtype: str, n: int = 20000, seed: int = 0) -> np.ndarray:
         return np.concatenate(mags).astype(dtype_info(dtype).numpy)
 
 
-@pytest.mark.parametrize("src", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("src", ["float64", "float32", "bfloat16", "float16"])
 def test_host_conversion_is_torch_to_bit_for_bit(src):
     torch = pytest.importorskip("torch")
-    x = _values(src)
+    x = _values(src, n=50000)
     tx = torch.from_numpy(x.view(f"u{x.itemsize}").astype(np.int64)).to(
-        {2: torch.int16, 4: torch.int32}[x.itemsize]).view(getattr(torch, src))
+        {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.itemsize]).view(getattr(torch, src))
     for dst in FLOAT_LIST:
         info = dtype_info(dst)
         out = np.empty(x.shape, info.numpy)

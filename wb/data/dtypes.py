@@ -137,7 +137,9 @@ def convert(dst: np.ndarray, src: np.ndarray) -> None:
     Rounds to nearest, ties to even (``torch.Tensor.to``, ``ml_dtypes``); widening is exact.
     A value beyond a dtype's largest finite one becomes infinite, except in ``float8_e4m3fn``
     (which has no infinity): there it saturates to +-448, as ``torch.Tensor.to`` does. NaN stays
-    NaN (its payload is not kept). The CUDA kernels of :mod:`wb.runtime.casts` do the same.
+    NaN (its payload is not kept). float64 goes to a dtype narrower than float32 through
+    float32 (rounded twice), as ``torch.Tensor.to`` does. The CUDA kernels of
+    :mod:`wb.runtime.casts` do the same.
 
     Examples:
         >>> out = np.empty(4, dtype_info("float8_e4m3fn").numpy)
@@ -147,6 +149,9 @@ def convert(dst: np.ndarray, src: np.ndarray) -> None:
     if dst.dtype == src.dtype:
         dst[...] = src
         return
+    if src.dtype == np.float64 and dst.dtype.itemsize < 4:  # as torch: through float32
+        with np.errstate(all="ignore"):
+            src = src.astype(np.float32)
     if dst.dtype == _TABLE["float8_e4m3fn"].numpy:
         src = np.clip(src, -E4M3_MAX, E4M3_MAX)  # NaN stays NaN
     with np.errstate(all="ignore"):  # overflow and underflow are defined above

@@ -5,7 +5,9 @@ On the host, :func:`wb.data.dtypes.convert` (numpy and ``ml_dtypes``). On CUDA, 
 per pair of dtypes, made on first use: CuPy has no bfloat16 or float8, so every CUDA buffer is
 read and written as raw bits of its width, decoded to a double (exact for every dtype wb
 converts) and encoded again with round to nearest even (``rint``) by the same rules as the host:
-overflow to infinity, or to +-448 in ``float8_e4m3fn``; NaN to the dtype's quiet NaN.
+overflow to infinity, or to +-448 in ``float8_e4m3fn``; NaN to the dtype's quiet NaN; float64
+through float32 into narrower dtypes. Only integer and double arithmetic is used (float32
+arithmetic may flush subnormals to zero).
 
 Examples:
     >>> import numpy as np
@@ -29,7 +31,8 @@ from wb.data.dtypes import convert, dtype_info
 __all__ = ["assign", "xp_dtype"]
 
 # exponent bits, mantissa bits, and whether the top exponent holds numbers (no infinity: "fn")
-_FORMATS = types.MappingProxyType({"float16": (5, 10, False), "bfloat16": (8, 7, False),
+_FORMATS = types.MappingProxyType({"float32": (8, 23, False), "float16": (5, 10, False),
+                                   "bfloat16": (8, 7, False),
                                    "float8_e4m3fn": (4, 3, True), "float8_e5m2": (5, 2, False)})
 
 _PREAMBLE = r"""
@@ -97,17 +100,16 @@ def assign(xp, dst: Any, src: Any, dst_dtype: str, src_dtype: str) -> None:
 def _kernel(src: str, dst: str):
     import cupy  # only CUDA buffers come here
 
+    # float32 too goes through the integer code: float arithmetic may flush subnormals to zero
     if src == "float64":
         dec = "__longlong_as_double((long long)x)"
-    elif src == "float32":
-        dec = "(double)__uint_as_float((unsigned int)x)"
     else:
         eb, m, fn = _FORMATS[src]
         dec = f"wb_dec((unsigned long long)x, {eb}, {m}, {str(fn).lower()})"
+    if src == "float64" and dst not in ("float32", "float64"):  # as torch: through float32
+        dec = f"wb_dec(wb_enc({dec}, 8, 23, false), 8, 23, false)"
     if dst == "float64":
         enc = "(unsigned long long)__double_as_longlong(v)"
-    elif dst == "float32":
-        enc = "__float_as_uint(__double2float_rn(v))"
     else:
         eb, m, fn = _FORMATS[dst]
         enc = f"wb_enc(v, {eb}, {m}, {str(fn).lower()})"
