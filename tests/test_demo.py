@@ -72,3 +72,24 @@ def test_demo_process_check_fails_on_wrong_weights():
                                  expect_offset=1)
     assert out["transfers_verified"] is False
     assert out["modes"]["both"]["mismatches"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_demo_with_rollouts_in_another_dtype_converts_in_flight(dtype):
+    """bf16 trainers, rollouts keeping their parameters in another dtype: still bit-identical to
+    each rollout's own load of the checkpoint, in process and between processes."""
+    import wb.cli.demo.runner
+    report = wb.cli.demo.runner.run_demo(quiet=True, rollout_dtype=dtype, modes=["both"],
+                                         steps=2, train_s=0.05)
+    assert report["verified"] and report["weights_bit_identical"] and report["transfers_verified"]
+    assert report["rollout_dtype"] == dtype and report["modes"]["both"]["mismatches"] == 0
+    # the bf16 checkpoint travels as bf16 either way (narrowed or widened on arrival)
+    from wb.layouts.presets import TINY, spec_from_config
+    assert report["bytes_on_wire"] == spec_from_config(TINY).nbytes
+
+
+def test_demo_refuses_a_rollout_dtype_it_cannot_build():
+    out = subprocess.run([sys.executable, "-m", "wb", "demo", "--rollout", "jax",
+                          "--rollout-dtype", "float32"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "needs PyTorch rollouts" in out.stderr

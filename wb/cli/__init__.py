@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cuda", action="store_true",
                       help="PyTorch processes on CUDA devices (a node's workers spread over the "
                            "GPUs); JAX stays on CPU")
+    demo.add_argument("--rollout-dtype", default=None, metavar="DTYPE",
+                      help="the PyTorch rollouts' parameter dtype (float32, float16, bfloat16; "
+                           "default bfloat16, the trainer's): wb converts in flight")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
                                      "traffic, simulated EWTT and baselines")
@@ -100,7 +103,8 @@ def _run(args) -> int:
 
         t0 = time.perf_counter()
         report = run_demo(trainer=args.trainer, rollout=args.rollout, replicas=args.replicas,
-                          tp=args.tp, quiet=args.json, cuda=args.cuda)
+                          tp=args.tp, quiet=args.json, cuda=args.cuda,
+                          rollout_dtype=args.rollout_dtype)
         report["demo_s"] = round(time.perf_counter() - t0, 3)
         if args.json:
             print(json.dumps(report))

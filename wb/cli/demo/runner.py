@@ -66,20 +66,25 @@ def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_ra
 
 
 def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int,
-                  node_prefix: str, ckpt: dict) -> tuple[list[Layout], dict, dict]:
+                  node_prefix: str, ckpt: dict, dtype: str | None = None
+                  ) -> tuple[list[Layout], dict, dict]:
     """Layouts of ``copies`` vLLM-style TP groups (one node each; one worker per TP rank), the
     parameters after ``load_weights(ckpt)``, and the parameters of fresh models (numpy views:
-    writing them writes the torch parameters).
+    writing them writes the torch parameters). ``dtype``: the models' parameter dtype (default
+    the reference rollout's, bfloat16).
 
     Returns ``(layouts, {rank: {name: loaded}}, {rank: {name: fresh model's parameter view}})``.
     """
     import wb_torch
     from wb_torch.testing import TinyRollout
 
+    import torch
+
     spec = spec_from_config(cfg)
+    kw = {"dtype": getattr(torch, dtype)} if dtype else {}
     per_rank = []
     for r in range(tp):
-        model = TinyRollout(cfg, tp_rank=r, tp_size=tp)
+        model = TinyRollout(cfg, tp_rank=r, tp_size=tp, **kw)
         dtypes = {n: wb.data.dtypes.canonical_dtype(p.dtype) for n, p in model.named_parameters()}
         per_rank.append({n: BufferSpec(sm, dtypes[n])
                          for n, sm in wb_torch.probe(model, spec).items() if sm.n_ids})
@@ -89,16 +94,17 @@ def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int
             worker = Worker(rank=first_rank + len(out), node=f"{node_prefix}{c}", role=role,
                             local_rank=r)
             out.append(Layout(worker, per_rank[r]))
-            ref = TinyRollout(cfg, tp_rank=r, tp_size=tp)
+            ref = TinyRollout(cfg, tp_rank=r, tp_size=tp, **kw)
             ref.load_weights((n, wb_torch.from_numpy(a)) for n, a in ckpt.items())
-            model = TinyRollout(cfg, tp_rank=r, tp_size=tp)
+            model = TinyRollout(cfg, tp_rank=r, tp_size=tp, **kw)
             params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
             loaded[worker.rank] = {n: wb_torch.to_numpy(ref_params[n]) for n in per_rank[r]}
             fresh[worker.rank] = {n: wb_torch.to_numpy(params[n]) for n in per_rank[r]}
     return out, loaded, fresh
 
 
-def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt: dict):
+def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt: dict,
+          dtype: str | None = None):
     prefix = "trainer" if role == "trainer" else "rollout"
     copies = 1 if role == "trainer" else replicas
     if kind == "jax":
@@ -106,7 +112,7 @@ def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt
                            node_prefix=prefix, ckpt=ckpt)
     # A PyTorch trainer: 2 data-parallel replicas of a TP group (the reference sharding).
     return torch_layouts(TINY, role=role, tp=tp, copies=2 if role == "trainer" else copies,
-                         first_rank=first_rank, node_prefix=prefix, ckpt=ckpt)
+                         first_rank=first_rank, node_prefix=prefix, ckpt=ckpt, dtype=dtype)
 
 
 def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
@@ -130,7 +136,7 @@ def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
 def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2, tp: int = 2,
              quiet: bool = False, modes: Sequence[str] | None = None, steps: int = 3,
              train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True,
-             cuda: bool = False) -> dict:
+             cuda: bool = False, rollout_dtype: str | None = None) -> dict:
     """Runs the demo and returns its report (what ``--json`` prints).
 
     Args:
@@ -147,6 +153,9 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         cuda: in the processes, PyTorch models live on CUDA devices (local rank ``r`` on device
             ``r`` mod the device count: a node's workers spread over the GPUs, so stage 3 crosses
             NVLink); JAX stays on CPU devices.
+        rollout_dtype: the PyTorch rollouts' parameter dtype (``"float32"``, ``"float16"``,
+            ...; default bfloat16, the checkpoint's): wb converts in flight, and every rollout
+            buffer is still checked against the rollout's own load of the checkpoint.
     """
     if replicas < 1 or tp < 1:
         raise wb.SpecError(f"--replicas and --tp must be >= 1, got {replicas} and {tp}")
@@ -155,6 +164,15 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     if bad or steps < 1:
         raise wb.SpecError(f"modes must be among {list(wb.MODES)} and steps >= 1; got {modes}, "
                            f"{steps}")
+    if rollout_dtype is not None:
+        from wb.data.dtypes import FLOATS, canonical_dtype
+
+        rollout_dtype = canonical_dtype(rollout_dtype)
+        if rollout != "torch" or rollout_dtype not in FLOATS - {"float8_e4m3fn", "float8_e5m2"}:
+            raise wb.SpecError(
+                f"--rollout-dtype {rollout_dtype} needs PyTorch rollouts (the JAX reference load "
+                f"function never casts) and a dtype of float64, float32, float16 or bfloat16; "
+                f"block-scaled FP8 rollouts are not built yet")
     if cuda and not glob.glob("/dev/nvidia[0-9]*"):
         raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
     console = Console(quiet=quiet)
@@ -165,7 +183,8 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
                                      ckpt=ckpt)
     with console.status(f"probing the {rollout} rollouts' load_weights..."):
         rollouts, expected, targets = _side(rollout, "rollout", replicas=replicas, tp=tp,
-                                            first_rank=len(trainers), ckpt=ckpt)
+                                            first_rank=len(trainers), ckpt=ckpt,
+                                            dtype=rollout_dtype)
     probe_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     corr = wb.correspond(trainers, rollouts)
@@ -229,11 +248,13 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         "correspond_s": round(correspond_s, 4), "correspondence_exact": bool(exact),
         "weights_bit_identical": bool(identical), "traffic_ratio": ratio,
         "plan_s": round(plan_s, 4), "transfer": "in-process (wb.run_local)",
+        "rollout_dtype": rollout_dtype or "bfloat16",
+        "bytes_on_wire": p.traffic().trainer_total,
     }
     if processes:
         report.update(_run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
                                      steps=steps, train_s=train_s, gen_s=gen_s, console=console,
-                                     cuda=cuda))
+                                     cuda=cuda, rollout_dtype=rollout_dtype))
         report["verified"] = bool(verified and report["transfers_verified"])
     return report
 
@@ -258,7 +279,7 @@ def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
 
 def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen_s,
                    console, timeout: float = 900.0, expect_offset: int = 0,
-                   cuda: bool = False) -> dict:
+                   cuda: bool = False, rollout_dtype: str | None = None) -> dict:
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
     UCX; returns what they measured and checked. ``expect_offset`` makes the rollouts expect the
     weights of another step (tests use it to see the check fail)."""
@@ -283,7 +304,7 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
         common = dict(cfg=TINY, store_dir=str(work / "store"), result_dir=str(work / "results"),
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
-                      expect_offset=expect_offset, cuda=bool(cuda))
+                      expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype)
         jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
         n_roll = sum(j["role"] == "rollout" for j in jobs)
         ctx = mp.get_context("spawn")

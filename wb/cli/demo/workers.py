@@ -161,10 +161,13 @@ def _torch_rollout(job, store, spec, ckpt, result):
     import wb_torch
     from wb_torch.testing import TinyRollout
 
+    import torch
+
     tp, r = job["tp"], job["local_rank"]
     first = _trainers_key(store)
     rank = first + job["first_rank"]
-    model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
+    kw = {"dtype": getattr(torch, job["rollout_dtype"])} if job.get("rollout_dtype") else {}
+    model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
     (lay,) = wb_torch.layouts(model, wb_torch.probe(model, spec), rank, node=job["node"],
                               role="rollout", local_rank=r)
     plan = agree_parts(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
@@ -185,7 +188,7 @@ def _torch_rollout(job, store, spec, ckpt, result):
                 rx.apply()  # the model's own storage now holds the new version
                 v = rx.version
                 step += 1
-                ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
+                ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
                 ref.load_weights((n, wb_torch.from_numpy(a))
                                  for n, a in expected_checkpoint(ckpt, step + job["expect_offset"]).items())
                 want = dict(ref.named_parameters())
