@@ -59,8 +59,18 @@ def build(cfg: dict, replicas: int, shape: str = "tp2"):
     return trainers, rollouts
 
 
+def retyped(layouts, dtype: str):
+    """The same layouts with every buffer of ``dtype``."""
+    import wb
+
+    return [wb.Layout(lay.worker, {k: wb.BufferSpec(b.sourcemap, dtype)
+                                   for k, b in lay.buffers.items()}) for lay in layouts]
+
+
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
-        staging=256 << 20, cuda_device=None, shape="tp2") -> dict:
+        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None) -> dict:
+    """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
+    converts when they differ; rollouts are checked against the converted weights)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -69,6 +79,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
 
     cfg = model(hidden, layers, experts)
     trainers, rollouts = build(cfg, replicas, shape)
+    if dtypes:
+        trainers, rollouts = retyped(trainers, dtypes[0]), retyped(rollouts, dtypes[1])
     p = wb.plan(trainers, rollouts, chunk_bytes=chunk)
     work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     p.save(work / "plan.npz")
@@ -94,7 +106,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
                               cuda_device=raw_dev)
         r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
                       options={"timeout": 120, "barrier": True, "tls": tls,
-                               "staging_bytes": staging, "cuda_device": cuda_device},
+                               "staging_bytes": staging, "cuda_device": cuda_device,
+                               "held": dtypes[0] if dtypes else None},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
@@ -122,7 +135,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "ewtt_s": mid["ewtt_s"], "ideal_link_s": mid["ideal_link_s"],
             "ideal_host_s": mid["ideal_host_s"], "ideal_s": mid["ideal_s"],
             "ewtt_over_ideal": mid["ratio"], "runs": rows,
-            "shape": shape, "chunk_bytes": chunk, "messages": int(between.sum()),
+            "shape": shape, "chunk_bytes": chunk, "dtypes": list(dtypes) if dtypes else None, "messages": int(between.sum()),
             "tls": tls or "default", "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
 
 

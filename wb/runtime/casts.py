@@ -28,7 +28,7 @@ import numpy as np
 
 from wb.data.dtypes import convert, dtype_info
 
-__all__ = ["assign", "xp_dtype"]
+__all__ = ["assign", "prepare", "xp_dtype"]
 
 # exponent bits, mantissa bits, and whether the top exponent holds numbers (no infinity: "fn")
 _FORMATS = types.MappingProxyType({"float32": (8, 23, False), "float16": (5, 10, False),
@@ -94,6 +94,16 @@ def assign(xp, dst: Any, src: Any, dst_dtype: str, src_dtype: str) -> None:
         raw_in = np.dtype(f"u{dtype_info(src_dtype).itemsize}")
         raw_out = np.dtype(f"u{dtype_info(dst_dtype).itemsize}")
         _kernel(src_dtype, dst_dtype)(src.view(raw_in), dst.view(raw_out))
+
+
+def prepare(xp, pairs) -> None:
+    """Compiles and loads the CUDA kernels of ``pairs`` (``(src dtype, dst dtype)``) now, once per
+    process, so no update pays for it (a first launch compiles: about 0.1 s each)."""
+    if xp is np:
+        return
+    for src, dst in sorted(pairs):
+        if src != dst:
+            assign(xp, xp.zeros(1, xp_dtype(xp, dst)), xp.zeros(1, xp_dtype(xp, src)), dst, src)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans, part_of, schedule
 from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import check_buffers, fixed_memory
+from wb.runtime.casts import prepare
 from wb.runtime.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
 
 __all__ = ["Program", "Message", "schedule"]
@@ -109,6 +110,7 @@ class Program:
         staged_receives: receives into staging (then unpacked), in schedule order.
         roots: ``[(when, message)]`` of the sends that wait for no other message, sorted.
         n_out: how many messages this rank sends or copies.
+        conversions: the ``(from, to)`` dtype pairs this rank converts between.
 
     Raises:
         TransferError: ``rank`` is not a worker of ``plan`` (or not the part's rank).
@@ -141,6 +143,7 @@ class Program:
         self.children: dict[int, list[int]] = {}  # message -> the forwards it releases here
         rank = part.rank
         self.when: dict[int, float] = {}  # plan message index -> its schedule time
+        self.conversions: set[tuple[str, str]] = set()  # (from, to) dtypes this rank converts
         for k, m in enumerate(part.index.tolist()):
             f, c = int(M.first[k]), int(M.count[k])
             ts = np.arange(f, f + c)
@@ -155,6 +158,9 @@ class Program:
             wire = CODES[int(P.dtype[T.piece[f]])] if c else ""
             own = {self.dtype_of(int(x)) for x in (T.src_slot[ts] if out else T.dst_slot[ts][:1])}
             conv = own != {wire} or (local and self.dtype_of(int(T.dst_slot[f])) != wire)
+            if conv:  # the conversions this rank makes (kernels are prepared before updates)
+                to = self.dtype_of(int(T.dst_slot[f])) if local else wire
+                self.conversions |= {(d, to) for d in own} if out else {(wire, d) for d in own}
             zc_src, zc_dst = zc_src and not conv, zc_dst and not conv
             self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
                                        int(M.parent[k]), zc_src, zc_dst, out, local, wire, conv)
@@ -244,6 +250,8 @@ class Program:
         """
         flat, xp = self.check(buffers, layout=layout)
         if xp is not np and flat:
+            with next(iter(flat.values())).device:
+                prepare(xp, self.conversions)  # once per process (cached)
             # CuPy's current device is per thread: staging and kernels must go to the buffers'
             # own device, whichever thread runs this (a Sender's or Receiver's background thread
             # starts on device 0)
