@@ -185,3 +185,27 @@ def test_converting_plan_over_ucx_is_bit_identical(tmp_path):
     for r in range(2):  # what the plan says, in travelling bytes (its GPU's other rank included)
         assert run.results[r]["bytes_sent"] == M.nbytes[(M.src_rank == r) & (M.dst_rank != r)].sum()
     assert p.traffic().trainer_total == lower_bound(*converting_deployment()).trainer_total
+
+
+def test_a_bf16_trainer_feeds_deepseek_v3_rollouts_that_keep_the_router_bias_in_fp32():
+    """The issue's case: a trainer keeping every weight in bfloat16 against vLLM-style DeepSeek-V3
+    rollouts whose e_score_correction_bias is float32 (as real checkpoints and engines keep it):
+    refused before, now planned, widened on arrival, at the bound."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deployments import MLA
+
+    from wb.layouts import megatron_trainer, vllm_rollout
+
+    trainers = [wb.Layout(lay.worker, {k: wb.BufferSpec(b.sourcemap, "bfloat16")
+                                       for k, b in lay.buffers.items()})
+                for lay in megatron_trainer(MLA, tp=2, pp=1, ep=2, nodes=["t0"], gpus_per_node=4)]
+    rollouts = vllm_rollout(MLA, tp=2, ep=2, replicas=2, nodes_per_replica=1, gpus_per_replica=2,
+                            gpus_per_node=2, first_rank=len(trainers))
+    assert {b.dtype for lay in rollouts for k, b in lay.buffers.items()
+            if "e_score_correction_bias" in k} == {"float32"}
+    p = wb.plan(trainers, rollouts)
+    p.verify()
+    assert traffic_ratio(p) == pytest.approx(1.0)
+    assert {CODES[d] for d in p.pieces.dtype} == {"bfloat16"}  # the fp32 need widens on arrival
