@@ -430,10 +430,10 @@ def _verify(plan: Plan) -> None:
             raise _fail(f"the {side} region is not where the buffer keeps these ids",
                         int(np.flatnonzero(bad)[0]), plan)
     src_role, dst_role = tab.role[T.src_slot], tab.role[T.dst_slot]
-    wire = P.dtype[T.piece]
+    wire = P.dtype[T.piece].astype(np.int64)
     for side, slot in (("source", T.src_slot), ("destination", T.dst_slot)):
         dt = tab.dtype[slot]
-        for k in np.flatnonzero(np.r_[True, (dt[1:] != dt[:-1]) | (wire[1:] != wire[:-1])]):
+        for k in np.unique(dt * len(CODES) + wire, return_index=True)[1]:  # each pair once
             if not castable(CODES[dt[k]], CODES[wire[k]]):
                 raise _fail(f"the {side} is {CODES[dt[k]]}, which wb does not convert to "
                             f"{CODES[wire[k]]}", int(k), plan)

@@ -144,6 +144,7 @@ class Program:
         rank = part.rank
         self.when: dict[int, float] = {}  # plan message index -> its schedule time
         self.conversions: set[tuple[str, str]] = set()  # (from, to) dtypes this rank converts
+        slot_dt = [self.dtype_of(s) for s in range(len(self.slot_buf))]
         for k, m in enumerate(part.index.tolist()):
             f, c = int(M.first[k]), int(M.count[k])
             ts = np.arange(f, f + c)
@@ -156,10 +157,10 @@ class Program:
                                      na, nb)
             peer = int(M.dst_rank[k]) if out else int(M.src_rank[k])
             wire = CODES[int(P.dtype[T.piece[f]])] if c else ""
-            own = {self.dtype_of(int(x)) for x in (T.src_slot[ts] if out else T.dst_slot[ts][:1])}
-            conv = own != {wire} or (local and self.dtype_of(int(T.dst_slot[f])) != wire)
+            own = {slot_dt[x] for x in np.unique(T.src_slot[ts] if out else T.dst_slot[ts][:1])}
+            conv = own != {wire} or (local and slot_dt[T.dst_slot[f]] != wire)
             if conv:  # the conversions this rank makes (kernels are prepared before updates)
-                to = self.dtype_of(int(T.dst_slot[f])) if local else wire
+                to = slot_dt[T.dst_slot[f]] if local else wire
                 self.conversions |= {(d, to) for d in own} if out else {(wire, d) for d in own}
             zc_src, zc_dst = zc_src and not conv, zc_dst and not conv
             self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
