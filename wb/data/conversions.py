@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from wb.data.dtypes import CODES, FLOATS, castable, dtype_info
+from wb.data.dtypes import CODE, CODES, FLOATS, castable, dtype_info, wire_dtype
 from wb.errors import PlanError
 
 __all__ = ["ITEMSIZE", "check_dtypes", "streams"]
@@ -20,11 +20,14 @@ __all__ = ["ITEMSIZE", "check_dtypes", "streams"]
 #: Bytes per element of each dtype code (``wb.data.dtypes.CODES``).
 ITEMSIZE = np.array([dtype_info(n).itemsize for n in CODES], np.int64)
 ITEMSIZE.flags.writeable = False
+#: ``WIRE[held, needed]``: the code of :func:`wb.data.dtypes.wire_dtype` of two dtype codes.
+WIRE = np.array([[CODE[wire_dtype(h, n)] for n in CODES] for h in CODES], np.int64)
+WIRE.flags.writeable = False
 
 
 def streams(corr: Any, slot_dt: np.ndarray) -> Any:
     """``corr`` (a :class:`~wb.data.correspondence.Correspondence`) with each cell's travelling
-    dtype set (:func:`wb.data.dtypes.wire_dtype` of its holders' and needs' dtypes, on arrays):
+    dtype set (:func:`wb.data.dtypes.wire_dtype` of its holders' and needs' dtypes):
     a cell whose needs travel in several is split, one copy per dtype, each with every holder of
     the cell and the needs of that dtype.
 
@@ -40,7 +43,7 @@ def streams(corr: Any, slot_dt: np.ndarray) -> Any:
     need = np.flatnonzero(role == 1)
     h = held[corr.inc_cell[need]]
     nd = inc_dt[need]
-    wire = np.where((h < 0) | (ITEMSIZE[nd] <= ITEMSIZE[np.maximum(h, 0)]), nd, h)
+    wire = np.where(h < 0, nd, WIRE[np.maximum(h, 0), nd])  # no holder (unchecked): as needed
     keys = np.unique(corr.inc_cell[need] * n_codes + wire)
     s_cell, s_dt = np.divmod(keys, n_codes)
     per_cell = np.bincount(s_cell, minlength=n_cells)
@@ -82,11 +85,10 @@ def check_dtypes(corr: Any, slot_dt: np.ndarray) -> None:
     Raises:
         PlanError: naming the id, or the rollout buffer, and the dtypes.
     """
-    role = corr.slot_role[corr.inc_slot]
-    n_cells = corr.cell_id0.size
-    need = role == 1
     if not slot_dt.size:
         return
+    need = corr.slot_role[corr.inc_slot] == 1
+    n_cells = corr.cell_id0.size
     inc_dt = slot_dt[corr.inc_slot]
     hold = ~need
     lo = np.full(n_cells, len(CODES), np.int64)

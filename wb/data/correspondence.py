@@ -23,7 +23,7 @@ import numpy as np
 
 from wb.errors import PlanError
 from wb.data.conversions import check_dtypes, streams
-from wb.data.dtypes import CODES
+from wb.data.dtypes import CODE
 from wb.data.layout import Layout, Role
 from wb.data.sourcemap import Blocks
 
@@ -48,9 +48,9 @@ class Correspondence(NamedTuple):
     holders' dtype and its needs' dtype). Where rollouts need the same ids in dtypes that travel
     differently (one rollout keeps a tensor in float32, another in bfloat16, the trainers hold it
     in float32), the ids form one cell per travelling dtype, each with every holder and the needs
-    of that dtype; otherwise cells are disjoint. Incidences are sorted by cell. Element ``(i, j)`` of cell ``k`` (id
-    ``cell_id0[k] + i * cell_S[k] + j``) sits at flat index ``f0 + i * fa + j * fb`` of the
-    incidence's buffer.
+    of that dtype; otherwise cells are disjoint. Incidences are sorted by cell. Element ``(i, j)``
+    of cell ``k`` (id ``cell_id0[k] + i * cell_S[k] + j``) sits at flat index
+    ``f0 + i * fa + j * fb`` of the incidence's buffer.
     """
 
     slots: tuple[Slot, ...]  # (n_slots,) every buffer of every worker
@@ -409,8 +409,7 @@ def correspond(trainers: Sequence[Layout], rollouts: Sequence[Layout], *,
     g1 = g0 + P.nrow
     slot_role = np.array([0 if s.role == Role.TRAINER else 1 for s in slots], np.int8)
     corr = _arrange(tuple(slots), slot_role, P, zone, g0, g1, b0, zS, zp, z_off, z_amin)
-    code = {n: i for i, n in enumerate(CODES)}
-    slot_dt = np.array([code[_dtype(trainers if s.role == Role.TRAINER else rollouts, s)]
+    slot_dt = np.array([CODE[_dtype(trainers if s.role == Role.TRAINER else rollouts, s)]
                         for s in slots], np.int64)
     if check:
         _check(corr, slot_dt)

@@ -6,6 +6,7 @@ float8, so those come from ``ml_dtypes``, the same package JAX uses.
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import ml_dtypes
@@ -13,7 +14,7 @@ import numpy as np
 
 from wb.errors import SpecError
 
-__all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype", "CODES", "FLOATS",
+__all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype", "CODES", "CODE", "FLOATS",
            "castable", "wire_dtype"]
 
 
@@ -48,6 +49,8 @@ for _name, _np, _exact in [
 
 #: Every dtype name, in a fixed order: a dtype's code in plans and correspondences is its index.
 CODES: tuple[str, ...] = tuple(_TABLE)
+#: The code of each dtype name (its index in :data:`CODES`).
+CODE = types.MappingProxyType({n: i for i, n in enumerate(CODES)})
 #: The dtypes wb converts between (one to another, round to nearest even).
 FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 

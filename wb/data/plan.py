@@ -27,7 +27,7 @@ import numpy as np
 
 from wb.data.conversions import ITEMSIZE
 from wb.data.correspondence import Correspondence, Slot, correspond
-from wb.data.dtypes import CODES, castable, convert, dtype_info
+from wb.data.dtypes import CODE, CODES, castable, convert, dtype_info
 from wb.errors import PlanError
 from wb.data.layout import (
     Cluster,
@@ -131,8 +131,7 @@ def slot_table(slots: Sequence[Slot], trainers: Sequence[Layout], rollouts: Sequ
         np.array([node_ix[w.node] for w in workers], np.int64),
         np.array([gpu_ix[(node_ix[w.node], w.local_rank)] for w in workers], np.int64),
         np.array([lays[s.role][s.layout].buffers[s.buffer].itemsize for s in slots], np.int64),
-        np.array([CODES.index(lays[s.role][s.layout].buffers[s.buffer].dtype) for s in slots],
-                 np.int64))
+        np.array([CODE[lays[s.role][s.layout].buffers[s.buffer].dtype] for s in slots], np.int64))
     return table, nodes
 
 

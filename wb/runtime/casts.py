@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from wb.data.dtypes import convert, dtype_info
+from wb.runtime.dlpack import RAW_BITS
 
 __all__ = ["assign", "prepare", "xp_dtype"]
 
@@ -77,7 +78,7 @@ def xp_dtype(xp, name: str):
     """How arrays of module ``xp`` hold dtype ``name``: numpy its own dtype; CuPy raw bits where it
     lacks the dtype (bfloat16, float8), as :func:`wb.runtime.buffers.as_array` gives them."""
     info = dtype_info(name)
-    if xp is np or name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+    if xp is np or name not in RAW_BITS:
         return info.numpy
     return np.dtype(f"u{info.itemsize}")
 

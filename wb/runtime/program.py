@@ -178,6 +178,7 @@ class Program:
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
         self._checked: _Checked | None = None
+        self._prepared = False  # the CUDA conversion kernels are compiled
 
     def dtype_of(self, slot: int) -> str:
         """The dtype of this rank's buffer ``slot`` (a slot of the part); ``""`` for another
@@ -250,9 +251,11 @@ class Program:
                 then aborted).
         """
         flat, xp = self.check(buffers, layout=layout)
-        if xp is not np and flat:
+        if xp is not np and flat and self.conversions and not self._prepared:
             with next(iter(flat.values())).device:
-                prepare(xp, self.conversions)  # once per process (cached)
+                prepare(xp, self.conversions)  # compiled once, before the first update
+            self._prepared = True
+        if xp is not np and flat:
             # CuPy's current device is per thread: staging and kernels must go to the buffers'
             # own device, whichever thread runs this (a Sender's or Receiver's background thread
             # starts on device 0)

@@ -290,9 +290,10 @@ class _Update:
         """New staging holding message ``g``'s source regions in order, in its travelling dtype."""
         buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
         o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
+        wire = xp_dtype(xp, g.wire) if g.conv else None
         for t in g.ts:
             v = self.src_view(t)
-            w = xp_dtype(xp, g.wire) if g.conv else v.dtype
+            w = wire or v.dtype
             n = v.size * w.itemsize
             assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
                    dtype_of(self.T.src_slot[t]) if g.conv else g.wire)
@@ -303,9 +304,10 @@ class _Update:
         """Message ``g``'s staging into its destination regions, in their dtype."""
         o, xp = 0, self.xp
         mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
+        wire = xp_dtype(xp, g.wire) if g.conv else None
         for t in g.ts:
             v = self.dst_view(t)
-            w = xp_dtype(xp, g.wire) if g.conv else v.dtype
+            w = wire or v.dtype
             n = v.size * w.itemsize
             assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
             o += n

@@ -75,10 +75,9 @@ def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int
 
     Returns ``(layouts, {rank: {name: loaded}}, {rank: {name: fresh model's parameter view}})``.
     """
+    import torch
     import wb_torch
     from wb_torch.testing import TinyRollout
-
-    import torch
 
     spec = spec_from_config(cfg)
     kw = {"dtype": getattr(torch, dtype)} if dtype else {}

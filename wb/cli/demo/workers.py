@@ -158,10 +158,9 @@ def _torch_trainer(job, store, spec, ckpt, result):
 # --- rollouts ------------------------------------------------------------------------------------
 def _torch_rollout(job, store, spec, ckpt, result):
     import wb
+    import torch
     import wb_torch
     from wb_torch.testing import TinyRollout
-
-    import torch
 
     tp, r = job["tp"], job["local_rank"]
     first = _trainers_key(store)
