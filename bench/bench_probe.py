@@ -3,7 +3,10 @@
 With ``--framework jax``, ``wb_jax.probe`` of the reference JAX trainer's ``load_fn``
 (``wb_jax.testing.make_load_fn``: transposes, reshapes, stacks) on JAX's default device: with
 ``--tp 1`` every checkpoint element lands in a leaf; with ``--tp 8`` the leaves are what one device
-of a (1, 8) mesh holds (``tp_shard``).
+of a (1, 8) mesh holds (``tp_shard``). The load function is first run once on a checkpoint of
+zeros, timed apart (``load_fn_first_run_s``: the compiles of its own eager operations, which a
+trainer pays when it loads its real checkpoint with it); ``--cold-load`` skips that, so they count
+in the probe.
 
 The rank probed is a ``TinyRollout`` TP rank (vLLM-style load_weights) of a preset's dimensions with
 few layers and experts (default: qwen3-30b-a3b, 2 layers, 8 experts, TP=8 rank 0: 0.74 G
@@ -40,6 +43,7 @@ import tempfile
 import time
 import tracemalloc
 import types
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +149,9 @@ def main(argv=None) -> dict:
                          "framework for GPU ones); device: the device implementation even on a CPU")
     ap.add_argument("--before", default=BEFORE, help="git commit of the probe to compare with")
     ap.add_argument("--no-before", action="store_true")
+    ap.add_argument("--cold-load", action="store_true",
+                    help="JAX: do not run the load function once before the probe (its own "
+                         "first-run compiles then count in the probe's time)")
     args = ap.parse_args(argv)
 
     cfg = dict(load_config(args.preset), num_hidden_layers=args.layers,
@@ -174,6 +181,13 @@ def main(argv=None) -> dict:
 
         def sync():
             pass
+
+        if not args.cold_load:  # the trainer runs its load once anyway, on its real checkpoint
+            t = time.perf_counter()
+            jax.block_until_ready(load_fn(_Zeros(spec)))
+            load_first_s = time.perf_counter() - t
+            print(f"load_fn's first run (zeros; its own compiles): {load_first_s:.2f} s",
+                  flush=True)
     else:
         dtype = getattr(torch, args.dtype)
         want = expected_maps(cfg, tp_rank=args.rank, tp_size=args.tp)
@@ -201,6 +215,8 @@ def main(argv=None) -> dict:
 
     out = {"framework": args.framework, "preset": args.preset, "layers": args.layers,
            "jax_compilation_cache_dir": compile_cache if args.framework == "jax" else None,
+           "load_fn_first_run_s": (None if args.framework == "torch" or args.cold_load
+                                   else round(load_first_s, 3)),
            "experts": args.experts, "tp": args.tp, "rank": args.rank, "dtype": args.dtype,
            "device": args.device, "arrays": args.arrays, "passes": passes,
            "ckpt_elements": spec.numel, "rank_elements": rank_elements}
@@ -255,6 +271,28 @@ def main(argv=None) -> dict:
                                                 for p, s in out["extrapolated_s"].items()))
     print(json.dumps(out))
     return out
+
+
+class _Zeros(Mapping):
+    """A checkpoint of zeros on JAX's first device (committed there, as the probe's tensors are:
+    JAX compiles committed and uncommitted arguments apart), each tensor made when read."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def __getitem__(self, name):
+        import jax
+        import jax.numpy as jnp
+
+        return jax.device_put(jnp.zeros(self.spec.shape(name),
+                                        wb.dtypes.dtype_info(self.spec.dtype(name)).numpy),
+                              jax.devices()[0])
+
+    def __iter__(self):
+        return iter(self.spec.names)
+
+    def __len__(self):
+        return len(self.spec)
 
 
 def _leaf_shapes(load_fn, spec):

@@ -134,9 +134,17 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
             checkpoint id anywhere, or is not pure data movement (names the leaf and its first bad
             element).
     """
-    info = _leaf_info(load_fn, spec) if cache is not None else None
     if arrays is None:
         arrays = probe_algo.HostArrays() if jax.default_backend() == "cpu" else DeviceArrays()
+    on_device = isinstance(arrays, DeviceArrays)
+    info = _leaf_info(load_fn, spec) if cache is not None else None
+    if on_device and info is None:
+        try:
+            info = _leaf_info(load_fn, spec)
+        except wb.SpecError:  # a leaf dtype wb does not know: the probe itself names it
+            info = None
+    if on_device and info and not arrays.leaves:  # its reads compile while pass 1 runs
+        arrays.leaves = {k: (s, wb.dtypes.dtype_info(d).numpy) for k, (s, d, _) in info.items()}
     return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress, cache=cache,
                     key=key, buffers=info, arrays=arrays)
 

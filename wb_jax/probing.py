@@ -56,61 +56,112 @@ class DeviceArrays:
         chunk: elements of a leaf decoded at once (whole rows).
     """
 
-    def __init__(self, device=None, chunk: int = 1 << 26):
+    def __init__(self, device=None, chunk: int = 1 << 26, leaves=None):
         self.device = device or jax.devices()[0]
         self.chunk = int(chunk)
-        self._warm: set = set()
+        self.leaves = dict(leaves or {})  # {name: (shape, dtype)} the load will return, if known
+        self._done: set = set()  # compiled steps: ("feed" | "read", shape, dtype, base[, passes])
+        self._pending: dict = {}  # step -> Future of its compile, started by begin()
+        self._firsts: tuple | None = None  # (spec, base, {name: device int64 of its first id})
+        self._pass_args: dict = {}  # pass index (-1: the check pass) -> device int64
 
     # --- compiling ahead ------------------------------------------------------------------------
-    # Each step compiles once per shape (0.1-0.3 s each on a GPU): the first call of each is made
-    # here for every shape at once, from threads, so the compiles run in parallel (XLA releases
-    # the GIL while compiling); the calls the probe makes then find them compiled.
-    def _warm_feeds(self, spec, base: int) -> None:
-        kinds = {(spec.shape(n), spec.dtype(n)) for n in spec if 0 < spec.size(n) < 2**31 - base}
-        todo = [(shape, dt) for shape, dt in kinds if (shape, dt, base) not in self._warm]
-        self._warm.update((shape, dt, base) for shape, dt in todo)
+    # Each step compiles once per shape (0.1-0.5 s each on a GPU). begin() compiles them all, ahead
+    # of time from shapes alone (jit(...).lower(...).compile() fills the cache calls use), from
+    # threads (XLA releases the GIL while compiling), while pass 1 runs the load function, which
+    # compiles its own operations: the feeds first, then, for the leaves named in ``leaves``
+    # (wb_jax.probe traces them with jax.eval_shape), the reads and decodes.
+    def begin(self, spec, base, passes):
+        if base & (base - 1):
+            return
+        bits = base.bit_length() - 1
+        names = [n for n in spec if 0 < spec.size(n) < 2**31 - base]
+        with _x64():
+            firsts = jax.device_put([np.int64(spec.offset(n)) for n in names], self.device)
+        self._firsts = (spec, base, dict(zip(names, firsts)))
+        self._pass_args.clear()
+        steps = [("feed", spec.shape(n), np.dtype(wb.dtypes.dtype_info(spec.dtype(n)).numpy), bits)
+                 for n in names]
+        steps += [("read", tuple(s), np.dtype(d), base, passes) for s, d in self.leaves.values()]
+        todo = [k for k in dict.fromkeys(steps) if k not in self._done and k not in self._pending]
+        if not todo:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 16))
+        self._pending.update((k, pool.submit(self._compile, k)) for k in todo)
+        pool.shutdown(wait=False)  # its threads end when the compiles do
 
-        def warm(key):  # one function serves every pass: one call compiles it
-            one = wb.CheckpointSpec({"w": key})  # feed() builds the arguments
-            jax.block_until_ready(self.feed(one, "w", base, None))
-        _parallel(warm, todo)
+    def _compile(self, step) -> None:
+        on = jax.sharding.SingleDeviceSharding(self.device)
+
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=on)
+
+        # each compiled in the x64 mode it is called in (the mode is part of jit's cache key)
+        i64 = sds((), np.int64)
+        if step[0] == "feed":
+            _, shape, dtype, bits = step
+            with _x64():
+                _feed.lower(i64, i64, shape=tuple(shape), dtype=dtype, bits=bits).compile()
+        else:
+            _, shape, dtype, base, passes = step
+            n = math.prod(shape)
+            w = sds((n,), np.bool_)
+            d = sds((n,), probe_algo.digit_dtype(base))
+            _read.lower(sds(shape, dtype), base=base).compile()
+            _same.lower(w, w).compile()
+            cols = shape[-1] if shape else 1
+            size, cap = self._chunk(n, cols)
+            with _x64():
+                host = jax.ShapeDtypeStruct((), np.int64)  # numpy scalars at the call
+                _runs_chunk.lower(w, [d] * (passes + 1), host, host, host, size=size, cols=cols,
+                                  base=base, cap=cap).compile()
+        self._done.add(step)
+
+    def _wait(self, step) -> None:
+        fut = self._pending.pop(step, None)
+        if fut is not None:
+            fut.result()
 
     def prepare(self, buffers, base, passes):
-        def warm(a):
-            w, d, ok = _read(jnp.asarray(a), base=base)
-            _same(w, w)
-            cols = a.shape[-1] if a.ndim else 1
-            size, cap = self._chunk(int(w.size), cols)
-            with _x64():
-                jax.block_until_ready(_runs_chunk(
-                    w, [d] * (passes + 1), np.int64(0), np.int64(0), np.int64(1),
-                    size=size, cols=cols, base=base, cap=cap))
-        seen = {}
+        steps = {}
         for a in buffers.values():
-            seen.setdefault((tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", ""))), a)
-        _parallel(warm, list(seen.values()))
+            steps.setdefault(("read", tuple(a.shape), np.dtype(a.dtype), base, passes), a)
+        for k in [k for k in self._pending if k[0] == "read"]:
+            self._wait(k)
+        # the leaves nobody named (or placed differently): compiled now, with the real arrays
+        _parallel(lambda a: self._warm_read(a, base, passes),
+                  [a for k, a in steps.items() if k not in self._done])
+        self._done.update(steps)
+
+    def _warm_read(self, a, base, passes):
+        w, d, ok = _read(jnp.asarray(a), base=base)
+        _same(w, w)
+        cols = a.shape[-1] if a.ndim else 1
+        size, cap = self._chunk(int(w.size), cols)
+        with _x64():
+            jax.block_until_ready(_runs_chunk(
+                w, [d] * (passes + 1), np.int64(0), np.int64(0), np.int64(1),
+                size=size, cols=cols, base=base, cap=cap))
 
     # --- feeding --------------------------------------------------------------------------------
     def feed(self, spec, name, base, pass_index):
-        if len(spec) > 1 and not base & (base - 1) and (spec.shape(name), spec.dtype(name),
-                                                          base) not in self._warm:
-            self._warm_feeds(spec, base)
-        dtype = wb.dtypes.dtype_info(spec.dtype(name)).numpy
-        shape, first, n = spec.shape(name), spec.offset(name), spec.size(name)
+        dtype = np.dtype(wb.dtypes.dtype_info(spec.dtype(name)).numpy)
+        shape, n = tuple(spec.shape(name)), spec.size(name)
         if base & (base - 1) or n == 0 or n >= 2**31 - base:  # a base given by hand: the host's
             return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
                                   self.device)
         bits = base.bit_length() - 1
-        c = split = shift = 0
-        if pass_index is not None:
-            p = base ** pass_index
-            c, r = first // p % base, first % p
-            split, shift = min(p - r, n), min(bits * pass_index, 31)
-        args = np.asarray([c, split, shift, first % base, pass_index is None, first // base],
-                          np.int64)
-        with _x64():  # the check pass hashes 64-bit rows
-            return _feed(jax.device_put(args, self.device), shape=tuple(shape),
-                         dtype=np.dtype(dtype), bits=bits)
+        self._wait(("feed", shape, dtype, bits))
+        k = -1 if pass_index is None else pass_index
+        with _x64():  # the arguments stay on the device: no copy per tensor
+            if self._firsts is not None and self._firsts[0] is spec and self._firsts[1] == base:
+                first = self._firsts[2][name]
+            else:  # fed without begin(): one copy
+                first = jax.device_put(np.int64(spec.offset(name)), self.device)
+            kd = self._pass_args.get(k)
+            if kd is None:
+                kd = self._pass_args[k] = jax.device_put(np.int64(k), self.device)
+            return _feed(first, kd, shape=shape, dtype=dtype, bits=bits)
 
     # --- reading --------------------------------------------------------------------------------
     def buffer(self, name, arr):
@@ -188,19 +239,21 @@ def _parallel(fn, items) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "bits"))
-def _feed(args, *, shape, dtype, bits):
-    """One pass's values of a checkpoint tensor (traced with 64-bit integers):
-    ``args = (c, split, shift, col0, is_check, row0)``, ``row0`` the row of ``B`` ids the tensor
-    starts in."""
-    c, split, shift, col0, is_check, row0 = (args[i] for i in range(6))
+def _feed(first, k, *, shape, dtype, bits):
+    """Pass ``k``'s values (``k < 0``: the check pass) of a checkpoint tensor whose first id is
+    ``first``; traced with 64-bit integers (both arguments are device int64 scalars)."""
     n = math.prod(shape)
     mask = (1 << bits) - 1
     j = jax.lax.iota(jnp.int32, n)
+    col0, row0 = first & mask, first >> bits  # the row of B ids the tensor starts in
 
-    def digits(_):
-        q = jnp.where(j >= split.astype(jnp.int32),
-                      1 + jax.lax.shift_right_logical(j - split.astype(jnp.int32),
-                                                      shift.astype(jnp.int32)), 0)
+    def digits(_):  # (c + q(j)) mod B, q a shift of j past the first carry of digit k
+        kb = bits * k
+        c = (first >> kb) & mask
+        split = jnp.minimum((jnp.int64(1) << kb) - (first & ((jnp.int64(1) << kb) - 1)), n)
+        shift = jnp.minimum(kb, 31).astype(jnp.int32)
+        split = split.astype(jnp.int32)
+        q = jnp.where(j >= split, 1 + jax.lax.shift_right_logical(j - split, shift), 0)
         return (c.astype(jnp.int32) + q) & mask
 
     def checks(_):  # (T(col) + G(row)) mod B, as wb.algorithms.probe.check_digit
@@ -211,7 +264,7 @@ def _feed(args, *, shape, dtype, bits):
         tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(probe_algo.COL_MUL % 2**32)
         return ((g + tcol) & jnp.uint32(mask)).astype(jnp.int32)
 
-    d = jax.lax.cond(is_check != 0, checks, digits, None)
+    d = jax.lax.cond(k < 0, checks, digits, None)
     return (d + 1).astype(jnp.float32).astype(dtype).reshape(shape)
 
 

@@ -286,6 +286,11 @@ class ProbeArrays(Protocol):
     def dtype_name(self, a: Any) -> str | None:
         """The canonical dtype name of a buffer, ``None`` when wb does not know it."""
 
+    def begin(self, spec: CheckpointSpec, base: int, passes: int) -> None:
+        """Optional: told the spec and base before pass 1 feeds anything (``passes`` id passes
+        follow, then the check pass), e.g. to start compiling per-shape kernels in the
+        background while the load function runs."""
+
     def prepare(self, buffers: Mapping[str, Any], base: int, passes: int) -> None:
         """Optional: told every buffer of pass 1 before any is read (``passes`` id passes
         follow, then the check pass), e.g. to compile per-shape kernels ahead, in parallel."""
@@ -520,6 +525,8 @@ def _probe_with_base(spec, load, base, progress, allow_narrowing, arrays):
     digits: dict[str, list] = {}  # (buffer numel,) digits, one per pass
     shapes: dict[str, tuple] = {}
     bar = _progress(progress, passes + 1)
+    if hasattr(arrays, "begin"):
+        arrays.begin(spec, base, passes)
     for k in range(passes + 1):
         ck = ProbeCheckpoint(spec, base, k if k < passes else None, arrays=arrays)
         out = _call(load, ck, labels[k])
