@@ -1,5 +1,8 @@
 """wb_jax.probe on the reference JAX trainer: exact global maps and per-device shard maps."""
 
+import collections
+import logging
+
 import numpy as np
 import pytest
 
@@ -85,6 +88,39 @@ def test_device_probe_of_sharded_leaves_equals_oracle():
 @pytest.mark.parametrize("skip", SKIPS)
 def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
     assert list(feed_mismatches(dtype, pass_index, skip, DeviceArrays().feed, np.asarray)) == []
+
+
+@pytest.mark.parametrize("dtype, pass_index", FEED_CASES)
+@pytest.mark.parametrize("skip", SKIPS)
+def test_device_feed_with_its_arguments_on_the_device_equals_the_host_feed(dtype, pass_index, skip):
+    arrays, begun = DeviceArrays(), []
+
+    def feed(spec, name, base, k):  # as a probe feeds: begin() first, once per spec
+        if spec not in begun:
+            arrays.begin(spec, base, 5)
+            begun.append(spec)
+        return arrays.feed(spec, name, base, k)
+    assert list(feed_mismatches(dtype, pass_index, skip, feed, np.asarray)) == []
+
+
+def test_device_probe_compiles_each_step_once_per_shape(caplog):
+    # begin() compiles every step ahead from shapes; a call whose signature (shapes, placement,
+    # x64 mode) differs from the ahead-of-time one would compile it a second time
+    spec = spec_from_config(TINY)
+    leaves = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(
+        make_load_fn(TINY), {n: jax.ShapeDtypeStruct(s, wb.dtypes.dtype_info(d).numpy)
+                             for n, (s, d) in spec.items()}))]
+    jax.clear_caches()
+    with caplog.at_level(logging.DEBUG, logger="jax"), jax.log_compiles(True):
+        maps = wb_jax.probe(make_load_fn(TINY), spec, arrays=DeviceArrays(chunk=1 << 10))
+    for key, ids in expected_maps(TINY, tp=1).items():
+        np.testing.assert_array_equal(maps[key].to_indices(), ids, err_msg=key)
+    compiled = collections.Counter(
+        m.split()[1] for m in (r.getMessage() for r in caplog.records)
+        if m.startswith("Compiling jit(_"))
+    assert compiled["jit(_feed)"] == len({(s, d) for _, (s, d) in spec.items()})
+    assert compiled["jit(_read)"] == len({(x.shape, x.dtype) for x in leaves})
+    assert compiled["jit(_runs_chunk)"] == len({x.shape for x in leaves})
 
 
 def test_device_probe_refuses_an_impure_load():

@@ -8,6 +8,10 @@ pass to pass are arguments), so a pass is a stream of dispatches the host never 
 - a checkpoint array is made on the device from its first id: pass ``k``'s digit of id
   ``first + j`` is ``(c + q(j)) mod B`` with ``q`` a shift of ``j`` (32-bit arithmetic); the
   check pass hashes each element's row of ``B`` ids with 64-bit integers, as the core does;
+- the feeds' arguments (each tensor's first id, the pass) are device scalars made once per
+  probe, so a feed copies nothing to the device;
+- every step is compiled ahead of time from shapes (:meth:`DeviceArrays.begin`), in background
+  threads, while pass 1 runs the load function;
 - every leaf is checked there, and a pass waits once, for all its checks;
 - after the last pass, ids are decoded there a chunk of rows at a time, with 64-bit integers
   (``jax.enable_x64`` inside these functions only), their runs are found there, and only the runs
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import math
 import os
 
@@ -35,6 +40,8 @@ import wb.algorithms.probe as probe_algo
 from wb.data.sourcemap import RunMarks, Runs, runs_from_marks
 
 __all__ = ["DeviceArrays", "TRANSIENT_BYTES"]
+
+log = logging.getLogger(__name__)
 
 #: Bound on the transient device bytes per element of the leaf being read, or of the chunk being
 #: decoded (as :data:`wb_torch.probing.TRANSIENT_BYTES`).
@@ -119,8 +126,8 @@ class DeviceArrays:
 
     def _wait(self, step) -> None:
         fut = self._pending.pop(step, None)
-        if fut is not None:
-            fut.result()
+        if fut is not None and fut.exception() is not None:  # the call itself compiles it again
+            log.debug("probe: compiling %s ahead failed: %r", step[:3], fut.exception())
 
     def prepare(self, buffers, base, passes):
         steps = {}
