@@ -17,8 +17,10 @@ PUBLIC = {
     # data
     "CheckpointSpec", "SourceMap", "Blocks", "Worker", "BufferSpec", "Layout", "Role", "Cluster",
     "Plan", "Traffic", "RankPlan", "RankPlans", "Correspondence", "Overlaps", "dtypes",
+    "FP8Blocks", "BlockScaled",
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
+    "quantize_layouts", "Quantized",
     # runtime
     "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES",
     "SyncMode", "LocalSession",

@@ -7,10 +7,12 @@ layouts and presets) and :mod:`wb.testing` (strategies and oracles for users' ow
 :mod:`wb.cli` (``python -m wb``). Everything a user needs is re-exported here.
 """
 
+from wb.algorithms.blockplan import Quantized, quantize_layouts
 from wb.algorithms.planner import lower_bound, plan
 from wb.algorithms.probe import probe
 from wb.algorithms.simulate import Simulation, simulate
 from wb.data import dtypes
+from wb.data.blockscale import BlockScaled, FP8Blocks
 from wb.data.correspondence import Correspondence, Overlaps, correspond
 from wb.data.layout import BufferSpec, Cluster, Layout, Role, Worker
 from wb.data.plan import Plan, Traffic, run_local
@@ -37,8 +39,10 @@ __all__ = [
     # data
     "CheckpointSpec", "SourceMap", "Blocks", "Worker", "BufferSpec", "Layout", "Role", "Cluster",
     "Plan", "Traffic", "RankPlan", "RankPlans", "Correspondence", "Overlaps", "dtypes",
+    "FP8Blocks", "BlockScaled",
     # algorithms
     "probe", "correspond", "plan", "lower_bound", "run_local", "simulate", "Simulation",
+    "quantize_layouts", "Quantized",
     # runtime
     "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter", "ArrayParams", "MODES", "SyncMode", "LocalSession",
     "agree_plan", "agree_parts", "UpdateStats", "Summary", "summarize", "aligned_empty",

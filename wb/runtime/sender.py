@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from concurrent.futures import Future, wait
 from typing import Any, NamedTuple, Protocol
 
+from wb.algorithms.blockplan import Quantized
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
+from wb.runtime.quant import Quantiser
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES, abort
 
@@ -128,6 +130,10 @@ class Sender:
         wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
             between generation steps).
         layout: this worker's layout as it probed it; refused if the plan's differs.
+        quantize: the plan's block-scaled FP8 quantisation
+            (:func:`wb.algorithms.blockplan.quantize_layouts`, whose trainer layouts the plan was
+            made from): every ``push`` first quantises this worker's blocks, from ``buffers``,
+            into buffers the Sender keeps (on the same devices); ``buffers`` are the worker's own.
 
     Raises:
         TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
@@ -146,7 +152,13 @@ class Sender:
                  store,
                  staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
-                 wait_timeout: float = 600.0, layout: Layout | None = None):
+                 wait_timeout: float = 600.0, layout: Layout | None = None,
+                 quantize: Quantized | None = None):
+        self._quant = None
+        if quantize is not None:
+            self._quant = Quantiser(quantize, rank,
+                                    {n: as_array(n, a, rank=rank) for n, a in buffers.items()})
+            buffers = {**buffers, **self._quant.buffers}
         self._end = Endpoint(plan, rank, buffers, role=Role.TRAINER, transport=transport,
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout)
@@ -179,12 +191,16 @@ class Sender:
             raise TransferError(f"rank {self.rank}: push() after close()")
         self._path.finish(charge=True)
         if buffers is not None:
+            if self._quant is not None:
+                buffers = {**buffers, **self._quant.buffers}
             check_buffers(self._end.layout, buffers)
             self._live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._live}
         v = self.version + 1 if version is None else int(version)
         if v <= self.version:
             raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
                                 f"was already pushed; versions must increase")
+        if self._quant is not None:
+            self._quant.run(self._live)
         self._path.stage(self._live)
         self._end.announce(v)
         self.version = v

@@ -9,7 +9,7 @@ import numpy as np
 from wb.data.correspondence import Correspondence
 from wb.data.layout import Layout
 
-__all__ = ["correspondence_pairs", "overlap_pairs"]
+__all__ = ["correspondence_pairs", "overlap_pairs", "quantize_reference"]
 
 Element = tuple[int, str, int]  # (layout index, buffer name, flat index)
 
@@ -43,3 +43,29 @@ def overlap_pairs(corr: Correspondence) -> set[tuple[Element, Element]]:
         fd = (ov.dst_f0[k] + i * ov.dst_fa[k] + j * ov.dst_fb[k]).reshape(-1).tolist()
         pairs.update(((s.layout, s.buffer, a), (d.layout, d.buffer, b)) for a, b in zip(fs, fd))
     return pairs
+
+
+def quantize_reference(x: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Block-scaled ``float8_e4m3fn`` of a 2-D tensor, written plainly, one block at a time, with
+    ``ml_dtypes``' conversion (not wb's): the oracle of :mod:`wb.data.blockscale`'s rule.
+
+    Returns:
+        ``(q, scale)``: ``q`` of ``x``'s shape (float8_e4m3fn), ``scale`` float32 per block.
+    """
+    import ml_dtypes
+
+    bh, bw = block
+    rows, cols = x.shape
+    q = np.zeros(x.shape, ml_dtypes.float8_e4m3fn)
+    scale = np.zeros((-(-rows // bh), -(-cols // bw)), np.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            xb = x[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw].astype(np.float32)
+            amax = np.float32(np.max(np.abs(xb)))
+            s = np.float32(amax / np.float32(448.0))
+            scale[i, j] = s
+            if s == 0:
+                continue  # an all-zero block: q stays 0
+            y = np.clip(xb / s, -448, 448)  # float32; the format's largest finite value
+            q[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw] = y.astype(ml_dtypes.float8_e4m3fn)
+    return q, scale

@@ -1,0 +1,209 @@
+"""Who quantises which block: trainer layouts turned into holders of a block-scaled FP8 checkpoint.
+
+Rollouts that serve block-scaled FP8 (:mod:`wb.data.blockscale`) need the FP8 checkpoint's ids:
+each declared tensor's elements (the same ids as the trainers' copy, in the FP8 format) and its
+scales. :func:`quantize_layouts` gives every block of every declared tensor to exactly one
+trainer buffer that holds the whole block (round robin over the buffers that do, so replicas
+share the work) and returns:
+
+- trainer layouts to plan with (:func:`wb.plan`): each declared tensor's ids taken out of the
+  trainers' own buffers (they hold the unquantised values), and on each trainer two buffers per
+  tensor and source buffer it quantises from: the quantised blocks (``(k, bh, bw)`` in the
+  format, padding ``-1``) and their scales (``(k,)`` float32), named ``wb:fp8:<tensor>`` and
+  ``wb:fp8:<scale tensor>`` (``#2``, ``#3``... when one rank reads blocks of a tensor from
+  several of its buffers);
+- per trainer rank, the :class:`Task` that fills them from its own buffer before each update
+  (:func:`quantize_buffers` with numpy; ``wb.runtime.quant`` on a GPU).
+
+The plan then moves FP8 bytes and scales like any bytes, at the lower bound of what the rollouts
+need in the FP8 checkpoint. A block no trainer buffer holds whole (split between ranks, or
+between two buffers of one rank) would need a gather between trainers first: wb does not do that
+yet, and says so at plan time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from wb.data.blockscale import BlockScaled, quantize_blocks
+from wb.data.dtypes import dtype_info
+from wb.data.layout import BufferSpec, Layout
+from wb.data.sourcemap import SourceMap
+from wb.errors import PlanError
+
+__all__ = ["PREFIX", "Quantized", "Task", "quantize_buffers", "quantize_layouts"]
+
+#: Names of the buffers a trainer quantises into start with this.
+PREFIX = "wb:fp8:"
+
+
+class Task(NamedTuple):
+    """The blocks of one declared tensor that one trainer buffer quantises."""
+
+    tensor: int  # index into BlockScaled.names
+    source: str  # the trainer's buffer the blocks are read from
+    weights: str  # the buffer of its quantised blocks: (k, bh, bw) in the format
+    scales: str  # the buffer of their scales: (k,) float32
+    blocks: np.ndarray  # (k,) int64 block index, row-major over the tensor's grid of blocks
+    gather: np.ndarray  # (k * bh * bw,) int64 flat position in `source` of each element; -1: pad
+
+
+class Quantized(NamedTuple):
+    """Trainer layouts holding a block-scaled FP8 checkpoint (:func:`quantize_layouts`)."""
+
+    scaled: BlockScaled  # the declaration, bound to the trainers' spec
+    trainers: tuple[Layout, ...]  # to plan with
+    tasks: dict[int, tuple[Task, ...]]  # trainer rank -> what it quantises (never changed)
+
+    def shapes(self, rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{buffer: (shape, dtype)}`` of the buffers trainer ``rank`` quantises into."""
+        lay = next(t for t in self.trainers if t.worker.rank == rank)
+        return {n: (b.shape, b.dtype) for n, b in lay.buffers.items() if n.startswith(PREFIX)}
+
+
+def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantized:
+    """Gives every block of every declared tensor to one trainer buffer that holds it whole.
+
+    Args:
+        trainers: the trainers' layouts (ids of ``scaled.trainer_spec``).
+        scaled: the declaration bound to that spec (:meth:`wb.data.blockscale.FP8Blocks.bind`).
+
+    Returns:
+        :class:`Quantized`: layouts to pass to :func:`wb.plan` with rollouts probed against
+        ``scaled.spec``, and each trainer's tasks.
+
+    Raises:
+        PlanError: a block is held only in parts (which tensor, block, and by whom), or a
+            trainer already has a buffer named like one wb adds.
+    """
+    decl = scaled.decl
+    bh, bw = decl.block
+    lo = scaled.offset
+    hi = lo + scaled.rows * scaled.cols
+    grid = -(-scaled.rows // bh) * scaled.grid_cols
+    key0 = np.concatenate([[0], np.cumsum(grid)])  # first global block key of each tensor
+    # block sizes (edge blocks are smaller), by global key
+    t_of = np.repeat(np.arange(len(grid)), grid)
+    k_loc = np.arange(int(key0[-1])) - key0[t_of]
+    br, bc = np.divmod(k_loc, scaled.grid_cols[t_of])
+    size = (np.minimum(bh, scaled.rows[t_of] - br * bh) * np.minimum(bw, scaled.cols[t_of] - bc * bw))
+    masked: list[dict[str, BufferSpec]] = []
+    elems: dict[tuple[int, str], tuple] = {}  # (layout, buffer) -> (pos, key, within)
+    cand_key, cand_buf, cand_names = [], [], []
+    partial: dict[int, list[str]] = {}  # block key -> who holds part of it
+    for li, lay in enumerate(trainers):
+        bufs = dict(lay.buffers)
+        for name, b in lay.buffers.items():
+            if name.startswith(PREFIX):
+                raise PlanError(f"trainer rank {lay.worker.rank} has a buffer `{name}`: names "
+                                f"starting with {PREFIX!r} are wb's (quantised blocks); rename it")
+            sm = b.sourcemap
+            if sm.n_ids == 0:
+                continue
+            idlo, idhi = sm.blocks.id_range()
+            if not ((lo <= idhi) & (hi > idlo)).any():
+                continue
+            ids = sm.to_indices().reshape(-1)
+            t = np.searchsorted(lo, ids, side="right") - 1
+            inside = (ids >= 0) & (t >= 0) & (ids < hi[np.maximum(t, 0)])
+            if not inside.any():
+                continue
+            pos = np.flatnonzero(inside)
+            ti = t[pos]
+            r, c = np.divmod(ids[pos] - lo[ti], scaled.cols[ti])
+            key = key0[ti] + (r // bh) * scaled.grid_cols[ti] + c // bw
+            within = (r % bh) * bw + c % bw
+            elems[(li, name)] = (pos, key, within)
+            uniq = np.unique(key * (bh * bw) + within)
+            keys, count = np.unique(uniq // (bh * bw), return_counts=True)
+            whole = count == size[keys]
+            cand_key.append(keys[whole])
+            cand_buf.append(np.full(int(whole.sum()), len(cand_names)))
+            cand_names.append((li, name))
+            for k in keys[~whole][:8]:
+                partial.setdefault(int(k), []).append(f"rank {lay.worker.rank} `{name}`")
+            out = ids.copy()
+            out[pos] = -1
+            bufs[name] = BufferSpec(SourceMap.from_indices(out.reshape(sm.shape)), b.dtype)
+        masked.append(bufs)
+    ck = np.concatenate(cand_key) if cand_key else np.zeros(0, np.int64)
+    cb = np.concatenate(cand_buf) if cand_buf else np.zeros(0, np.int64)
+    order = np.lexsort((cb, ck))
+    ck, cb = ck[order], cb[order]
+    keys, start, count = np.unique(ck, return_index=True, return_counts=True)
+    split = sorted(set(partial) - set(keys.tolist()))
+    if split:
+        k = split[0]
+        t = int(t_of[k])
+        raise PlanError(
+            f"block ({int(br[k])}, {int(bc[k])}) of `{scaled.names[t]}` (rows {int(br[k]) * bh}.., "
+            f"cols {int(bc[k]) * bw}.., {len(split)} such blocks in all) is held only in parts "
+            f"({', '.join(partial[k][:4])}): quantising it needs a gather between trainer buffers, "
+            f"which wb does not do yet; shard the trainer at multiples of the block {decl.block} "
+            f"or leave `{scaled.names[t]}` out of FP8Blocks.tensors")
+    chosen = cb[start + keys % count]  # round robin over the whole holders: replicas share
+    tasks: dict[int, list[Task]] = {lay.worker.rank: [] for lay in trainers}
+    fmt = decl.format
+    for bi in np.unique(chosen):
+        li, name = cand_names[bi]
+        lay = trainers[li]
+        pos, key, within = elems[(li, name)]
+        mine = keys[chosen == bi]
+        slot = np.searchsorted(mine, key)
+        ok = (slot < mine.size) & (mine[np.minimum(slot, mine.size - 1)] == key)
+        for t in np.unique(t_of[mine]):
+            tk = mine[t_of[mine] == t]  # this tensor's blocks, sorted
+            sel = ok & (t_of[key] == t)
+            s = np.searchsorted(tk, key[sel])
+            gather = np.full(tk.size * bh * bw, -1, np.int64)
+            gather[s * (bh * bw) + within[sel]] = pos[sel]
+            local = tk - key0[t]
+            r0, c0 = np.divmod(local, scaled.grid_cols[t])
+            rr = r0[:, None, None] * bh + np.arange(bh)[None, :, None]
+            cc = c0[:, None, None] * bw + np.arange(bw)[None, None, :]
+            ids = np.where((rr < scaled.rows[t]) & (cc < scaled.cols[t]),
+                           lo[t] + rr * scaled.cols[t] + cc, -1)
+            tname = scaled.names[int(t)]
+            wname, sname = PREFIX + tname, PREFIX + scaled.scale_name(int(t))
+            n = 1
+            while wname in masked[li] or sname in masked[li]:  # blocks of it in another buffer
+                n += 1
+                wname = f"{PREFIX}{tname}#{n}"
+                sname = f"{PREFIX}{scaled.scale_name(int(t))}#{n}"
+            masked[li][wname] = BufferSpec(SourceMap.from_indices(ids), fmt)
+            masked[li][sname] = BufferSpec(
+                SourceMap.from_indices(scaled.scale_offset[t] + local), "float32")
+            tasks[lay.worker.rank].append(Task(int(t), name, wname, sname, local, gather))
+    layouts = tuple(Layout(lay.worker, masked[li]) for li, lay in enumerate(trainers))
+    return Quantized(scaled, layouts, {r: tuple(ts) for r, ts in tasks.items()})
+
+
+def quantize_buffers(q: Quantized, rank: int, buffers: Mapping[str, np.ndarray], *,
+                     out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Trainer ``rank``'s quantised blocks and scales, from its own ``buffers`` (numpy).
+
+    Args:
+        q: from :func:`quantize_layouts`.
+        rank: the trainer's rank.
+        buffers: its buffers (``{name: array}``, the layout's shapes).
+        out: the arrays to write into (as returned before); new ones when ``None``.
+
+    Returns:
+        ``{buffer name: array}`` of the buffers it quantises into (:meth:`Quantized.shapes`).
+    """
+    bh, bw = q.scaled.decl.block
+    fmt = q.scaled.decl.format
+    res = dict(out) if out is not None else {
+        n: np.zeros(s, dtype_info(d).numpy) for n, (s, d) in q.shapes(rank).items()}
+    for task in q.tasks.get(rank, ()):
+        src = np.asarray(buffers[task.source]).reshape(-1)
+        v = np.zeros(task.gather.size, src.dtype)
+        ok = task.gather >= 0
+        v[ok] = src[task.gather[ok]]
+        qv, s = quantize_blocks(v.reshape(-1, bh, bw), fmt)
+        res[task.weights][...] = qv.reshape(res[task.weights].shape)
+        res[task.scales][...] = s
+    return res

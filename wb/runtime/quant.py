@@ -1,0 +1,92 @@
+"""A trainer's quantisation before each update: its blocks of the declared tensors, gathered from
+its live buffers, quantised into the buffers the plan sends (:mod:`wb.algorithms.blockplan`).
+
+Host buffers use numpy (:func:`wb.algorithms.blockplan.quantize_buffers`). CUDA buffers use CuPy
+on their device, by the rule of :mod:`wb.data.blockscale` computed in double (exact for every
+value a block holds; a quotient of two floats rounded to double and then to float32 is the
+float32 quotient): values decoded from their raw bits, ``amax`` and ``x / scale`` in double,
+each rounded to float32 and then to the format by the kernels of :mod:`wb.runtime.casts`, which
+use integer and double arithmetic only (no flush of subnormals to zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from wb.algorithms.blockplan import Quantized, quantize_buffers
+from wb.data.blockscale import FORMATS
+from wb.runtime.casts import assign, xp_dtype
+
+__all__ = ["Quantiser"]
+
+
+class Quantiser:
+    """Trainer ``rank``'s quantisation: its output buffers (zeroed, each on the device and array
+    module of the buffer its blocks are read from) and, on CUDA, its gather indices there.
+
+    Args:
+        q: from :func:`wb.algorithms.blockplan.quantize_layouts`.
+        rank: the trainer's rank.
+        live: ``{name: (xp, array)}`` of its buffers (:func:`wb.runtime.buffers.as_array`).
+
+    Attributes:
+        buffers: ``{name: array}`` to add to the trainer's buffers (what the plan sends).
+    """
+
+    def __init__(self, q: Quantized, rank: int, live: Mapping[str, tuple[Any, Any]]):
+        self.q, self.rank = q, rank
+        self.tasks = q.tasks.get(rank, ())
+        shapes = q.shapes(rank)
+        self.buffers: dict[str, Any] = {}
+        self._gather: dict[int, Any] = {}  # task index -> its gather index on its device
+        for i, task in enumerate(self.tasks):
+            xp, src = live[task.source]
+            for name in (task.weights, task.scales):
+                shape, dtype = shapes[name]
+                if xp is np:
+                    self.buffers[name] = np.zeros(shape, xp_dtype(np, dtype))
+                else:
+                    with xp.cuda.Device(src.device.id):
+                        self.buffers[name] = xp.zeros(shape, xp_dtype(xp, dtype))
+            if xp is not np:
+                with xp.cuda.Device(src.device.id):
+                    self._gather[i] = xp.asarray(task.gather)
+
+    def run(self, live: Mapping[str, tuple[Any, Any]]) -> None:
+        """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
+        same shapes)."""
+        host = [t for t in self.tasks if live[t.source][0] is np]
+        if host:
+            sub = Quantized(self.q.scaled, self.q.trainers, {self.rank: tuple(host)})
+            quantize_buffers(sub, self.rank, {t.source: live[t.source][1] for t in host},
+                             out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)})
+        for i, task in enumerate(self.tasks):
+            xp, src = live[task.source]
+            if xp is not np:
+                with xp.cuda.Device(src.device.id):
+                    self._run_cuda(xp, task, self._gather[i], src)
+
+    def _run_cuda(self, cp, task, gather, src) -> None:
+        decl = self.q.scaled.decl
+        bh, bw = decl.block
+        src_dtype = self.q.scaled.trainer_spec.dtype(self.q.scaled.names[task.tensor])
+        raw = src.reshape(-1)[cp.maximum(gather, 0)]
+        x32 = cp.empty(raw.shape, np.float32)  # float64 rounds to float32 first, as the rule
+        assign(cp, x32, raw, "float32", src_dtype)
+        x = cp.empty(raw.shape, np.float64)
+        assign(cp, x, x32, "float64", "float32")
+        x = cp.where(gather >= 0, x, 0.0).reshape(-1, bh, bw)
+        amax = cp.abs(x).max(axis=(1, 2)) if x.size else cp.zeros(x.shape[0], np.float64)
+        s32 = cp.empty(amax.shape, np.float32)
+        assign(cp, s32, amax / FORMATS[decl.format], "float32", "float64")
+        s = cp.empty(amax.shape, np.float64)
+        assign(cp, s, s32, "float64", "float32")
+        s = s[:, None, None]
+        y = cp.where(s == 0, 0.0, x / cp.where(s == 0, 1.0, s))
+        y32 = cp.empty(y.shape, np.float32)
+        assign(cp, y32, y, "float32", "float64")
+        assign(cp, self.buffers[task.weights].reshape(y.shape), y32, decl.format, "float32")
+        self.buffers[task.scales][...] = s32.reshape(self.buffers[task.scales].shape)
