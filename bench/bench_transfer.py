@@ -68,9 +68,13 @@ def retyped(layouts, dtype: str):
 
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
-        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None) -> dict:
+        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
-    converts when they differ; rollouts are checked against the converted weights)."""
+    converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
+    :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
+    :func:`wb.layouts.blockscaled.fp8_rollouts`), each trainer quantises its blocks before the
+    transfer (timed apart: ``quantize_s``), and rollouts are checked against the quantised
+    weights."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -81,6 +85,17 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     trainers, rollouts = build(cfg, replicas, shape)
     if dtypes:
         trainers, rollouts = retyped(trainers, dtypes[0]), retyped(rollouts, dtypes[1])
+    fp8_opt, own = None, trainers
+    if fp8 is not None:
+        from wb.layouts.presets import spec_from_config
+        from wb.layouts.blockscaled import fp8_rollouts
+
+        scaled = fp8.bind(spec_from_config(cfg))
+        rollouts = fp8_rollouts(rollouts, scaled)
+        q = wb.quantize_layouts(trainers, scaled)
+        trainers = list(q.trainers)
+        fp8_opt = {"quantized": q, "own": {t.worker.rank: t for t in own},
+                   "held": own[0].buffers[next(iter(own[0].buffers))].dtype}
     p = wb.plan(trainers, rollouts, chunk_bytes=chunk)
     work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     p.save(work / "plan.npz")
@@ -107,7 +122,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
                       options={"timeout": 120, "barrier": True, "tls": tls,
                                "staging_bytes": staging, "cuda_device": cuda_device,
-                               "held": dtypes[0] if dtypes else None},
+                               "held": dtypes[0] if dtypes else None, "fp8": fp8_opt},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
@@ -120,7 +135,9 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         if pairs == 1:  # two samples of the same single pair: the faster is the bound
             p2p = agg = max(p2p, agg)
         ideal = max(busiest / p2p, total / agg)
-        rows.append({"ewtt_s": ewtt, "raw_p2p_GBps": p2p / 1e9, "raw_aggregate_GBps": agg / 1e9,
+        quant = [res[x]["quantize_s"] for x in ranks if "quantize_s" in res[x]]
+        rows.append({"ewtt_s": ewtt, "quantize_s": max(quant) if quant else 0.0,
+                     "raw_p2p_GBps": p2p / 1e9, "raw_aggregate_GBps": agg / 1e9,
                      "ideal_link_s": busiest / p2p, "ideal_host_s": total / agg,
                      "ideal_s": ideal, "ratio": ewtt / ideal})
     mid = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]  # the run with the median ratio
@@ -132,7 +149,9 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "processes": len(ranks), "replicas": replicas, "bytes_between_processes": int(total),
             "busiest_link_bytes": int(busiest), "raw_p2p_GBps": mid["raw_p2p_GBps"],
             "raw_concurrent_pairs": pairs, "raw_aggregate_GBps": mid["raw_aggregate_GBps"],
-            "ewtt_s": mid["ewtt_s"], "ideal_link_s": mid["ideal_link_s"],
+            "ewtt_s": mid["ewtt_s"], "quantize_s": mid["quantize_s"],
+            "fp8": fp8.to_json() if fp8 is not None else None,
+            "ideal_link_s": mid["ideal_link_s"],
             "ideal_host_s": mid["ideal_host_s"], "ideal_s": mid["ideal_s"],
             "ewtt_over_ideal": mid["ratio"], "runs": rows,
             "shape": shape, "chunk_bytes": chunk, "dtypes": list(dtypes) if dtypes else None, "messages": int(between.sum()),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import wb
 from harness.fp8 import deployment, expected, fp8_checkpoint, lay, trainer_buffers, values
-from wb.algorithms.blockplan import PREFIX, quantize_buffers, quantize_layouts
+from wb.algorithms.blockplan import quantize_buffers, quantize_layouts, tasks_for
 from wb.algorithms.planner import lower_bound
 from wb.data.blockscale import FP8Blocks, quantize_tensor
 from wb.data.dtypes import convert, dtype_info
@@ -206,6 +206,12 @@ def fp8_deployments(draw):
 def test_random_fp8_deployments_are_bit_identical_and_at_the_bound(case):
     spec, sc, trainers, rollouts, seed = case
     q = quantize_layouts(trainers, sc)
+    for own, planned in zip(trainers, q.trainers):  # what each trainer rebuilds for itself
+        mine = tasks_for(sc, own, planned).tasks[own.worker.rank]
+        want = q.tasks[own.worker.rank]
+        assert [t[:4] for t in mine] == [t[:4] for t in want]
+        assert all(np.array_equal(a.blocks, b.blocks) and np.array_equal(a.gather, b.gather)
+                   for a, b in zip(mine, want))
     p = wb.plan(q.trainers, rollouts)
     p.verify()
     bound = lower_bound(q.trainers, rollouts)
@@ -256,10 +262,8 @@ def test_an_fp8_rollout_without_a_declaration_is_refused():
         wb.plan(trainers, rollouts)  # the scales exist only in the FP8 checkpoint
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("sender_staging, receiver_staging", [(True, True), (False, False)])
-def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging, receiver_staging):
-    pytest.importorskip("ucxx")
+def run_fp8_over_ucx(tmp_path, options: dict) -> dict:
+    """The deployment of harness.fp8, planned and run over UCX (spawned processes): results."""
     import json
     import multiprocessing as mp
 
@@ -272,10 +276,10 @@ def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging,
     (tmp_path / "store").mkdir()
     (tmp_path / "res").mkdir()
     ctx = mp.get_context("spawn")
-    opts = {"versions": 2, "sender_staging": sender_staging, "receiver_staging": receiver_staging}
     own = {t.worker.rank: t for t in trainers}
     procs = [ctx.Process(target=child, args=(r, str(tmp_path / "plan.npz"), q, spec, own.get(r),
-                                             str(tmp_path / "store"), str(tmp_path / "res"), opts))
+                                             str(tmp_path / "store"), str(tmp_path / "res"),
+                                             options))
              for r in p.ranks]
     for pr in procs:
         pr.start()
@@ -285,8 +289,71 @@ def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging,
             pr.kill()
     res = {r: json.loads((tmp_path / "res" / f"{r}.json").read_text()) for r in p.ranks}
     assert all(v["ok"] for v in res.values()), res
-    assert all(res[r.worker.rank]["checks"] == [True, True] for r in rollouts), {r.worker.rank: res[r.worker.rank] for r in rollouts}
+    assert all(res[r.worker.rank]["checks"] == [True] * options["versions"] for r in rollouts), {
+        r.worker.rank: res[r.worker.rank] for r in rollouts}
     M = p.messages
     for t in trainers:
         r = t.worker.rank
-        assert res[r]["bytes_sent"] == [int(M.nbytes[(M.src_rank == r) & (M.dst_rank != r)].sum())] * 2
+        sent = int(M.nbytes[(M.src_rank == r) & (M.dst_rank != r)].sum())
+        assert res[r]["bytes_sent"] == [sent] * options["versions"]
+    return res
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sender_staging, receiver_staging", [(True, True), (False, False)])
+def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging, receiver_staging):
+    pytest.importorskip("ucxx")
+    run_fp8_over_ucx(tmp_path, {"versions": 2, "sender_staging": sender_staging,
+                                "receiver_staging": receiver_staging})
+
+
+def test_agreed_parts_and_senders_given_the_declaration_are_bit_identical():
+    # a real job's set-up: every worker publishes its own layout; the planner quantises the
+    # trainers' layouts; each trainer's Sender rebuilds its tasks from its own layout and part
+    import threading
+
+    spec, sc, trainers, rollouts = deployment()
+    store, hub = wb.MemoryStore(), wb.LocalHub()
+    world = len(trainers) + len(rollouts)
+    vals = values(spec, 5)
+    got, errors = {}, []
+
+    def worker(lay):
+        r = lay.worker.rank
+        try:
+            part = wb.agree_parts(store, [lay], world=world, quantize=sc, timeout=30)[r]
+            kw = dict(transport=wb.LocalTransport(r, hub), store=store, timeout=30,
+                      wait_timeout=30)
+            if lay.worker.role == "trainer":
+                with wb.Sender(part, r, trainer_buffers(lay, spec, vals), quantize=sc,
+                               layout=lay, **kw) as tx:
+                    tx.push()
+            else:
+                bufs = {k: np.zeros(b.shape, dtype_info(b.dtype).numpy)
+                        for k, b in lay.buffers.items()}
+                with wb.Receiver(part, r, bufs, **kw) as rx:
+                    rx.apply()
+                got[r] = bufs
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=worker, args=(lay,)) for lay in (*trainers, *rollouts)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    flat = fp8_checkpoint(sc, vals)
+    for lay in rollouts:
+        want = expected(lay, flat)
+        for k in lay.buffers:
+            assert got[lay.worker.rank][k].tobytes() == want[k].tobytes(), (lay.worker.rank, k)
+
+
+def test_a_sender_given_a_declaration_needs_its_own_layout():
+    spec, sc, trainers, rollouts = deployment()
+    q = quantize_layouts(trainers, sc)
+    p = wb.plan(q.trainers, rollouts)
+    with pytest.raises(wb.TransferError, match="needs layout="):
+        wb.Sender(p, 0, trainer_buffers(trainers[0], spec, values(spec, 0)), quantize=sc,
+                  transport=wb.LocalTransport(0, wb.LocalHub()), store=wb.MemoryStore())

@@ -99,31 +99,45 @@ def child(rank: int, plan_path: str, quantized, spec, own, store_dir: str, resul
 
     result: dict = {"rank": rank, "checks": []}
     try:
+        cuda = options.get("cuda")  # every buffer on that GPU (CuPy), else numpy
+        if cuda is not None:
+            import cupy
+
+            from wb.runtime.casts import xp_dtype
+
+            cupy.cuda.Device(cuda).use()
+
+            def dev(a, dtype):
+                return cupy.asarray(a.view(f"u{a.itemsize}")).view(xp_dtype(cupy, dtype))
+        else:
+            def dev(a, dtype):
+                return a
         plan = wb.Plan.load(plan_path)
         layout = plan.layout_of(rank)
         store = DirectoryStore(store_dir)
-        kw = dict(transport=UcxTransport(rank, store, timeout=30), store=store, timeout=30,
-                  wait_timeout=30)
+        kw = dict(transport=UcxTransport(rank, store, timeout=30, cuda_device=cuda), store=store,
+                  timeout=30, wait_timeout=30)
         versions = options["versions"]
         if layout.worker.role == "trainer":
-            lay0 = own
-            bufs = trainer_buffers(lay0, spec, values(spec, 0))
+            bufs = {k: dev(a, own.buffers[k].dtype)
+                    for k, a in trainer_buffers(own, spec, values(spec, 0)).items()}
             tx = wb.Sender(plan, rank, bufs, staging=options["sender_staging"],
                            quantize=quantized, **kw)
             for v in range(1, versions + 1):
-                for k, a in trainer_buffers(lay0, spec, values(spec, v)).items():
-                    bufs[k][...] = a  # the training step
+                for k, a in trainer_buffers(own, spec, values(spec, v)).items():
+                    bufs[k][...] = dev(a, own.buffers[k].dtype)  # the training step
                 tx.push()
             tx.close()
             result["bytes_sent"] = [st.bytes_sent for st in tx.stats]
         else:
-            bufs = {k: np.zeros(b.shape, dtype_info(b.dtype).numpy)
+            bufs = {k: dev(np.zeros(b.shape, dtype_info(b.dtype).numpy), b.dtype)
                     for k, b in layout.buffers.items()}
             rx = wb.Receiver(plan, rank, bufs, staging=options["receiver_staging"], **kw)
             for _ in range(versions):
                 v = rx.apply()
                 want = expected(layout, fp8_checkpoint(quantized.scaled, values(spec, v)))
-                bad = [k for k in bufs if bufs[k].tobytes() != want[k].tobytes()]
+                host = {k: a if cuda is None else cupy.asnumpy(a) for k, a in bufs.items()}
+                bad = [k for k in bufs if host[k].tobytes() != want[k].tobytes()]
                 result["checks"].append(not bad)
                 result.setdefault("mismatched", []).append(bad)
             rx.close()

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wb.cli.bench.weights import buffers_for, mapped_for, version_bits, weight_bits
+from wb.cli.bench.weights import (buffers_for, buffers_of, fp8_expected, mapped_for, version_bits,
+                                  weight_bits)
 
 __all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits", "Fault", "run_ranks",
            "child_main", "raw_throughput", "coord_child_main"]
@@ -120,7 +121,24 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             import cupy as xp
 
             xp.cuda.Device(cuda).use()
-        bufs = buffers_for(plan, rank, fill=trainer, xp=xp)
+        fp8 = options.get("fp8")  # {"quantized": wb.Quantized, "own": {rank: Layout}, "held"}
+        if fp8 and trainer:  # its own weights, then quantised as a Sender does before a push
+            from wb.runtime.quant import Quantiser
+
+            bufs = buffers_of(fp8["own"][rank], fill=True, xp=xp)
+            live = {n: (xp, a) for n, a in bufs.items()}
+            qz = Quantiser(fp8["quantized"], rank, live)
+            qz.run(live)  # once to compile its kernels; the second is timed
+            if xp is not np:
+                xp.cuda.runtime.deviceSynchronize()
+            tq = time.perf_counter()
+            qz.run(live)
+            if xp is not np:
+                xp.cuda.runtime.deviceSynchronize()
+            result["quantize_s"] = time.perf_counter() - tq
+            bufs.update(qz.buffers)
+        else:
+            bufs = buffers_for(plan, rank, fill=trainer, xp=xp)
         if fault.bad_buffer:
             bufs[fault.bad_buffer] = np.zeros(3, bufs[fault.bad_buffer].dtype)
         transport = UcxTransport(rank, DirectoryStore(store_dir), tls=options.get("tls"),
@@ -137,7 +155,11 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                         staging_bytes=options.get("staging_bytes", 256 << 20))
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)
         if not trainer:
-            want = buffers_for(plan, rank, fill=True, xp=xp, held=options.get("held"))
+            if fp8:
+                want = fp8_expected(plan.layout_of(rank), fp8["quantized"].scaled, fp8["held"],
+                                    xp=xp)
+            else:
+                want = buffers_for(plan, rank, fill=True, xp=xp, held=options.get("held"))
             result["bit_identical"] = bool(all(
                 xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8)) for k in bufs))
     except TransferError as e:

@@ -7,11 +7,11 @@ trainer buffer that holds the whole block (round robin over the buffers that do,
 share the work) and returns:
 
 - trainer layouts to plan with (:func:`wb.plan`): each declared tensor's ids taken out of the
-  trainers' own buffers (they hold the unquantised values), and on each trainer two buffers per
-  tensor and source buffer it quantises from: the quantised blocks (``(k, bh, bw)`` in the
-  format, padding ``-1``) and their scales (``(k,)`` float32), named ``wb:fp8:<tensor>`` and
-  ``wb:fp8:<scale tensor>`` (``#2``, ``#3``... when one rank reads blocks of a tensor from
-  several of its buffers);
+  trainers' own buffers (they hold the unquantised values); beside each buffer a trainer
+  quantises blocks of, a quantised copy ``wb:fp8:<buffer>`` of its shape in the format (holding
+  the ids of the blocks it was given: pieces stay as large as the buffer's own; extra memory one
+  byte per element of that buffer), and per declared tensor in it a buffer of the blocks'
+  scales, ``wb:fp8:<buffer>:<scale tensor>`` (``(k,)`` float32);
 - per trainer rank, the :class:`Task` that fills them from its own buffer before each update
   (:func:`quantize_buffers` with numpy; ``wb.runtime.quant`` on a GPU).
 
@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import math
+
 import numpy as np
 
 from wb.data.blockscale import BlockScaled, quantize_blocks
@@ -34,7 +36,7 @@ from wb.data.layout import BufferSpec, Layout
 from wb.data.sourcemap import SourceMap
 from wb.errors import PlanError
 
-__all__ = ["PREFIX", "Quantized", "Task", "quantize_buffers", "quantize_layouts"]
+__all__ = ["PREFIX", "Quantized", "Task", "quantize_buffers", "quantize_layouts", "tasks_for"]
 
 #: Names of the buffers a trainer quantises into start with this.
 PREFIX = "wb:fp8:"
@@ -45,10 +47,11 @@ class Task(NamedTuple):
 
     tensor: int  # index into BlockScaled.names
     source: str  # the trainer's buffer the blocks are read from
-    weights: str  # the buffer of its quantised blocks: (k, bh, bw) in the format
-    scales: str  # the buffer of their scales: (k,) float32
+    weights: str  # the quantised copy of `source`: its shape, in the format
+    scales: str  # the buffer of the blocks' scales: (k,) float32
     blocks: np.ndarray  # (k,) int64 block index, row-major over the tensor's grid of blocks
-    gather: np.ndarray  # (k * bh * bw,) int64 flat position in `source` of each element; -1: pad
+    gather: np.ndarray  # (k * bh * bw,) int64 flat position in `source` (and `weights`) of each
+    #                     element of each block, block by block; -1: outside the tensor
 
 
 class Quantized(NamedTuple):
@@ -81,17 +84,10 @@ def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantiz
     """
     decl = scaled.decl
     bh, bw = decl.block
-    lo = scaled.offset
-    hi = lo + scaled.rows * scaled.cols
-    grid = -(-scaled.rows // bh) * scaled.grid_cols
-    key0 = np.concatenate([[0], np.cumsum(grid)])  # first global block key of each tensor
-    # block sizes (edge blocks are smaller), by global key
-    t_of = np.repeat(np.arange(len(grid)), grid)
-    k_loc = np.arange(int(key0[-1])) - key0[t_of]
-    br, bc = np.divmod(k_loc, scaled.grid_cols[t_of])
+    key0, t_of, br, bc = _grid(scaled)
     size = (np.minimum(bh, scaled.rows[t_of] - br * bh) * np.minimum(bw, scaled.cols[t_of] - bc * bw))
     masked: list[dict[str, BufferSpec]] = []
-    elems: dict[tuple[int, str], tuple] = {}  # (layout, buffer) -> (pos, key, within)
+    elems: dict[tuple[int, str], tuple] = {}  # (layout, buffer) -> (pos, key, within, ids, shape)
     cand_key, cand_buf, cand_names = [], [], []
     partial: dict[int, list[str]] = {}  # block key -> who holds part of it
     for li, lay in enumerate(trainers):
@@ -101,22 +97,11 @@ def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantiz
                 raise PlanError(f"trainer rank {lay.worker.rank} has a buffer `{name}`: names "
                                 f"starting with {PREFIX!r} are wb's (quantised blocks); rename it")
             sm = b.sourcemap
-            if sm.n_ids == 0:
+            found = _elements(sm, scaled, key0)
+            if found is None:
                 continue
-            idlo, idhi = sm.blocks.id_range()
-            if not ((lo <= idhi) & (hi > idlo)).any():
-                continue
-            ids = sm.to_indices().reshape(-1)
-            t = np.searchsorted(lo, ids, side="right") - 1
-            inside = (ids >= 0) & (t >= 0) & (ids < hi[np.maximum(t, 0)])
-            if not inside.any():
-                continue
-            pos = np.flatnonzero(inside)
-            ti = t[pos]
-            r, c = np.divmod(ids[pos] - lo[ti], scaled.cols[ti])
-            key = key0[ti] + (r // bh) * scaled.grid_cols[ti] + c // bw
-            within = (r % bh) * bw + c % bw
-            elems[(li, name)] = (pos, key, within)
+            pos, key, within, ids = found
+            elems[(li, name)] = (pos, key, within, ids[pos], sm.shape)
             uniq = np.unique(key * (bh * bw) + within)
             keys, count = np.unique(uniq // (bh * bw), return_counts=True)
             whole = count == size[keys]
@@ -150,35 +135,121 @@ def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantiz
     for bi in np.unique(chosen):
         li, name = cand_names[bi]
         lay = trainers[li]
-        pos, key, within = elems[(li, name)]
+        pos, key, within, idv, shape = elems[(li, name)]
         mine = keys[chosen == bi]
         slot = np.searchsorted(mine, key)
         ok = (slot < mine.size) & (mine[np.minimum(slot, mine.size - 1)] == key)
+        # the quantised copy of the buffer: its shape, the ids of the blocks it was given (so
+        # pieces are as large as the buffer's own, not one block each)
+        mirror = np.full(math.prod(shape), -1, np.int64)
+        mirror[pos[ok]] = idv[ok]
+        wname = PREFIX + name
+        masked[li][wname] = BufferSpec(SourceMap.from_indices(mirror.reshape(shape)), fmt)
         for t in np.unique(t_of[mine]):
             tk = mine[t_of[mine] == t]  # this tensor's blocks, sorted
-            sel = ok & (t_of[key] == t)
-            s = np.searchsorted(tk, key[sel])
-            gather = np.full(tk.size * bh * bw, -1, np.int64)
-            gather[s * (bh * bw) + within[sel]] = pos[sel]
+            gather = _gather(tk, pos, key, within, ok & (t_of[key] == t), bh * bw)
             local = tk - key0[t]
-            r0, c0 = np.divmod(local, scaled.grid_cols[t])
-            rr = r0[:, None, None] * bh + np.arange(bh)[None, :, None]
-            cc = c0[:, None, None] * bw + np.arange(bw)[None, None, :]
-            ids = np.where((rr < scaled.rows[t]) & (cc < scaled.cols[t]),
-                           lo[t] + rr * scaled.cols[t] + cc, -1)
-            tname = scaled.names[int(t)]
-            wname, sname = PREFIX + tname, PREFIX + scaled.scale_name(int(t))
-            n = 1
-            while wname in masked[li] or sname in masked[li]:  # blocks of it in another buffer
-                n += 1
-                wname = f"{PREFIX}{tname}#{n}"
-                sname = f"{PREFIX}{scaled.scale_name(int(t))}#{n}"
-            masked[li][wname] = BufferSpec(SourceMap.from_indices(ids), fmt)
+            sname = f"{PREFIX}{name}:{scaled.scale_name(int(t))}"
             masked[li][sname] = BufferSpec(
                 SourceMap.from_indices(scaled.scale_offset[t] + local), "float32")
             tasks[lay.worker.rank].append(Task(int(t), name, wname, sname, local, gather))
     layouts = tuple(Layout(lay.worker, masked[li]) for li, lay in enumerate(trainers))
     return Quantized(scaled, layouts, {r: tuple(ts) for r, ts in tasks.items()})
+
+
+def tasks_for(scaled: BlockScaled, own: Layout, planned: Layout) -> Quantized:
+    """One trainer's part of :func:`quantize_layouts`, rebuilt from its own layout and its layout
+    in the plan (what :func:`wb.agree_parts` gives it): the tasks need not travel.
+
+    Args:
+        scaled: the declaration, bound to the trainers' spec.
+        own: the trainer's layout as it holds its weights.
+        planned: its layout in the plan (``plan.layout_of(rank)``).
+
+    Returns:
+        :class:`Quantized` of this one trainer (``trainers == (planned,)``).
+
+    Raises:
+        PlanError: ``planned`` names a quantised buffer of a buffer ``own`` lacks, or holds blocks
+            ``own`` does not hold whole.
+    """
+    bh, bw = scaled.decl.block
+    key0, t_of, _, _ = _grid(scaled)
+    scale_of = {scaled.scale_name(t): t for t in range(len(scaled.names))}
+    rank = planned.worker.rank
+    tasks, cache = [], {}
+    for sname, b in planned.buffers.items():
+        if not sname.startswith(PREFIX) or sname[len(PREFIX):] in own.buffers:
+            continue  # not wb's, or a quantised copy (its tasks come with its scales)
+        body = sname[len(PREFIX):]
+        hit = [(body[:-len(k) - 1], t) for k, t in scale_of.items() if body.endswith(":" + k)]
+        hit = [(src, t) for src, t in hit if src in own.buffers]
+        if not hit:
+            raise PlanError(f"trainer rank {rank}: the plan has a buffer `{sname}` that no "
+                            f"buffer of its own layout and no declared tensor explain; the plan "
+                            f"was made from other layouts or another declaration")
+        src, t = hit[0]
+        if src not in cache:
+            cache[src] = _elements(own.buffers[src].sourcemap, scaled, key0)
+        if cache[src] is None:
+            raise PlanError(f"trainer rank {rank}: the plan quantises blocks of `{src}`, which "
+                            f"holds no id of a declared tensor here; the plan was made from "
+                            f"other layouts")
+        pos, key, within, _ = cache[src]
+        local = b.sourcemap.to_indices().reshape(-1) - scaled.scale_offset[t]
+        tk = key0[t] + local
+        i = np.searchsorted(tk, key)
+        ok = (i < tk.size) & (tk[np.minimum(i, tk.size - 1)] == key)
+        gather = _gather(tk, pos, key, within, ok, bh * bw)
+        if (gather.reshape(tk.size, -1) < 0).all(axis=1).any():
+            raise PlanError(f"trainer rank {rank}: the plan quantises blocks of "
+                            f"`{scaled.names[t]}` that `{src}` does not hold; the plan was made "
+                            f"from other layouts")
+        tasks.append(Task(int(t), src, PREFIX + src, sname, local, gather))
+    return Quantized(scaled, (planned,), {rank: tuple(tasks)})
+
+
+def _grid(scaled: BlockScaled) -> tuple[np.ndarray, ...]:
+    """``(key0, t_of, br, bc)``: each declared tensor's first global block key (``(T + 1,)``),
+    and per global block key its tensor, block row and block column (``(blocks,) int64``)."""
+    bh, _ = scaled.decl.block
+    grid = -(-scaled.rows // bh) * scaled.grid_cols
+    key0 = np.concatenate([[0], np.cumsum(grid)]).astype(np.int64)
+    t_of = np.repeat(np.arange(len(grid)), grid)
+    br, bc = np.divmod(np.arange(int(key0[-1])) - key0[t_of], scaled.grid_cols[t_of])
+    return key0, t_of, br, bc
+
+
+def _elements(sm: SourceMap, scaled: BlockScaled, key0: np.ndarray):
+    """The elements of a buffer that hold ids of declared tensors: ``(pos, key, within, ids)``
+    (flat positions, global block keys, offsets inside their blocks, and every element's id),
+    or ``None``."""
+    bh, bw = scaled.decl.block
+    lo = scaled.offset
+    hi = lo + scaled.rows * scaled.cols
+    if sm.n_ids == 0:
+        return None
+    idlo, idhi = sm.blocks.id_range()
+    if not ((lo <= idhi) & (hi > idlo)).any():
+        return None
+    ids = sm.to_indices().reshape(-1)
+    t = np.searchsorted(lo, ids, side="right") - 1
+    inside = (ids >= 0) & (t >= 0) & (ids < hi[np.maximum(t, 0)])
+    if not inside.any():
+        return None
+    pos = np.flatnonzero(inside)
+    ti = t[pos]
+    r, c = np.divmod(ids[pos] - lo[ti], scaled.cols[ti])
+    key = key0[ti] + (r // bh) * scaled.grid_cols[ti] + c // bw
+    return pos, key, (r % bh) * bw + c % bw, ids
+
+
+def _gather(tk: np.ndarray, pos, key, within, sel, block: int) -> np.ndarray:
+    """The gather index of blocks ``tk`` (sorted keys) from the elements ``sel`` picks."""
+    s = np.searchsorted(tk, key[sel])
+    gather = np.full(tk.size * block, -1, np.int64)
+    gather[s * block + within[sel]] = pos[sel]
+    return gather
 
 
 def quantize_buffers(q: Quantized, rank: int, buffers: Mapping[str, np.ndarray], *,
@@ -204,6 +275,6 @@ def quantize_buffers(q: Quantized, rank: int, buffers: Mapping[str, np.ndarray],
         ok = task.gather >= 0
         v[ok] = src[task.gather[ok]]
         qv, s = quantize_blocks(v.reshape(-1, bh, bw), fmt)
-        res[task.weights][...] = qv.reshape(res[task.weights].shape)
+        res[task.weights].reshape(-1)[task.gather[ok]] = qv.reshape(-1)[ok]
         res[task.scales][...] = s
     return res

@@ -28,6 +28,7 @@ import io
 import time
 from typing import NamedTuple
 
+from wb.algorithms.blockplan import quantize_layouts
 from wb.algorithms.planner import plan as make_plan
 from wb.data.layout import Role, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import Plan
@@ -123,8 +124,12 @@ def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
     if not any(lay.worker.rank == 0 for lay in layouts):
         return None
     everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
-    return make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
-                     [x for x in everyone if x.worker.role == Role.ROLLOUT], **plan_kwargs)
+    trainers = [x for x in everyone if x.worker.role == Role.TRAINER]
+    quantize = plan_kwargs.pop("quantize", None)
+    if quantize is not None:  # each trainer rebuilds its own tasks (tasks_for): none travel
+        trainers = list(quantize_layouts(trainers, quantize).trainers)
+    return make_plan(trainers, [x for x in everyone if x.worker.role == Role.ROLLOUT],
+                     **plan_kwargs)
 
 
 def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
@@ -145,7 +150,10 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         timeout: seconds to wait for the other processes.
         planned: a list; in the process that plans, the whole :class:`wb.Plan` is appended to
             it (for ``verify()``, ``traffic()``, saving).
-        plan_kwargs: passed to :func:`wb.plan` (``cluster=``, ``chunk_bytes=``).
+        plan_kwargs: passed to :func:`wb.plan` (``cluster=``, ``chunk_bytes=``); and
+            ``quantize=``, a :class:`wb.BlockScaled`: rollouts serve those tensors block-scaled
+            (:func:`wb.quantize_layouts` before planning; pass the same to each trainer's
+            :class:`wb.Sender` with its own ``layout=``).
 
     Returns:
         :class:`~wb.data.rankplan.RankPlans`: ``{rank: RankPlan}`` of this process's workers;

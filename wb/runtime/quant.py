@@ -45,6 +45,8 @@ class Quantiser:
         for i, task in enumerate(self.tasks):
             xp, src = live[task.source]
             for name in (task.weights, task.scales):
+                if name in self.buffers:  # a quantised copy serves every tensor in its buffer
+                    continue
                 shape, dtype = shapes[name]
                 if xp is np:
                     self.buffers[name] = np.zeros(shape, xp_dtype(np, dtype))
@@ -88,5 +90,8 @@ class Quantiser:
         y = cp.where(s == 0, 0.0, x / cp.where(s == 0, 1.0, s))
         y32 = cp.empty(y.shape, np.float32)
         assign(cp, y32, y, "float32", "float64")
-        assign(cp, self.buffers[task.weights].reshape(y.shape), y32, decl.format, "float32")
+        q = cp.empty(y32.size, self.buffers[task.weights].dtype)
+        assign(cp, q, y32.reshape(-1), decl.format, "float32")
+        ok = gather >= 0
+        self.buffers[task.weights].reshape(-1)[gather[ok]] = q[ok]
         self.buffers[task.scales][...] = s32.reshape(self.buffers[task.scales].shape)

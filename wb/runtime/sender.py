@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from concurrent.futures import Future, wait
 from typing import Any, NamedTuple, Protocol
 
-from wb.algorithms.blockplan import Quantized
+from wb.algorithms.blockplan import Quantized, tasks_for
+from wb.data.blockscale import BlockScaled
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan
-from wb.errors import TransferError
+from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
 from wb.runtime.quant import Quantiser
@@ -130,10 +131,12 @@ class Sender:
         wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
             between generation steps).
         layout: this worker's layout as it probed it; refused if the plan's differs.
-        quantize: the plan's block-scaled FP8 quantisation
-            (:func:`wb.algorithms.blockplan.quantize_layouts`, whose trainer layouts the plan was
-            made from): every ``push`` first quantises this worker's blocks, from ``buffers``,
-            into buffers the Sender keeps (on the same devices); ``buffers`` are the worker's own.
+        quantize: block-scaled FP8 rollouts: the :class:`wb.BlockScaled` the plan was made with
+            (``agree_parts(..., quantize=)``; give ``layout=`` too, this worker's own layout), or
+            the :class:`wb.Quantized` of :func:`wb.quantize_layouts` whose trainer layouts the
+            plan was made from. Every ``push`` first quantises this worker's blocks, from
+            ``buffers``, into buffers the Sender keeps (on the same devices); ``buffers`` are the
+            worker's own.
 
     Raises:
         TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
@@ -153,9 +156,18 @@ class Sender:
                  staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
-                 quantize: Quantized | None = None):
+                 quantize: Quantized | BlockScaled | None = None):
         self._quant = None
         if quantize is not None:
+            if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts
+                if layout is None:
+                    raise TransferError(f"rank {rank}: quantize= a declaration needs layout= "
+                                        f"(this worker's own layout, as it probed it)")
+                try:
+                    quantize = tasks_for(quantize, layout, plan.layout_of(rank))
+                except PlanError as e:
+                    raise TransferError(str(e)) from e
+            layout = None  # the plan's layout is the quantised one, not the probed one
             self._quant = Quantiser(quantize, rank,
                                     {n: as_array(n, a, rank=rank) for n, a in buffers.items()})
             buffers = {**buffers, **self._quant.buffers}

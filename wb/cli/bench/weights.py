@@ -8,7 +8,8 @@ import numpy as np
 
 from wb.data.dtypes import convert, dtype_info
 
-__all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits"]
+__all__ = ["weight_bits", "buffers_for", "buffers_of", "fp8_expected", "mapped_for",
+           "version_bits"]
 
 
 def weight_bits(ids, dtype: np.dtype, xp=np):
@@ -34,7 +35,12 @@ def buffers_for(plan, rank: int, *, fill: bool, xp=np, held: str | None = None) 
     ``held``: the trainers' dtype, where this rank's buffers may be of another (a plan that
     converts): the weights are then those values converted to each buffer's dtype, as
     :func:`wb.data.dtypes.convert` does (made on the host)."""
-    lay = plan.layout_of(rank)
+    return buffers_of(plan.layout_of(rank), fill=fill, xp=xp, held=held)
+
+
+def buffers_of(lay, *, fill: bool, xp=np, held: str | None = None) -> dict:
+    """:func:`buffers_for` of one layout (a trainer's own, before quantisation takes its declared
+    tensors out of the plan's)."""
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
@@ -67,6 +73,46 @@ def _filled(b, dt: np.dtype, xp):
         r0, c0 = int(bl.r0[k]), int(bl.c0[k])
         v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
     return arr
+
+
+def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
+    """What a rollout of the FP8 checkpoint holds: the trainers' weights (:func:`weight_bits`
+    of ids, as ``held``) quantised block by block (:func:`wb.data.blockscale.quantize_tensor`,
+    one declared tensor at a time, made on the host), their scales, and the other tensors
+    converted to each buffer's dtype."""
+    from wb.data.blockscale import quantize_tensor
+
+    spec, fspec = scaled.trainer_spec, scaled.spec
+    hd = dtype_info(held).numpy
+    parts = {}
+    for t, n in enumerate(scaled.names):
+        x = weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n))
+        parts[n], parts[scaled.scale_name(t)] = quantize_tensor(x, scaled.decl.block,
+                                                                scaled.decl.format)
+    starts = np.array([fspec.offset(n) for n in parts], np.int64)
+    order = np.argsort(starts)
+    names = [list(parts)[i] for i in order]
+    starts = starts[order]
+    out = {}
+    for name, b in lay.buffers.items():
+        dt = dtype_info(b.dtype).numpy
+        ids = b.sourcemap.to_indices().reshape(-1)
+        vals = np.zeros(ids.size, np.float64)
+        t = np.searchsorted(starts, ids, side="right") - 1
+        done = np.zeros(ids.size, bool)
+        for k in np.unique(t[(t >= 0) & (ids >= 0)]):
+            flat = np.asarray(parts[names[k]]).reshape(-1)
+            sel = (t == k) & (ids >= 0) & (ids - starts[k] < flat.size)
+            vals[sel] = flat[ids[sel] - starts[k]].astype(np.float64)
+            done |= sel
+        rest = (ids >= 0) & ~done  # undeclared tensors: the weights as held, converted
+        vals[rest] = weight_bits(ids[rest], hd).view(hd).astype(np.float64)
+        want = np.zeros(ids.size, dt)
+        convert(want, vals)
+        raw = want.view(f"u{dt.itemsize}").reshape(b.shape)
+        arr = xp.asarray(raw)
+        out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
+    return out
 
 
 def mapped_for(plan, rank: int, xp=np) -> dict:

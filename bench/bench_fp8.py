@@ -1,0 +1,61 @@
+"""Block-scaled FP8 rollouts against BF16 ones: the same deployment (BF16 Megatron trainers, vLLM
+rollouts), measured side by side in one run with ``bench/bench_transfer.py``'s harness (spawned
+processes over UCX, raw UCX throughput measured beside each, every rollout buffer checked bit
+for bit: the BF16 rollouts against the weights, the FP8 ones against the weights quantised).
+
+The FP8 rollouts serve every ``*_proj.weight`` (attention, dense MLP and expert matrices) as
+``float8_e4m3fn`` with one float32 scale per 128 x 128 block; embeddings, norms and routers stay
+BF16. Each trainer quantises the blocks it was given before the transfer: that time
+(``quantize_s``, the slowest trainer's, one run after a warm-up) is reported beside the EWTT.
+
+    python bench/bench_fp8.py [--cuda 0] [--json] [--hidden 2048 --layers 4 --experts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_transfer import run  # noqa: E402
+
+
+def main() -> None:
+    import wb
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cuda", type=int, default=None, metavar="DEVICE")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
+              repeat=a.repeat, cuda_device=a.cuda)
+    bf16 = run(**kw)
+    fp8 = run(fp8=wb.FP8Blocks(("*_proj.weight",)), **kw)
+    rep = {"bf16": bf16, "fp8": fp8,
+           "bytes_ratio": fp8["bytes_between_processes"] / bf16["bytes_between_processes"],
+           "trainer_bytes_ratio": fp8["model_bytes"] / bf16["model_bytes"],
+           "ewtt_ratio": fp8["ewtt_s"] / bf16["ewtt_s"],
+           "update_ratio": (fp8["ewtt_s"] + fp8["quantize_s"]) / bf16["ewtt_s"],
+           "bf16_over_ideal": bf16["ewtt_over_ideal"], "fp8_over_ideal": fp8["ewtt_over_ideal"]}
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=1))
+    if a.json:
+        print(json.dumps(rep))
+        return
+    for k in ("trainer_bytes_ratio", "bytes_ratio", "ewtt_ratio", "update_ratio",
+              "bf16_over_ideal", "fp8_over_ideal"):
+        print(f"{k:>20}: {rep[k]:.3f}")
+    print(f"{'ewtt':>20}: bf16 {bf16['ewtt_s']:.4f} s, fp8 {fp8['ewtt_s']:.4f} s "
+          f"(+ quantise {fp8['quantize_s']:.4f} s)")
+
+
+if __name__ == "__main__":
+    main()
