@@ -3,8 +3,8 @@
 Rollouts that serve block-scaled FP8 (:mod:`wb.data.blockscale`) need the FP8 checkpoint's ids:
 each declared tensor's elements (the same ids as the trainers' copy, in the FP8 format) and its
 scales. :func:`quantize_layouts` gives every block of every declared tensor to exactly one
-trainer buffer that holds the whole block (round robin over the buffers that do, so replicas
-share the work) and returns:
+trainer buffer that holds the whole block (where several do, replicas, each takes a range of
+block rows of each tensor: a share of the work, in large rectangles) and returns:
 
 - trainer layouts to plan with (:func:`wb.plan`): each declared tensor's ids taken out of the
   trainers' own buffers (they hold the unquantised values); beside each buffer a trainer
@@ -129,7 +129,17 @@ def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantiz
             f"({', '.join(partial[k][:4])}): quantising it needs a gather between trainer buffers, "
             f"which wb does not do yet; shard the trainer at multiples of the block {decl.block} "
             f"or leave `{scaled.names[t]}` out of FP8Blocks.tensors")
-    chosen = cb[start + keys % count]  # round robin over the whole holders: replicas share
+    # replicas share the work in ranges of block rows (not block by block: a holder's blocks
+    # then form large rectangles, and so do the pieces cut from them)
+    # blocks with the same tensor and the same holders form a group; its block rows are cut into
+    # `count` ranges in order
+    group = (t_of[keys] * (len(cand_names) + 1) + cb[start]) * (int(count.max(initial=0)) + 1) + count
+    pairs, inv = np.unique(np.stack([group, br[keys]], 1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    g_first = np.searchsorted(pairs[:, 0], pairs[:, 0], side="left")
+    g_size = np.searchsorted(pairs[:, 0], pairs[:, 0], side="right") - g_first
+    at = (np.arange(len(pairs)) - g_first)[inv]
+    chosen = cb[start + np.minimum(count - 1, at * count // g_size[inv])]
     tasks: dict[int, list[Task]] = {lay.worker.rank: [] for lay in trainers}
     fmt = decl.format
     for bi in np.unique(chosen):
