@@ -24,7 +24,7 @@ F8 = "float8_e4m3fn"
 def _hard_values(draw, shape, dtype):
     """Values that stress the rule: wide magnitudes per block, subnormals, zeros, exact ties."""
     n = math.prod(shape)
-    kind = draw(st.sampled_from(["spread", "tiny", "zeros", "ties"]))
+    kind = draw(st.sampled_from(["spread", "tiny", "zeros", "ties", "nonfinite"]))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     if kind == "spread":
@@ -33,9 +33,14 @@ def _hard_values(draw, shape, dtype):
         x = rng.standard_normal(n) * 2.0**-135
     elif kind == "zeros":
         x = np.where(rng.random(n) < 0.7, 0.0, rng.standard_normal(n))
-    else:  # amax 448: x / scale is x, so e4m3 ties (odd multiples of half a step) appear
+    elif kind == "ties":  # amax 448: x / scale is x, so e4m3 ties (odd multiples of half a step)
         x = rng.integers(-896, 897, n) / 2.0
         x[0] = 448.0
+    else:  # infinities and NaNs in some blocks
+        x = rng.standard_normal(n)
+        x[rng.random(n) < 0.05] = np.inf
+        x[rng.random(n) < 0.05] = -np.inf
+        x[rng.random(n) < 0.05] = np.nan
     a = np.empty(shape, dtype_info(dtype).numpy)
     with np.errstate(all="ignore"):
         convert(a, x.reshape(shape))
@@ -73,6 +78,9 @@ def test_the_rule_on_numbers_worked_by_hand():
     assert q.astype(np.float32).tolist() == [[448.0, 8.0]]  # 8.5 -> 8: ties to even
     q, s = quantize_tensor(np.zeros((3, 3), np.float32), (2, 2))
     assert s.tolist() == [[0, 0], [0, 0]] and not q.astype(np.float32).any()
+    q, s = quantize_tensor(np.array([[1.0, np.inf, 2.0]], np.float32), (1, 2))
+    assert s[0, 0] == np.inf and s[0, 1] == np.float32(2 / 448)
+    assert q.view(np.uint8).tolist() == [[0x7F, 0x7F, 0x7E]]  # NaN, NaN, 448
 
 
 # --- the declaration -------------------------------------------------------------------------

@@ -17,8 +17,9 @@ written plainly, one block at a time):
   (a rollout dequantises ``q * scale``);
 - ``q = float8_e4m3fn(x / scale)``: ``x / scale`` rounded to the nearest float32, then to the
   nearest ``float8_e4m3fn``, ties to even, clamped to +-448 (as :func:`wb.data.dtypes.convert`);
-  ``q = 0`` where ``scale`` is 0 (a block of zeros). NaN and infinities follow IEEE arithmetic
-  through these steps (a block holding one gets a NaN or infinite scale).
+  ``q = 0`` where ``scale`` is 0 (a block of zeros, or one too small for a float32 scale);
+- a block holding an infinity or a NaN (``amax`` not finite): ``scale = amax / 448`` (infinite
+  or NaN) and every ``q`` is the format's NaN (``0x7f``).
 """
 
 from __future__ import annotations
@@ -189,8 +190,9 @@ def quantize_blocks(x: np.ndarray, fmt: str = "float8_e4m3fn") -> tuple[np.ndarr
     with np.errstate(all="ignore"):  # IEEE results (0 / 0, subnormals, inf) are the rule
         amax = np.abs(x32).max(axis=(1, 2)) if x32.size else np.zeros(x32.shape[0], np.float32)
         scale = (amax / np.float32(FORMATS[fmt])).astype(np.float32)
-        y = np.where(scale[:, None, None] == 0, np.float32(0),
-                     x32 / scale[:, None, None]).astype(np.float32)
+        s = scale[:, None, None]
+        y = np.where(s == 0, np.float32(0), x32 / s).astype(np.float32)
+        y = np.where(np.isfinite(amax)[:, None, None], y, np.float32(np.nan))
     q = np.empty(x.shape, dtype_info(fmt).numpy)
     convert(q, y)
     return q, scale

@@ -82,12 +82,14 @@ class Quantiser:
         assign(cp, x, x32, "float64", "float32")
         x = cp.where(gather >= 0, x, 0.0).reshape(-1, bh, bw)
         amax = cp.abs(x).max(axis=(1, 2)) if x.size else cp.zeros(x.shape[0], np.float64)
+        amax = cp.where(cp.isnan(x).any(axis=(1, 2)), cp.nan, amax)  # as numpy's max: NaN wins
         s32 = cp.empty(amax.shape, np.float32)
         assign(cp, s32, amax / FORMATS[decl.format], "float32", "float64")
         s = cp.empty(amax.shape, np.float64)
         assign(cp, s, s32, "float64", "float32")
         s = s[:, None, None]
         y = cp.where(s == 0, 0.0, x / cp.where(s == 0, 1.0, s))
+        y = cp.where(cp.isfinite(amax)[:, None, None], y, cp.nan)  # the rule: NaN blocks
         y32 = cp.empty(y.shape, np.float32)
         assign(cp, y32, y, "float32", "float64")
         q = cp.empty(y32.size, self.buffers[task.weights].dtype)

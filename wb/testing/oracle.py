@@ -64,8 +64,11 @@ def quantize_reference(x: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray,
             amax = np.float32(np.max(np.abs(xb)))
             s = np.float32(amax / np.float32(448.0))
             scale[i, j] = s
+            if not np.isfinite(amax):  # an infinity or a NaN in the block: every q is NaN
+                q[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw] = np.float32(np.nan)
+                continue
             if s == 0:
-                continue  # an all-zero block: q stays 0
+                continue  # an all-zero block (or one too small for a float32 scale): q stays 0
             y = np.clip(xb / s, -448, 448)  # float32; the format's largest finite value
             q[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw] = y.astype(ml_dtypes.float8_e4m3fn)
     return q, scale
