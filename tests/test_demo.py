@@ -93,3 +93,33 @@ def test_demo_refuses_a_rollout_dtype_it_cannot_build():
                           "--rollout-dtype", "float32"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "needs PyTorch rollouts" in out.stderr
+
+
+@pytest.mark.parametrize("trainer", ["jax", "torch"])
+def test_demo_with_fp8_rollouts_quantises_on_the_trainers(trainer):
+    """Block-scaled FP8 rollouts fed by bf16 trainers: every rollout buffer equals the rollout's
+    own load of the reference-quantised checkpoint, in process and between processes, and the
+    trainers send the FP8 checkpoint's bytes, not the bf16 one's."""
+    import wb.cli.demo.runner
+    from wb.cli.demo.checkpoint import DEMO_FP8
+    from wb.layouts.presets import TINY, spec_from_config
+
+    report = wb.cli.demo.runner.run_demo(trainer=trainer, quiet=True,
+                                         rollout_dtype="float8_e4m3fn", modes=["both"],
+                                         steps=2, train_s=0.05)
+    assert report["verified"] and report["weights_bit_identical"] and report["transfers_verified"]
+    assert report["modes"]["both"]["checks"] > 0 and report["modes"]["both"]["mismatches"] == 0
+    assert report["bytes_on_wire_bf16"] == spec_from_config(TINY).nbytes
+    fp8 = wb.FP8Blocks.from_json(DEMO_FP8).bind(spec_from_config(TINY)).spec
+    assert report["bytes_on_wire"] == fp8.nbytes < report["bytes_on_wire_bf16"]
+
+
+def test_demo_fp8_check_fails_on_wrong_weights():
+    from rich.console import Console
+
+    import wb.cli.demo.runner
+    out = wb.cli.demo.runner._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"],
+                                            steps=1, train_s=0.0, gen_s=0.01,
+                                            console=Console(quiet=True), expect_offset=1,
+                                            rollout_dtype="float8_e4m3fn")
+    assert out["transfers_verified"] is False and out["modes"]["both"]["mismatches"] > 0

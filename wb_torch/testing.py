@@ -143,6 +143,36 @@ class _Weight(nn.Module):
         self.weight = _parameter(shape, loader, dtype=dtype, device=device)
 
 
+def _linear(shape: tuple[int, int], loader: Callable, scale_loader: Callable | None, *,
+            fp8, dtype, device) -> _Weight:
+    """A linear layer's weight; with ``fp8`` (a block ``(bh, bw)``) in float8_e4m3fn beside a
+    float32 ``weight_scale_inv`` of one scale per block, loaded by ``scale_loader`` (the
+    weight's loader in block units), as vLLM's block-quantised FP8 linear methods keep them."""
+    if fp8 is None:
+        return _Weight(shape, loader, dtype=dtype, device=device)
+    m = _Weight(shape, loader, dtype=torch.float8_e4m3fn, device=device)
+    m.weight_scale_inv = _parameter(_blocks(shape, fp8), scale_loader, dtype=torch.float32,
+                                    device=device)
+    return m
+
+
+def _blocks(shape: tuple[int, ...], fp8) -> tuple[int, ...]:
+    """The scales' shape of a weight (leading expert axis kept); its last two dims must split
+    into whole blocks (as vLLM requires of a TP shard of a block-quantised weight)."""
+    (bh, bw), (rows, cols) = fp8, shape[-2:]
+    if rows % bh or cols % bw:
+        raise ValueError(f"a weight shard of shape {tuple(shape)} does not split into whole "
+                         f"{bh}x{bw} blocks; choose a block that divides every shard (or a "
+                         f"smaller tp_size)")
+    return (*shape[:-2], rows // bh, cols // bw)
+
+
+def _need_blocks(fp8, *sizes: int) -> None:
+    if fp8 is not None and any(n % b for n in sizes for b in fp8):
+        raise ValueError(f"TP shard offsets {sizes} do not fall on {fp8[0]}x{fp8[1]} block "
+                         f"boundaries; choose a block that divides them (or a smaller tp_size)")
+
+
 class _KVCacheScales(nn.Module):
     """vLLM's ``Attention`` module: an fp8 kv-cache scale that is not in the checkpoint."""
 
@@ -153,7 +183,7 @@ class _KVCacheScales(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, fp8=None, **kw):
         super().__init__()
         h, hd, nh, kv = d.hidden, d.head_dim, d.heads, d.kv_heads
         nq = nh // tp_size
@@ -162,32 +192,52 @@ class _SelfAttention(nn.Module):
         shards = {"q": (0, tp_rank * nq * hd, nq * hd),
                   "k": (nq * hd, kv_shard * kv_local * hd, kv_local * hd),
                   "v": ((nq + kv_local) * hd, kv_shard * kv_local * hd, kv_local * hd)}
-        self.qkv_proj = _Weight(((nq + 2 * kv_local) * hd, h),
-                                functools.partial(_load_qkv, shards=shards), **kw)
-        self.o_proj = _Weight((h, nq * hd),
-                              functools.partial(_load_columns, start=tp_rank * nq * hd), **kw)
+        _need_blocks(fp8, *(x for sh in shards.values() for x in sh), tp_rank * nq * hd)
+        bh, bw = fp8 or (1, 1)
+        self.qkv_proj = _linear(((nq + 2 * kv_local) * hd, h),
+                                functools.partial(_load_qkv, shards=shards),
+                                functools.partial(_load_qkv, shards={
+                                    k: tuple(x // bh for x in v) for k, v in shards.items()}),
+                                fp8=fp8, **kw)
+        self.o_proj = _linear((h, nq * hd),
+                              functools.partial(_load_columns, start=tp_rank * nq * hd),
+                              functools.partial(_load_columns, start=tp_rank * nq * hd // bw),
+                              fp8=fp8, **kw)
         self.q_norm = _Weight((hd,), _load_replicated, **kw)
         self.k_norm = _Weight((hd,), _load_replicated, **kw)
         self.attn = _KVCacheScales(kw["device"])
 
 
 class _DenseMLP(nn.Module):
-    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, fp8=None, **kw):
         super().__init__()
         h, n = d.hidden, d.intermediate // tp_size
-        self.gate_up_proj = _Weight(
-            (2 * n, h), functools.partial(_load_merged, rows=n, start=tp_rank * n), **kw)
-        self.down_proj = _Weight((h, n), functools.partial(_load_columns, start=tp_rank * n), **kw)
+        _need_blocks(fp8, n, tp_rank * n)
+        bh, bw = fp8 or (1, 1)
+        self.gate_up_proj = _linear(
+            (2 * n, h), functools.partial(_load_merged, rows=n, start=tp_rank * n),
+            functools.partial(_load_merged, rows=n // bh, start=tp_rank * n // bh), fp8=fp8, **kw)
+        self.down_proj = _linear((h, n), functools.partial(_load_columns, start=tp_rank * n),
+                                 functools.partial(_load_columns, start=tp_rank * n // bw),
+                                 fp8=fp8, **kw)
 
 
 class _FusedExperts(nn.Module):
-    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, dtype, device):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, dtype, device, fp8=None):
         super().__init__()
         h, mi = d.hidden, d.moe_intermediate
         n = d.experts // tp_size
         loader = functools.partial(_load_expert, first_expert=tp_rank * n, inter=mi)
-        self.w13_weight = _parameter((n, 2 * mi, h), loader, dtype=dtype, device=device)
-        self.w2_weight = _parameter((n, h, mi), loader, dtype=dtype, device=device)
+        wdt = dtype if fp8 is None else torch.float8_e4m3fn
+        self.w13_weight = _parameter((n, 2 * mi, h), loader, dtype=wdt, device=device)
+        self.w2_weight = _parameter((n, h, mi), loader, dtype=wdt, device=device)
+        if fp8 is not None:  # vLLM's FusedMoE block-FP8: one scale per block of each expert
+            _need_blocks(fp8, mi)
+            sl = functools.partial(_load_expert, first_expert=tp_rank * n, inter=mi // fp8[0])
+            self.w13_weight_scale_inv = _parameter(_blocks((n, 2 * mi, h), fp8), sl,
+                                                   dtype=torch.float32, device=device)
+            self.w2_weight_scale_inv = _parameter(_blocks((n, h, mi), fp8), sl,
+                                                  dtype=torch.float32, device=device)
 
 
 class _SharedFusedMoE(nn.Module):  # vLLM 0.33 keeps the fused experts one level down
@@ -197,27 +247,29 @@ class _SharedFusedMoE(nn.Module):  # vLLM 0.33 keeps the fused experts one level
 
 
 class _MoE(nn.Module):
-    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, fp8=None, **kw):
         super().__init__()
         self.gate = _Weight((d.experts, d.hidden), _load_replicated, **kw)
-        self.experts = _SharedFusedMoE(d, tp_rank, tp_size, **kw)
+        self.experts = _SharedFusedMoE(d, tp_rank, tp_size, fp8=fp8, **kw)
 
 
 class _DecoderLayer(nn.Module):
-    def __init__(self, d: ModelDims, dense: bool, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, dense: bool, tp_rank: int, tp_size: int, *, fp8=None,
+                 **kw):
         super().__init__()
         self.input_layernorm = _Weight((d.hidden,), _load_replicated, **kw)
-        self.self_attn = _SelfAttention(d, tp_rank, tp_size, **kw)
+        self.self_attn = _SelfAttention(d, tp_rank, tp_size, fp8=fp8, **kw)
         self.post_attention_layernorm = _Weight((d.hidden,), _load_replicated, **kw)
-        self.mlp = (_DenseMLP if dense else _MoE)(d, tp_rank, tp_size, **kw)
+        self.mlp = (_DenseMLP if dense else _MoE)(d, tp_rank, tp_size, fp8=fp8, **kw)
 
 
 class _Model(nn.Module):
-    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, **kw):
+    def __init__(self, d: ModelDims, tp_rank: int, tp_size: int, *, fp8=None, **kw):
         super().__init__()
         self.embed_tokens = _vocab_parallel(d, tp_rank, tp_size, **kw)
         self.layers = nn.ModuleList(
-            _DecoderLayer(d, i < d.n_dense, tp_rank, tp_size, **kw) for i in range(d.layers))
+            _DecoderLayer(d, i < d.n_dense, tp_rank, tp_size, fp8=fp8, **kw)
+            for i in range(d.layers))
         self.norm = _Weight((d.hidden,), _load_replicated, **kw)
 
 
@@ -256,9 +308,14 @@ class TinyRollout(nn.Module):
         dtype: dtype of every parameter except the float32 ``k_scale``s (float64, float32,
             bfloat16, float16 and float8_e4m3fn all work; loading casts).
         device: where the parameters live.
+        fp8: a :class:`wb.FP8Blocks` of every ``*_proj.weight`` tensor: the model serves the
+            FP8 checkpoint it declares (:attr:`spec` is then ``fp8.bind(...).spec``): each
+            projection weight in float8_e4m3fn beside a float32 ``weight_scale_inv`` (one scale
+            per block; TP shards must split into whole blocks), as vLLM's block-FP8 layers.
 
     Attributes:
-        spec: the checkpoint spec ``load_weights`` accepts (``spec_from_config(cfg)``).
+        spec: the checkpoint spec ``load_weights`` accepts (``spec_from_config(cfg)``, or the
+            FP8 checkpoint's with ``fp8``).
 
     Raises:
         ValueError: ``cfg`` is not qwen3_moe, ``tp_rank`` is out of range, or ``tp_size`` does not
@@ -274,16 +331,25 @@ class TinyRollout(nn.Module):
     """
 
     def __init__(self, cfg: Mapping = TINY, *, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype = torch.bfloat16, device="cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", fp8=None):
         super().__init__()
         d = _check_args(cfg, tp_rank, tp_size)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"`dtype` must be a floating torch.dtype, got {dtype!r}")
         self.spec: CheckpointSpec = spec_from_config(cfg)
+        block = None
+        if fp8 is not None:  # the FP8 checkpoint: every projection block-scaled
+            scaled = fp8.bind(self.spec)
+            proj = {n for n in self.spec.names if n.endswith("_proj.weight")}
+            if set(scaled.names) != proj:
+                raise ValueError(f"TinyRollout serves FP8 for every projection weight (the "
+                                 f"*_proj.weight tensors) and nothing else; the declaration "
+                                 f"covers {len(scaled.names)} tensors, not those {len(proj)}")
+            self.spec, block = scaled.spec, fp8.block
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._num_experts = d.experts
         kw = dict(dtype=dtype, device=device)
-        self.model = _Model(d, tp_rank, tp_size, **kw)
+        self.model = _Model(d, tp_rank, tp_size, fp8=block, **kw)
         self.lm_head = _vocab_parallel(d, tp_rank, tp_size, **kw)
         if d.tied:
             # As vLLM does: one parameter, listed once by named_parameters() as embed_tokens.

@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                            "GPUs); JAX stays on CPU")
     demo.add_argument("--rollout-dtype", default=None, metavar="DTYPE",
                       help="the PyTorch rollouts' parameter dtype (float32, float16, bfloat16; "
-                           "default bfloat16, the trainer's): wb converts in flight")
+                           "default bfloat16, the trainer's): wb converts in flight; "
+                           "float8_e4m3fn: block-scaled FP8 projections, quantised by the "
+                           "trainers")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
                                      "traffic, simulated EWTT and baselines")

@@ -130,7 +130,8 @@ class Sender:
         timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
         wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
             between generation steps).
-        layout: this worker's layout as it probed it; refused if the plan's differs.
+        layout: this worker's layout as it probed it; refused if the plan's differs (a mapping
+            ``{rank: Layout}``: this rank's; what a group of ranks passes).
         quantize: block-scaled FP8 rollouts: the :class:`wb.BlockScaled` the plan was made with
             (``agree_parts(..., quantize=)``; give ``layout=`` too, this worker's own layout), or
             the :class:`wb.Quantized` of :func:`wb.quantize_layouts` whose trainer layouts the
@@ -157,6 +158,8 @@ class Sender:
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
                  quantize: Quantized | BlockScaled | None = None):
+        if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
+            layout = layout.get(rank)
         self._quant = None
         if quantize is not None:
             if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts

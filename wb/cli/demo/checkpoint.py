@@ -7,7 +7,11 @@ import numpy as np
 from wb.data.dtypes import dtype_info
 from wb.layouts.presets import TINY, spec_from_config
 
-__all__ = ["random_checkpoint", "expected_checkpoint"]
+__all__ = ["DEMO_FP8", "random_checkpoint", "expected_checkpoint", "fp8_checkpoint"]
+
+#: The demo's FP8 rollouts: every projection weight block-scaled, in blocks the tiny model's TP
+#: shards split into (real checkpoints use 128 x 128).
+DEMO_FP8 = {"tensors": ["*_proj.weight"], "format": "float8_e4m3fn", "block": [4, 4]}
 
 
 def random_checkpoint(seed: int = 0) -> dict[str, np.ndarray]:
@@ -23,3 +27,16 @@ def expected_checkpoint(ckpt: dict, step: int) -> dict:
     as checkpoint tensors (numpy)."""
     f = (-2.0) ** step
     return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
+
+
+def fp8_checkpoint(ckpt: dict, decl) -> dict:
+    """The FP8 checkpoint of ``ckpt`` under the declaration ``decl`` (a :class:`wb.FP8Blocks`),
+    quantised by the plain reference (:func:`wb.testing.oracle.quantize_reference`): what the
+    FP8 rollouts' own loaders are checked against."""
+    from wb.testing.oracle import quantize_reference
+
+    scaled = decl.bind(spec_from_config(TINY))
+    out = dict(ckpt)
+    for t, n in enumerate(scaled.names):
+        out[n], out[scaled.scale_name(t)] = quantize_reference(ckpt[n], decl.block)
+    return out

@@ -66,12 +66,14 @@ def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_ra
 
 
 def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int,
-                  node_prefix: str, ckpt: dict, dtype: str | None = None
+                  node_prefix: str, ckpt: dict, dtype: str | None = None, fp8=None
                   ) -> tuple[list[Layout], dict, dict]:
     """Layouts of ``copies`` vLLM-style TP groups (one node each; one worker per TP rank), the
     parameters after ``load_weights(ckpt)``, and the parameters of fresh models (numpy views:
     writing them writes the torch parameters). ``dtype``: the models' parameter dtype (default
-    the reference rollout's, bfloat16).
+    the reference rollout's, bfloat16). ``fp8``: a :class:`wb.FP8Blocks`: the models serve
+    that FP8 checkpoint (probed against it; ``loaded`` is their load of ``ckpt`` quantised by
+    the reference quantiser).
 
     Returns ``(layouts, {rank: {name: loaded}}, {rank: {name: fresh model's parameter view}})``.
     """
@@ -79,14 +81,17 @@ def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int
     import wb_torch
     from wb_torch.testing import TinyRollout
 
-    spec = spec_from_config(cfg)
     kw = {"dtype": getattr(torch, dtype)} if dtype else {}
+    if fp8 is not None:
+        from wb.cli.demo.checkpoint import fp8_checkpoint
+
+        kw["fp8"], ckpt = fp8, fp8_checkpoint(ckpt, fp8)
     per_rank = []
     for r in range(tp):
         model = TinyRollout(cfg, tp_rank=r, tp_size=tp, **kw)
         dtypes = {n: wb.data.dtypes.canonical_dtype(p.dtype) for n, p in model.named_parameters()}
         per_rank.append({n: BufferSpec(sm, dtypes[n])
-                         for n, sm in wb_torch.probe(model, spec).items() if sm.n_ids})
+                         for n, sm in wb_torch.probe(model, model.spec).items() if sm.n_ids})
     out, loaded, fresh = [], {}, {}
     for c in range(copies):
         for r in range(tp):
@@ -103,7 +108,7 @@ def torch_layouts(cfg: dict, *, role: str, tp: int, copies: int, first_rank: int
 
 
 def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt: dict,
-          dtype: str | None = None):
+          dtype: str | None = None, fp8=None):
     prefix = "trainer" if role == "trainer" else "rollout"
     copies = 1 if role == "trainer" else replicas
     if kind == "jax":
@@ -111,7 +116,8 @@ def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt
                            node_prefix=prefix, ckpt=ckpt)
     # A PyTorch trainer: 2 data-parallel replicas of a TP group (the reference sharding).
     return torch_layouts(TINY, role=role, tp=tp, copies=2 if role == "trainer" else copies,
-                         first_rank=first_rank, node_prefix=prefix, ckpt=ckpt, dtype=dtype)
+                         first_rank=first_rank, node_prefix=prefix, ckpt=ckpt, dtype=dtype,
+                         fp8=fp8)
 
 
 def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
@@ -163,15 +169,23 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     if bad or steps < 1:
         raise wb.SpecError(f"modes must be among {list(wb.MODES)} and steps >= 1; got {modes}, "
                            f"{steps}")
+    fp8 = None
     if rollout_dtype is not None:
         from wb.data.dtypes import FLOATS, canonical_dtype
 
         rollout_dtype = canonical_dtype(rollout_dtype)
-        if rollout != "torch" or rollout_dtype not in FLOATS - {"float8_e4m3fn", "float8_e5m2"}:
+        if rollout_dtype == "float8_e4m3fn":  # block-scaled, as FP8 checkpoints are
+            from wb.cli.demo.checkpoint import DEMO_FP8
+
+            fp8 = wb.FP8Blocks.from_json(DEMO_FP8)
+            dtype_ok = True
+        else:
+            dtype_ok = rollout_dtype in FLOATS - {"float8_e5m2"}
+        if rollout != "torch" or not dtype_ok:
             raise wb.SpecError(
                 f"--rollout-dtype {rollout_dtype} needs PyTorch rollouts (the JAX reference load "
-                f"function never casts) and a dtype of float64, float32, float16 or bfloat16; "
-                f"block-scaled FP8 rollouts are not built yet")
+                f"function never casts, and has no FP8 load path yet) and a dtype of float64, "
+                f"float32, float16, bfloat16 or float8_e4m3fn (block-scaled)")
     if cuda and not glob.glob("/dev/nvidia[0-9]*"):
         raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
     console = Console(quiet=quiet)
@@ -183,18 +197,25 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     with console.status(f"probing the {rollout} rollouts' load_weights..."):
         rollouts, expected, targets = _side(rollout, "rollout", replicas=replicas, tp=tp,
                                             first_rank=len(trainers), ckpt=ckpt,
-                                            dtype=rollout_dtype)
+                                            dtype=None if fp8 else rollout_dtype, fp8=fp8)
     probe_s = time.perf_counter() - t0
+    holders = trainers
+    if fp8 is not None:  # the trainers quantise: they hold the FP8 checkpoint's ids
+        quantized = wb.quantize_layouts(trainers, fp8.bind(spec_from_config(TINY)))
+        holders = list(quantized.trainers)
+        from wb.algorithms.blockplan import quantize_buffers
+
+        weights = {r: {**w, **quantize_buffers(quantized, r, w)} for r, w in weights.items()}
     t1 = time.perf_counter()
-    corr = wb.correspond(trainers, rollouts)
+    corr = wb.correspond(holders, rollouts)
     correspond_s = time.perf_counter() - t1
     with console.status("checking the correspondence element by element..."):
         from wb.testing.oracle import correspondence_pairs, overlap_pairs
 
-        exact = overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
+        exact = overlap_pairs(corr) == correspondence_pairs(holders, rollouts)
     with console.status("planning and running the transfer in this process..."):
         t2 = time.perf_counter()
-        p = wb.plan(trainers, rollouts)
+        p = wb.plan(holders, rollouts)
         p.verify()
         plan_s = time.perf_counter() - t2
         from wb.algorithms.planner import traffic_ratio
@@ -250,6 +271,11 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         "rollout_dtype": rollout_dtype or "bfloat16",
         "bytes_on_wire": p.traffic().trainer_total,
     }
+    if fp8 is not None:  # the same deployment without conversion, for comparison
+        plain, _, _ = _side(rollout, "rollout", replicas=replicas, tp=tp,
+                            first_rank=len(trainers), ckpt=ckpt)
+        report["bytes_on_wire_bf16"] = wb.plan(trainers, plain).traffic().trainer_total
+        report["fp8"] = fp8.to_json()
     if processes:
         report.update(_run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
                                      steps=steps, train_s=train_s, gen_s=gen_s, console=console,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wb.cli.demo.checkpoint import expected_checkpoint, random_checkpoint
+from wb.cli.demo.checkpoint import DEMO_FP8, expected_checkpoint, fp8_checkpoint, random_checkpoint
 from wb.runtime.coordinator import agree_parts
 
 __all__ = ["worker_main"]
@@ -39,6 +39,21 @@ def _cuda_device(job):
     from wb_torch.testing import spread_device
 
     return spread_device(job["local_rank"])
+
+
+def _fp8(job):
+    """With ``--rollout-dtype float8_e4m3fn``: the declaration (wb.FP8Blocks); else None."""
+    if job.get("rollout_dtype") != "float8_e4m3fn":
+        return None
+    import wb
+
+    return wb.FP8Blocks.from_json(DEMO_FP8)
+
+
+def _quantize(job, spec) -> dict:
+    """``agree_parts``'s and the Senders' ``quantize=`` (empty without FP8 rollouts)."""
+    fp8 = _fp8(job)
+    return {} if fp8 is None else {"quantize": fp8.bind(spec)}
 
 
 def _trainers_key(store, k=None):
@@ -99,9 +114,12 @@ def _jax_trainer(job, store, spec, ckpt, result):
     layouts = wb_jax.layouts(params, maps, ranks=ranks, node="trainer0", role="trainer")
     world = _trainers_key(store, len(layouts)) + job["rollout_workers"]
     planned = []  # the whole plan, in the process that makes it (this one: it holds rank 0)
-    plan = agree_parts(store, layouts, world=world, name="demo/plan", planned=planned)
+    q = _quantize(job, spec)
+    plan = agree_parts(store, layouts, world=world, name="demo/plan", planned=planned, **q)
     if job.get("plan_path") and planned:
         planned[0].save(job["plan_path"])
+    if q:  # each rank rebuilds what it quantises from its own layout
+        q["layout"] = {lay.worker.rank: lay for lay in layouts}
     state = {"params": params}
 
     def step(sender):  # JAX makes a new pytree every step
@@ -112,7 +130,7 @@ def _jax_trainer(job, store, spec, ckpt, result):
         sender = wb_jax.Sender(state["params"], plan, ranks, store=store,
                                staging=wb.MODES[mode][0], name=f"demo/{mode}", timeout=60,
                                wait_timeout=300,
-                               transports={r: _ucx(r, store, mode) for r in ranks.values()})
+                               transports={r: _ucx(r, store, mode) for r in ranks.values()}, **q)
         _train(job, mode, sender, step, result)
 
 
@@ -144,14 +162,15 @@ def _torch_trainer(job, store, spec, ckpt, result):
     if r == 0:
         _trainers_key(store, tp)
     planned = []  # the whole plan, in the process that makes it (rank 0's)
+    q = _quantize(job, spec)
     plan = agree_parts(store, [lay], world=tp + job["rollout_workers"], name="demo/plan",
-                       planned=planned)
+                       planned=planned, **q)
     if planned and job.get("plan_path"):
         planned[0].save(job["plan_path"])
     for mode in job["modes"]:
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                                 transports=_ucx(r, store, mode, dev), layout=lay)
+                                 transports=_ucx(r, store, mode, dev), layout=lay, **q)
         _train(job, mode, sender, lambda s: (train_step_(model), s.push()), result)
 
 
@@ -165,11 +184,14 @@ def _torch_rollout(job, store, spec, ckpt, result):
     tp, r = job["tp"], job["local_rank"]
     first = _trainers_key(store)
     rank = first + job["first_rank"]
-    kw = {"dtype": getattr(torch, job["rollout_dtype"])} if job.get("rollout_dtype") else {}
+    fp8 = _fp8(job)
+    kw = ({"fp8": fp8} if fp8 is not None else
+          {"dtype": getattr(torch, job["rollout_dtype"])} if job.get("rollout_dtype") else {})
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
-    (lay,) = wb_torch.layouts(model, wb_torch.probe(model, spec), rank, node=job["node"],
+    (lay,) = wb_torch.layouts(model, wb_torch.probe(model, model.spec), rank, node=job["node"],
                               role="rollout", local_rank=r)
-    plan = agree_parts(store, [lay], world=first + job["rollout_workers"], name="demo/plan")
+    plan = agree_parts(store, [lay], world=first + job["rollout_workers"], name="demo/plan",
+                       **_quantize(job, spec))
     dev = _cuda_device(job)
     if dev is not None:
         model.to(f"cuda:{dev}")
@@ -188,8 +210,10 @@ def _torch_rollout(job, store, spec, ckpt, result):
                 v = rx.version
                 step += 1
                 ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
-                ref.load_weights((n, wb_torch.from_numpy(a))
-                                 for n, a in expected_checkpoint(ckpt, step + job["expect_offset"]).items())
+                want_ck = expected_checkpoint(ckpt, step + job["expect_offset"])
+                if fp8 is not None:  # its own load of the reference-quantised checkpoint
+                    want_ck = fp8_checkpoint(want_ck, fp8)
+                ref.load_weights((n, wb_torch.from_numpy(a)) for n, a in want_ck.items())
                 want = dict(ref.named_parameters())
                 for n in lay.buffers:
                     checks += 1
