@@ -1,5 +1,8 @@
 """A tiny vLLM-style rollout model for one tensor-parallel rank, and its numpy oracle.
 
+Long because the model (with its block-FP8 variant) and its oracle are two statements of one
+layout, meant to be read side by side.
+
 :class:`TinyRollout` behaves like a vLLM model class: its parameters are already sharded for one
 TP rank, and its own :meth:`TinyRollout.load_weights` takes *full* Hugging Face checkpoint tensors
 (names as :func:`wb.layouts.presets.spec_from_config` gives them) and copies the right slices into its

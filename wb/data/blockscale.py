@@ -28,6 +28,7 @@ import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +41,7 @@ __all__ = ["FORMATS", "BlockScaled", "FP8Blocks", "quantize_blocks", "quantize_t
 
 #: Block-scaled formats wb quantises to: format -> the largest magnitude it holds (the divisor of
 #: ``amax``).
-FORMATS = {"float8_e4m3fn": 448.0}
+FORMATS = MappingProxyType({"float8_e4m3fn": 448.0})
 ROUNDINGS = ("nearest-even",)
 
 
