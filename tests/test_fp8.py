@@ -174,6 +174,23 @@ def fp8_deployments(draw):
     f = {n: sc.spec.ids(n).reshape(sc.spec.shape(n)) for n in sc.spec}
     trainers, rank = [], 0
     for rep in range(draw(st.integers(1, 2))):
+        if draw(st.booleans()):  # FSDP-like: flat shards of the 2-D tensors, cut at block bands
+            end = spec.offset("norm")  # the norm (float32) is a buffer of its own
+            cuts = {0, end}
+            for n in sc.names:
+                step = bh * spec.shape(n)[1]
+                cuts |= {spec.offset(n) + step * k for k in range(draw(st.integers(0, 3)))
+                         if step * k < spec.size(n)}
+            bounds = sorted(cuts)
+            pick = sorted(set(draw(st.lists(st.sampled_from(bounds), max_size=3))) | {0, end})
+            flat = np.arange(end)
+            for k, (lo, hi) in enumerate(zip(pick, pick[1:])):
+                bufs = {"flat": (flat[lo:hi], held)}
+                if k == 0:
+                    bufs["norm"] = (ids["norm"], "float32")
+                trainers.append(lay(rank, f"t{rep}", "trainer", bufs, local_rank=k))
+                rank += 1
+            continue
         tp = draw(st.integers(1, 3))
         parts = [dict() for _ in range(tp)]
         for n in spec:
@@ -188,7 +205,9 @@ def fp8_deployments(draw):
                                                       for _ in range(tp - 1)]})
             for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
                 piece = ids[n][lo:hi] if axis == 0 else ids[n][:, lo:hi]
-                parts[k % tp][n] = (piece if draw(st.booleans()) else piece.T, held)
+                how = draw(st.sampled_from(["as is", "transposed", "rows reversed"]))
+                piece = {"as is": piece, "transposed": piece.T, "rows reversed": piece[::-1]}[how]
+                parts[k % tp][n] = (piece, held)
         for k, bufs in enumerate(parts):
             if bufs:
                 trainers.append(lay(rank, f"t{rep}", "trainer", bufs, local_rank=k))
@@ -365,3 +384,21 @@ def test_a_sender_given_a_declaration_needs_its_own_layout():
     with pytest.raises(wb.TransferError, match="needs layout="):
         wb.Sender(p, 0, trainer_buffers(trainers[0], spec, values(spec, 0)), quantize=sc,
                   transport=wb.LocalTransport(0, wb.LocalHub()), store=wb.MemoryStore())
+
+
+def test_blocks_a_buffer_holds_in_several_rectangles_are_quantised_by_it():
+    # rows 2-3 then rows 0-1 of the tensor: the block is whole in the buffer, in two rectangles
+    spec = wb.CheckpointSpec({"w": ((4, 8), "bfloat16")})
+    sc = FP8Blocks(("w",), block=(4, 8)).bind(spec)
+    ids = spec.ids("w").reshape(4, 8)
+    trainers = [lay(0, "t", "trainer", {"w": (np.concatenate([ids[2:], ids[:2]]), "bfloat16")})]
+    rollouts = [lay(1, "r", "rollout", {"w": (ids.T, F8),
+                                        "s": (sc.spec.ids("w_scale_inv").reshape(1, 1), "float32")})]
+    q = quantize_layouts(trainers, sc)
+    (task,) = q.tasks[0]
+    assert task.at[:, 0].tolist() == [-1] and task.gather.size == 32  # listed, not affine
+    p = wb.plan(q.trainers, rollouts)
+    vals = values(spec, 11)
+    out = _run_local(p, q, trainers, rollouts, spec, vals)
+    want = expected(rollouts[0], fp8_checkpoint(sc, vals))
+    assert all(out[1][k].tobytes() == want[k].tobytes() for k in want)

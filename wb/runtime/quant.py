@@ -31,17 +31,21 @@ class Quantiser:
         q: from :func:`wb.algorithms.blockplan.quantize_layouts`.
         rank: the trainer's rank.
         live: ``{name: (xp, array)}`` of its buffers (:func:`wb.runtime.buffers.as_array`).
+        chunk: elements quantised at once on a GPU (its temporaries: about 40 bytes each).
 
     Attributes:
         buffers: ``{name: array}`` to add to the trainer's buffers (what the plan sends).
     """
 
-    def __init__(self, q: Quantized, rank: int, live: Mapping[str, tuple[Any, Any]]):
+    def __init__(self, q: Quantized, rank: int, live: Mapping[str, tuple[Any, Any]], *,
+                 chunk: int = 1 << 24):
         self.q, self.rank = q, rank
+        bh, bw = q.scaled.decl.block
+        self.step = max(1, chunk // (bh * bw))  # blocks quantised at once on a GPU
         self.tasks = q.tasks.get(rank, ())
         shapes = q.shapes(rank)
         self.buffers: dict[str, Any] = {}
-        self._gather: dict[int, Any] = {}  # task index -> its gather index on its device
+        self._on: dict[int, tuple] = {}  # task index -> its blocks' arrays on its device
         for i, task in enumerate(self.tasks):
             xp, src = live[task.source]
             for name in (task.weights, task.scales):
@@ -55,7 +59,7 @@ class Quantiser:
                         self.buffers[name] = xp.zeros(shape, xp_dtype(xp, dtype))
             if xp is not np:
                 with xp.cuda.Device(src.device.id):
-                    self._gather[i] = xp.asarray(task.gather)
+                    self._on[i] = task.device_arrays(xp)
 
     def run(self, live: Mapping[str, tuple[Any, Any]]) -> None:
         """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
@@ -69,18 +73,20 @@ class Quantiser:
             xp, src = live[task.source]
             if xp is not np:
                 with xp.cuda.Device(src.device.id):
-                    self._run_cuda(xp, task, self._gather[i], src)
+                    for lo in range(0, task.blocks.size, self.step):
+                        self._run_cuda(xp, task, self._on[i], src, lo, lo + self.step)
 
-    def _run_cuda(self, cp, task, gather, src) -> None:
+    def _run_cuda(self, cp, task, on, src, lo, hi) -> None:
         decl = self.q.scaled.decl
-        bh, bw = decl.block
         src_dtype = self.q.scaled.trainer_spec.dtype(self.q.scaled.names[task.tensor])
-        raw = src.reshape(-1)[cp.maximum(gather, 0)]
+        pos = task.positions(self.q.scaled, lo, hi, xp=cp, on=on)
+        ok = pos >= 0
+        raw = src.reshape(-1)[cp.maximum(pos, 0)]
         x32 = cp.empty(raw.shape, np.float32)  # float64 rounds to float32 first, as the rule
         assign(cp, x32, raw, "float32", src_dtype)
         x = cp.empty(raw.shape, np.float64)
         assign(cp, x, x32, "float64", "float32")
-        x = cp.where(gather >= 0, x, 0.0).reshape(-1, bh, bw)
+        x = cp.where(ok, x, 0.0)
         amax = cp.abs(x).max(axis=(1, 2)) if x.size else cp.zeros(x.shape[0], np.float64)
         amax = cp.where(cp.isnan(x).any(axis=(1, 2)), cp.nan, amax)  # as numpy's max: NaN wins
         s32 = cp.empty(amax.shape, np.float32)
@@ -92,8 +98,7 @@ class Quantiser:
         y = cp.where(cp.isfinite(amax)[:, None, None], y, cp.nan)  # the rule: NaN blocks
         y32 = cp.empty(y.shape, np.float32)
         assign(cp, y32, y, "float32", "float64")
-        q = cp.empty(y32.size, self.buffers[task.weights].dtype)
-        assign(cp, q, y32.reshape(-1), decl.format, "float32")
-        ok = gather >= 0
-        self.buffers[task.weights].reshape(-1)[gather[ok]] = q[ok]
-        self.buffers[task.scales][...] = s32.reshape(self.buffers[task.scales].shape)
+        q = cp.empty(y32.shape, self.buffers[task.weights].dtype)
+        assign(cp, q, y32, decl.format, "float32")
+        self.buffers[task.weights].reshape(-1)[pos[ok]] = q[ok]
+        self.buffers[task.scales][lo:hi] = s32
