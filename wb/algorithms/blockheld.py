@@ -118,8 +118,8 @@ def analyse(sm: SourceMap, g: Geometry) -> Held | None:
         keys = np.concatenate([keys, np.array(sorted(odd), np.int64)])
         at = np.concatenate([at, np.tile([-1, 0, 0], (len(odd), 1))])
     keys, order = np.unique(keys, return_index=True)  # a block held twice: its first holding
-    masked = (SourceMap.from_blocks(sm.shape, Blocks.of(*kept), check=False) if kept
-              else SourceMap.from_indices(np.full(sm.shape, -1, np.int64)))
+    masked = SourceMap.from_blocks(sm.shape, Blocks.of(*kept) if kept else Blocks.empty(),
+                                   check=False)
     return Held(keys, at[order].reshape(-1, 3), partial, masked, tuple(rects), None, odd)
 
 
@@ -284,8 +284,8 @@ def mirror_map(h: Held, mine: np.ndarray, g: Geometry, shape) -> SourceMap:
                 R0, R1 = b_row * bh, min(rows, b_row * bh + bh)
                 C0, C1 = int(run[0]) * bw, min(cols, int(run[-1]) * bw + bw)
                 blocks += rect_part(r, R0, R1, C0, C1, g, cols_view)
-    return SourceMap.from_blocks(shape, Blocks.of(*blocks), check=False) if blocks else \
-        SourceMap.from_indices(np.full(shape, -1, np.int64))
+    return SourceMap.from_blocks(shape, Blocks.of(*blocks) if blocks else Blocks.empty(),
+                                 check=False)
 
 
 def rect_part(r: Rect, R0: int, R1: int, C0: int, C1: int, g: Geometry, cols_view: int):

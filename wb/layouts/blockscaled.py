@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from wb.algorithms.blockheld import Geometry, analyse
 from wb.data.blockscale import BlockScaled
 from wb.data.layout import BufferSpec, Layout
 from wb.data.sourcemap import SourceMap
@@ -23,37 +24,31 @@ __all__ = ["fp8_rollouts"]
 
 
 def fp8_rollouts(layouts: Sequence[Layout], scaled: BlockScaled) -> list[Layout]:
-    """``layouts`` (rollouts, ids of ``scaled.trainer_spec``) as rollouts of the FP8 checkpoint.
+    """``layouts`` (rollouts, ids of ``scaled.trainer_spec``) as rollouts of the FP8 checkpoint
+    (from the source maps' rectangles: O(rectangles + blocks)).
 
     Raises:
         SpecError: a buffer mixes declared and other tensors' ids, or a name ``<buffer>_scale_inv``
             is taken.
     """
-    bh, bw = scaled.decl.block
-    lo = scaled.offset
-    hi = lo + scaled.rows * scaled.cols
+    g = Geometry.of(scaled)
     out = []
     for lay in layouts:
         bufs = dict(lay.buffers)
         for name, b in lay.buffers.items():
-            idlo, idhi = b.sourcemap.blocks.id_range()
-            if b.sourcemap.n_ids == 0 or not ((lo <= idhi) & (hi > idlo)).any():
+            h = analyse(b.sourcemap, g)
+            if h is None:
                 continue
-            ids = b.sourcemap.to_indices().reshape(-1)
-            ids = ids[ids >= 0]
-            t = np.searchsorted(lo, ids, side="right") - 1
-            inside = (t >= 0) & (ids < hi[np.maximum(t, 0)])
-            if not inside.any():
-                continue
-            if not inside.all():
+            if h.masked.n_ids:
                 raise SpecError(f"rollout rank {lay.worker.rank} buffer `{name}` holds ids of "
                                 f"declared and undeclared tensors: one dtype cannot serve both")
-            r, c = np.divmod(ids - lo[t], scaled.cols[t])
-            scale_ids = np.unique(scaled.scale_offset[t] + (r // bh) * scaled.grid_cols[t] + c // bw)
+            keys = np.union1d(h.keys, h.partial)  # every block it touches
+            t = g.t_of[keys]
+            scale_ids = scaled.scale_offset[t] + keys - g.key0[t]
             sname = name + scaled.decl.scale_suffix
             if sname in bufs:
                 raise SpecError(f"rollout rank {lay.worker.rank} already has a buffer `{sname}`")
             bufs[name] = BufferSpec(b.sourcemap, scaled.decl.format)
-            bufs[sname] = BufferSpec(SourceMap.from_indices(scale_ids), "float32")
+            bufs[sname] = BufferSpec(SourceMap.from_indices(np.sort(scale_ids)), "float32")
         out.append(Layout(lay.worker, bufs))
     return out
