@@ -95,8 +95,8 @@ def test_demo_refuses_a_rollout_dtype_it_cannot_build():
     assert out.returncode == 2 and "needs PyTorch rollouts" in out.stderr
 
 
-@pytest.mark.parametrize("trainer", ["jax", "torch"])
-def test_demo_with_fp8_rollouts_quantises_on_the_trainers(trainer):
+@pytest.mark.parametrize("trainer, rollout", [("jax", "torch"), ("torch", "jax")])
+def test_demo_with_fp8_rollouts_quantises_on_the_trainers(trainer, rollout):
     """Block-scaled FP8 rollouts fed by bf16 trainers: every rollout buffer equals the rollout's
     own load of the reference-quantised checkpoint, in process and between processes, and the
     trainers send the FP8 checkpoint's bytes, not the bf16 one's."""
@@ -104,7 +104,7 @@ def test_demo_with_fp8_rollouts_quantises_on_the_trainers(trainer):
     from wb.cli.demo.checkpoint import DEMO_FP8
     from wb.layouts.presets import TINY, spec_from_config
 
-    report = wb.cli.demo.runner.run_demo(trainer=trainer, quiet=True,
+    report = wb.cli.demo.runner.run_demo(trainer=trainer, rollout=rollout, quiet=True,
                                          rollout_dtype="float8_e4m3fn", modes=["both"],
                                          steps=2, train_s=0.05)
     assert report["verified"] and report["weights_bit_identical"] and report["transfers_verified"]

@@ -134,7 +134,8 @@ def _mesh_axes(mesh: Mesh | None) -> tuple[int, int]:
 
 
 def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
-                 tp_shard: tuple[int, int] | None = None) -> Callable[[Mapping[str, Any]], dict]:
+                 tp_shard: tuple[int, int] | None = None,
+                 fp8: Any = None) -> Callable[[Mapping[str, Any]], dict]:
     """The reference JAX trainer's ``load``: full HF checkpoint tensors -> sharded params pytree.
 
     ``load`` only moves data (transposes, reshapes, stacks, zero padding with ``jax.numpy``) and
@@ -148,6 +149,10 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
         tp_shard: ``(rank, tp)`` instead of a mesh: each leaf is what device ``rank`` of a
             ``(dp=1, tp)`` mesh holds, as a plain array (one device's load, on a machine with
             fewer devices); :func:`expected_maps` with ``tp_rank`` is its oracle.
+        fp8: a :class:`wb.FP8Blocks` of every ``*_proj.weight`` tensor: ``load`` takes that FP8
+            checkpoint (``fp8.bind(spec_from_config(cfg)).spec``): the projection kernels come
+            in float8_e4m3fn (laid out as above), and the params gain ``scales``, ``{scale
+            tensor name: its float32 array}``, replicated.
 
     Returns:
         ``load(ckpt)``, where ``ckpt`` maps every tensor name of ``spec_from_config(cfg)`` to its
@@ -176,6 +181,16 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
         tp = tp_shard[1]
     _check_fits(d, dp, tp)
     spec = spec_from_config(cfg)
+    scale_names: list[str] = []
+    if fp8 is not None:
+        scaled = fp8.bind(spec)
+        proj = {n for n in spec.names if n.endswith("_proj.weight")}
+        if set(scaled.names) != proj:
+            raise SpecError(f"the reference JAX load serves FP8 for every projection weight (the "
+                            f"*_proj.weight tensors) and nothing else; the declaration covers "
+                            f"{len(scaled.names)} tensors, not those {len(proj)}")
+        spec = scaled.spec
+        scale_names = [scaled.scale_name(t) for t in range(len(scaled.names))]
     vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
     # kv heads are few; when tp does not divide them, trainers replicate k and v rather than pad.
     kv_spec = P(None, "tp", None) if d.kv_heads % tp == 0 else P()
@@ -249,6 +264,8 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
         params["final_norm"] = put(take("model.norm.weight"), P())
         if not d.tied:
             params["lm_head"] = put(pad_vocab(take("lm_head.weight")).T, P(None, "tp"))
+        if scale_names:  # the FP8 checkpoint's block scales, as they are, on every device
+            params["scales"] = {n: put(take(n), P()) for n in scale_names}
         return params
 
     return load

@@ -34,9 +34,11 @@ __all__ = ["run_demo", "jax_layouts", "torch_layouts"]
 
 
 def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_rank: int,
-                node_prefix: str, ckpt: dict) -> tuple[list[Layout], dict, dict]:
+                node_prefix: str, ckpt: dict, fp8=None) -> tuple[list[Layout], dict, dict]:
     """Layouts of ``copies`` JAX programs on a dp x tp mesh each (one worker per device), their
     buffers after loading ``ckpt`` with the program's own load function, and zeroed buffers.
+    ``fp8``: a :class:`wb.FP8Blocks`: the programs load that FP8 checkpoint (of ``ckpt``,
+    quantised by the reference quantiser).
 
     Returns ``(layouts, {rank: {key: loaded shard}}, {rank: {key: zeros}})``.
     """
@@ -48,7 +50,11 @@ def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_ra
     from wb_jax.testing import make_load_fn, make_mesh
 
     spec = spec_from_config(cfg)
-    load = make_load_fn(cfg, make_mesh(dp, tp))
+    if fp8 is not None:
+        from wb.cli.demo.checkpoint import fp8_checkpoint
+
+        spec, ckpt = fp8.bind(spec).spec, fp8_checkpoint(ckpt, fp8)
+    load = make_load_fn(cfg, make_mesh(dp, tp), fp8=fp8)
     maps = wb_jax.probe(load, spec)
     params = load(ckpt)
     per_device = wb_jax.device_maps(params, maps)
@@ -113,7 +119,7 @@ def _side(kind: str, role: str, *, replicas: int, tp: int, first_rank: int, ckpt
     copies = 1 if role == "trainer" else replicas
     if kind == "jax":
         return jax_layouts(TINY, role=role, dp=2, tp=2, copies=copies, first_rank=first_rank,
-                           node_prefix=prefix, ckpt=ckpt)
+                           node_prefix=prefix, ckpt=ckpt, fp8=fp8)
     # A PyTorch trainer: 2 data-parallel replicas of a TP group (the reference sharding).
     return torch_layouts(TINY, role=role, tp=tp, copies=2 if role == "trainer" else copies,
                          first_rank=first_rank, node_prefix=prefix, ckpt=ckpt, dtype=dtype,
@@ -181,11 +187,11 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
             dtype_ok = True
         else:
             dtype_ok = rollout_dtype in FLOATS - {"float8_e5m2"}
-        if rollout != "torch" or not dtype_ok:
+        if not dtype_ok or (rollout != "torch" and fp8 is None):
             raise wb.SpecError(
-                f"--rollout-dtype {rollout_dtype} needs PyTorch rollouts (the JAX reference load "
-                f"function never casts, and has no FP8 load path yet) and a dtype of float64, "
-                f"float32, float16, bfloat16 or float8_e4m3fn (block-scaled)")
+                f"--rollout-dtype {rollout_dtype}: a dtype of float64, float32, float16 or "
+                f"bfloat16 needs PyTorch rollouts (the JAX reference load function never casts); "
+                f"float8_e4m3fn (block-scaled) works with both")
     if cuda and not glob.glob("/dev/nvidia[0-9]*"):
         raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
     console = Console(quiet=quiet)

@@ -234,14 +234,22 @@ def _jax_rollout(job, store, spec, ckpt, result):
     from wb_jax.testing import make_load_fn, make_mesh
 
     mesh = make_mesh(1, job["tp"])
-    load = make_load_fn(job["cfg"], mesh)
-    maps = wb_jax.probe(load, spec)
-    template = load({n: np.zeros_like(a) for n, a in ckpt.items()})
+    fp8 = _fp8(job)
+    load = make_load_fn(job["cfg"], mesh, fp8=fp8)
+    rollout_spec = spec if fp8 is None else fp8.bind(spec).spec
+    maps = wb_jax.probe(load, rollout_spec)
+
+    def checkpoint(step):  # what this rollout's own load is fed at a step
+        ck = expected_checkpoint(ckpt, step)
+        return ck if fp8 is None else fp8_checkpoint(ck, fp8)
+
+    template = load({n: np.zeros_like(a) for n, a in checkpoint(0).items()})
     first = _trainers_key(store)
     base = first + job["first_rank"]
     ranks = {d: base + i for i, d in enumerate(mesh.devices.flat)}
     layouts = wb_jax.layouts(template, maps, ranks=ranks, node=job["node"], role="rollout")
-    plan = agree_parts(store, layouts, world=first + job["rollout_workers"], name="demo/plan")
+    plan = agree_parts(store, layouts, world=first + job["rollout_workers"], name="demo/plan",
+                       **_quantize(job, spec))
     step = 0
     for mode in job["modes"]:
         rx = wb_jax.Receiver(template, plan, ranks, store=store, staging=wb.MODES[mode][1],
@@ -253,7 +261,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
             if rx.ready():
                 params = rx.apply()
                 step += 1
-                want = wb_jax.leaves(load(expected_checkpoint(ckpt, step + job["expect_offset"])))
+                want = wb_jax.leaves(load(checkpoint(step + job["expect_offset"])))
                 got = wb_jax.leaves(params)
                 names = {k for lay in layouts for k in lay.buffers}
                 for k in names:
