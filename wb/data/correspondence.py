@@ -474,11 +474,18 @@ def _check(corr: Correspondence, slot_dt: np.ndarray) -> None:
         s = corr.slots[corr.inc_slot[first]]
         mine = k[corr.inc_slot[k] == corr.inc_slot[first]]
         n_missing = int(corr.cell_numel[corr.inc_cell[mine]].sum())
+        first_id = int(corr.cell_id0[corr.inc_cell[first]])
+        held_cells = np.flatnonzero(held)
+        top = int((corr.cell_id0[held_cells] + corr.cell_numel[held_cells]).max(initial=0))
+        beyond = (f"; the trainers hold no id from {top} on: rollouts probed against a larger "
+                  f"checkpoint, such as an FP8 one's scales, need the conversion declared "
+                  f"(wb.FP8Blocks, quantize= on wb.agree_parts and wb.Sender, or "
+                  f"wb.quantize_layouts)" if first_id >= top else "")
         raise PlanError(
             f"rollouts[{s.layout}] (rank {s.rank}) needs {n_missing} elements of buffer "
-            f"`{s.buffer}` that no trainer holds (first missing id "
-            f"{int(corr.cell_id0[corr.inc_cell[first]])}); check that every trainer layout was "
-            f"probed with the same checkpoint spec and that together they hold the whole model")
+            f"`{s.buffer}` that no trainer holds (first missing id {first_id}); check that every "
+            f"trainer layout was probed with the same checkpoint spec and that together they "
+            f"hold the whole model{beyond}")
     check_dtypes(corr, slot_dt)
 
 
