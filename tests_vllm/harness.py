@@ -153,6 +153,7 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
             initialize_model_parallel(tp, 1)
             with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
                 model = initialize_model(vllm_config=vc)
+            result["generator"] = _generator_differs(model, kind, tp, ep, rank)
             # vLLM loads a checkpoint at start-up (its loader zeroes the padding rows of the
             # vocabulary, which wb leaves as they are): the trainer's version 0
             import wb_torch
@@ -188,6 +189,22 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
     except Exception as e:  # noqa: BLE001 - reported to the test
         result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
     Path(result_dir, f"vllm{rank}.json").write_text(json.dumps(result))
+
+
+def _generator_differs(model, kind: str, tp: int, ep: bool, rank: int) -> list[str]:
+    """Buffers where wb's vLLM layout generator (wb.layouts.vllm_rollout) and the probe of the
+    real model disagree (names holding ids on one side only, or different maps)."""
+    import wb_torch
+    from wb.layouts import vllm_rollout
+    from wb.layouts.presets import spec_from_config
+
+    cfg = CFGS[kind]
+    probed = {n: m for n, m in wb_torch.probe(model, spec_from_config(cfg)).items() if m.n_ids}
+    made = vllm_rollout(cfg, tp=tp, ep=tp if ep else 1, replicas=1, gpus_per_replica=tp,
+                        gpus_per_node=tp, first_rank=0)[rank]
+    made = {n: b.sourcemap for n, b in made.buffers.items() if b.sourcemap.n_ids}
+    return sorted(set(probed) ^ set(made)) + sorted(
+        n for n in set(probed) & set(made) if probed[n] != made[n])
 
 
 def _check(model, version: int, kind: str) -> list[str]:

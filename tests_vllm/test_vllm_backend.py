@@ -64,6 +64,7 @@ def _run(tmp_path, trainer: str, kind: str = "qwen3_moe", *, ep: bool = False, t
     for r in range(tp):
         w = out[f"vllm{r}"]
         assert w["model"] == arch and w["engine"] == "WeightBridgeEngine"
+        assert w["generator"] == []  # wb.layouts.vllm_rollout's maps are the real model's
         assert w["checks"] == [True] * versions, w.get("mismatched")  # as its own load_weights
         assert w["same_storage"] == [True] * versions  # in place: CUDA graphs stay valid
     assert out["trainer0"]["sent"] == list(range(1, versions + 1))

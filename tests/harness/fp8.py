@@ -44,20 +44,17 @@ def fp8_checkpoint(scaled, vals: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def trainer_buffers(layout: wb.Layout, spec, vals) -> dict[str, np.ndarray]:
-    flat = np.concatenate([vals[n].astype(np.float64).reshape(-1) for n in spec])
-    out = {}
-    for k, b in layout.buffers.items():
-        a = np.empty(b.shape, dtype_info(b.dtype).numpy)
-        convert(a, flat[b.sourcemap.to_indices()])
-        out[k] = a
-    return out
+    """A trainer's buffers holding ``vals`` (``{name: array}`` of ``spec``)."""
+    return expected(layout, np.concatenate([vals[n].astype(np.float64).reshape(-1) for n in spec]))
 
 
 def expected(layout: wb.Layout, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """A layout's buffers holding ``flat[id]`` at each mapped element (0 elsewhere)."""
     out = {}
     for k, b in layout.buffers.items():
+        ids = b.sourcemap.to_indices()
         a = np.empty(b.shape, dtype_info(b.dtype).numpy)
-        convert(a, flat[b.sourcemap.to_indices()])
+        convert(a, np.where(ids >= 0, flat[np.maximum(ids, 0)], 0.0))
         out[k] = a
     return out
 
