@@ -5,12 +5,9 @@ an FP8 plan runs bit-identical with every buffer on the GPU. Skips cleanly witho
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:  # noqa: BLE001 - no driver, no device: the same answer
-    pytest.skip("no CUDA device", allow_module_level=True)
+from harness.cuda import cupy_or_skip
+
+cupy = cupy_or_skip()
 
 import wb  # noqa: E402
 from harness.fp8 import lay  # noqa: E402

@@ -10,7 +10,20 @@ import json
 import traceback
 from pathlib import Path
 
-__all__ = ["cuda_sender_receiver_child"]
+__all__ = ["cuda_sender_receiver_child", "cupy_or_skip"]
+
+
+def cupy_or_skip():
+    """CuPy, or a skip of the calling test module when CuPy or a CUDA device is missing."""
+    import pytest
+
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError
+    except Exception:  # noqa: BLE001 - no driver, no device: the same answer
+        pytest.skip("no CUDA device", allow_module_level=True)
+    return cupy
 
 
 def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, options: dict) -> None:

@@ -267,8 +267,9 @@ def quantize_buffers(q: Quantized, rank: int, buffers: Mapping[str, np.ndarray],
     for task in q.tasks.get(rank, ()):
         src = np.asarray(buffers[task.source]).reshape(-1)
         dst = res[task.weights].reshape(-1)
+        on = task.device_arrays(np)  # once per task, not per chunk
         for lo in range(0, task.blocks.size, step):
-            pos = task.positions(q.scaled, lo, lo + step)
+            pos = task.positions(q.scaled, lo, lo + step, on=on)
             ok = pos >= 0
             v = np.zeros(pos.shape, src.dtype)
             v[ok] = src[pos[ok]]

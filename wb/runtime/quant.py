@@ -60,14 +60,16 @@ class Quantiser:
             if xp is not np:
                 with xp.cuda.Device(src.device.id):
                     self._on[i] = task.device_arrays(xp)
+        # the tasks whose buffers are on the host (numpy), decided once: devices do not change
+        host = tuple(t for t in self.tasks if live[t.source][0] is np)
+        self._host = Quantized(q.scaled, q.trainers, {rank: host}) if host else None
 
     def run(self, live: Mapping[str, tuple[Any, Any]]) -> None:
         """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
         same shapes)."""
-        host = [t for t in self.tasks if live[t.source][0] is np]
-        if host:
-            sub = Quantized(self.q.scaled, self.q.trainers, {self.rank: tuple(host)})
-            quantize_buffers(sub, self.rank, {t.source: live[t.source][1] for t in host},
+        if self._host is not None:
+            host = self._host.tasks[self.rank]
+            quantize_buffers(self._host, self.rank, {t.source: live[t.source][1] for t in host},
                              out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)})
         for i, task in enumerate(self.tasks):
             xp, src = live[task.source]
