@@ -161,11 +161,16 @@ def quantize_layouts(trainers: Sequence[Layout], scaled: BlockScaled) -> Quantiz
             f"between trainer buffers, which wb does not do yet; shard the trainer at multiples "
             f"of the block {g.block} or leave `{scaled.names[t]}` out of FP8Blocks.tensors")
     # replicas share the work in ranges of block rows, not block by block: a holder's blocks then
-    # form large rectangles, and so do the pieces cut from them. Blocks of one tensor with the
-    # same holders form a group; its block rows are cut into `count` ranges in order.
-    group = ((g.t_of[keys] * (len(cand_names) + 1) + cb[start]) * (int(count.max(initial=0)) + 1)
-             + count)
-    pairs, inv = np.unique(np.stack([group, g.br[keys]], 1), axis=0, return_inverse=True)
+    # form large rectangles, and so do the pieces cut from them. Blocks with the same first and
+    # last holding trainer and number of holders form a group (replicas: their holders); its
+    # block rows, tensor after tensor, are cut into `count` ranges in order, so each replica
+    # quantises whole tensors but at most one, and a rollout's range of one tensor comes from one
+    # trainer (any candidate of a block holds it: the grouping weighs balance, not correctness).
+    cand_li = np.array([li for li, _ in cand_names] or [0], np.int64)
+    n_li, n_c = len(trainers) + 1, int(count.max(initial=0)) + 1
+    group = (cand_li[cb[start]] * n_li + cand_li[cb[start + count - 1]]) * n_c + count
+    row = g.t_of[keys] * (int(g.br.max(initial=0)) + 1) + g.br[keys]
+    pairs, inv = np.unique(np.stack([group, row], 1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     g_first = np.searchsorted(pairs[:, 0], pairs[:, 0], side="left")
     g_size = np.searchsorted(pairs[:, 0], pairs[:, 0], side="right") - g_first

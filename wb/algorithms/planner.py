@@ -38,6 +38,9 @@ __all__ = ["plan", "lower_bound", "plan_from_routes", "Routes", "DEFAULT_CHUNK_B
 
 #: Piece size: large enough that per-message costs vanish, small enough to pipeline stages.
 DEFAULT_CHUNK_BYTES = 8 << 20
+#: Contiguous ranges smaller than this travel packed with others of their pair of ranks, not each
+#: in a message of its own: a message costs tens of microseconds, more than such a range's bytes.
+SMALL_RUN_BYTES = 1 << 20
 
 
 class Routes(NamedTuple):
@@ -390,13 +393,8 @@ def _expand(corr: Correspondence, tab, routes: Routes, pieces: Pieces, chunk_byt
             pm = pm[key_order]
             cut = np.r_[True, (pm[1:] != pm[:-1]) | (dst_rank[at][1:] != dst_rank[at][:-1])]
             parent = pm
-        # A message also ends where the destination stops being one contiguous range (another
-        # buffer, or a gap): then every message is received in place, without staging.
-        # (Nor does it mix travelling dtypes: one per message, so it packs and unpacks aligned.)
-        n_el = (pieces.na * pieces.nb)[piece[at]]
-        wire = pieces.dtype[piece[at]]
-        cut[1:] |= (dst_slot[at][1:] != dst_slot[at][:-1]) | (
-            dst_f0[at][1:] != dst_f0[at][:-1] + n_el[:-1]) | (wire[1:] != wire[:-1])
+        at, cut, parent = _pack_small(at, cut, parent, piece, pieces, dst_slot, dst_f0,
+                                      tab.dtype[dst_slot], nbytes)
         csum = np.cumsum(nbytes[at]) - nbytes[at]
         base = np.maximum.accumulate(np.where(cut, csum, 0))
         bucket = (csum - base) // chunk_bytes
@@ -426,6 +424,36 @@ def _expand(corr: Correspondence, tab, routes: Routes, pieces: Pieces, chunk_byt
                  np.bincount(msg_o, weights=nbytes[order], minlength=n_m).astype(np.int64),
                  np.concatenate(m_parent) if m_parent else np.zeros(0, np.int64), first, count)
     return T, M
+
+
+def _pack_small(at, group_cut, parent, piece, pieces: Pieces, dst_slot, dst_f0, dst_dtype, nbytes
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where messages end within one group of transfers (a pair of ranks, or a parent and a
+    destination rank), ``at`` in destination order: returns ``(at, cut, parent)`` reordered.
+
+    A message ends where the destination stops being one contiguous range (another buffer, or a
+    gap): such a message is received in place, without staging. Ranges of less than
+    :data:`SMALL_RUN_BYTES` would each cost a message of their own (a scale tensor per expert, a
+    bias, a norm: thousands per rank where each costs more than its bytes), so they go after the
+    group's large ranges, packed together into staged messages of one travelling and one
+    destination dtype (a message packs and unpacks aligned in one of each)."""
+    n_el = (pieces.na * pieces.nb)[piece[at]]
+    wire, ddt = pieces.dtype[piece[at]], dst_dtype[at]
+    run_cut = group_cut.copy()
+    run_cut[1:] |= (dst_slot[at][1:] != dst_slot[at][:-1]) | (
+        dst_f0[at][1:] != dst_f0[at][:-1] + n_el[:-1]) | (wire[1:] != wire[:-1])
+    run = np.cumsum(run_cut) - 1
+    small = (np.bincount(run, weights=nbytes[at]) < SMALL_RUN_BYTES)[run]
+    group = np.cumsum(group_cut) - 1
+    order = np.lexsort((np.arange(at.size), np.where(small, ddt, -1), np.where(small, wire, -1),
+                        small, group))
+    at, run_cut, parent = at[order], run_cut[order], parent[order]
+    small, wire, ddt, group = small[order], wire[order], ddt[order], group[order]
+    cut = np.where(small, False, run_cut)
+    cut[1:] |= (group[1:] != group[:-1]) | (small[1:] != small[:-1]) | (wire[1:] != wire[:-1]) | (
+        ddt[1:] != ddt[:-1])
+    cut[:1] = True
+    return at, cut, parent
 
 
 # --- the bound ----------------------------------------------------------------------------------
