@@ -34,11 +34,18 @@ def main() -> None:
     ap.add_argument("--cuda", type=int, default=None, metavar="DEVICE")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="per-message traces of each run, DIR/{bf16,fp8}/trace_<run>.json "
+                         "(read with bench/trace_summary.py)")
     a = ap.parse_args()
     kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
               repeat=a.repeat, cuda_device=a.cuda)
-    bf16 = run(**kw)
-    fp8 = run(fp8=wb.FP8Blocks(("*_proj.weight",)), **kw)
+    trace = (lambda name: str(Path(a.trace, name))) if a.trace else (lambda name: None)
+    bf16 = run(trace_out=trace("bf16"), **kw)
+    if a.out:  # a partial report, should the FP8 run not finish
+        Path(a.out).write_text(json.dumps({"bf16": bf16}, indent=1))
+    print(f"bf16: ewtt {bf16['ewtt_s']:.4f} s, {bf16['messages']} messages", flush=True)
+    fp8 = run(fp8=wb.FP8Blocks(("*_proj.weight",)), trace_out=trace("fp8"), **kw)
     rep = {"bf16": bf16, "fp8": fp8,
            "bytes_ratio": fp8["bytes_between_processes"] / bf16["bytes_between_processes"],
            "trainer_bytes_ratio": fp8["model_bytes"] / bf16["model_bytes"],

@@ -68,13 +68,15 @@ def retyped(layouts, dtype: str):
 
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
-        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None) -> dict:
+        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
+        trace_out=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
     :func:`wb.layouts.blockscaled.fp8_rollouts`), each trainer quantises its blocks before the
     transfer (timed apart: ``quantize_s``), and rollouts are checked against the quantised
-    weights."""
+    weights. ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``: per
+    rank, :class:`wb.runtime.update.TraceEntry` rows; read with ``bench/trace_summary.py``)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -122,7 +124,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
                       options={"timeout": 120, "barrier": True, "tls": tls,
                                "staging_bytes": staging, "cuda_device": cuda_device,
-                               "held": dtypes[0] if dtypes else None, "fp8": fp8_opt},
+                               "held": dtypes[0] if dtypes else None, "fp8": fp8_opt,
+                               "trace": trace_out is not None},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
@@ -130,7 +133,12 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             raise RuntimeError(f"ranks {bad} failed: {[res[x] for x in bad][:2]}")
         if not all(res[x]["bit_identical"] for x in ranks if x >= len(trainers)):
             raise RuntimeError("a rollout buffer is not bit-identical")
-        ewtt = max(res[x]["end_s"] for x in ranks) - min(res[x]["start_s"] for x in ranks)
+        t0 = min(res[x]["start_s"] for x in ranks)
+        ewtt = max(res[x]["end_s"] for x in ranks) - t0
+        if trace_out is not None:
+            Path(trace_out).mkdir(parents=True, exist_ok=True)
+            Path(trace_out, f"trace_{k}.json").write_text(json.dumps(
+                {str(x): {"t0": t0, "messages": res[x].get("trace", [])} for x in ranks}))
         p2p, agg = raw1["aggregate_Bps"], rawk["aggregate_Bps"]
         if pairs == 1:  # two samples of the same single pair: the faster is the bound
             p2p = agg = max(p2p, agg)
@@ -139,7 +147,10 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         rows.append({"ewtt_s": ewtt, "quantize_s": max(quant) if quant else 0.0,
                      "raw_p2p_GBps": p2p / 1e9, "raw_aggregate_GBps": agg / 1e9,
                      "ideal_link_s": busiest / p2p, "ideal_host_s": total / agg,
-                     "ideal_s": ideal, "ratio": ewtt / ideal})
+                     "ideal_s": ideal, "ratio": ewtt / ideal,
+                     # per rank: its start and end, seconds after the first start
+                     "ranks": {str(x): [round(res[x]["start_s"] - t0, 5),
+                                        round(res[x]["end_s"] - t0, 5)] for x in ranks}})
     mid = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]  # the run with the median ratio
     return {"model_bytes": int(wb.lower_bound(trainers, rollouts).trainer_total),
             "device": ("cuda: trainers GPU %d, rollouts GPU %d" % (cuda_device["trainer"],

@@ -403,3 +403,20 @@ def test_blocks_a_buffer_holds_in_several_rectangles_are_quantised_by_it():
     out = _run_local(p, q, trainers, rollouts, spec, vals)
     want = expected(rollouts[0], fp8_checkpoint(sc, vals))
     assert all(out[1][k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_replicas_quantise_whole_tensors():
+    """Two trainers holding the same 6 declared tensors whole split the work tensor by tensor
+    (3 each, none cut between them), not block rows of every tensor."""
+    names = [f"l{i}.w" for i in range(6)]
+    spec = wb.CheckpointSpec({n: ((256, 256), "bfloat16") for n in names})
+    sc = wb.FP8Blocks(("*.w",)).bind(spec)
+    sm = {n: wb.BufferSpec(wb.SourceMap.from_indices(spec.ids(n)), "bfloat16") for n in names}
+    trainers = [wb.Layout(wb.Worker(r, "t", "trainer", r), sm) for r in range(2)]
+    q = quantize_layouts(trainers, sc)
+    owner = {}
+    for r, tasks in q.tasks.items():
+        for t in tasks:
+            owner.setdefault(t.tensor, set()).add(r)
+    assert all(len(rs) == 1 for rs in owner.values()), owner
+    assert sorted(len([t for t, rs in owner.items() if r in rs]) for r in (0, 1)) == [3, 3]

@@ -246,3 +246,34 @@ def test_old_layouts_bytes_are_refused_with_a_fix():
     np.savez(f, header=np.frombuffer(json.dumps([{"rank": 0}]).encode(), np.uint8))
     with pytest.raises(wb.SpecError, match="older version"):
         layouts_from_bytes(f.getvalue())
+
+
+def test_small_ranges_travel_packed_large_ones_in_place():
+    """A rollout buffer interleaved from two trainers in rows of 32 bytes gets one packed message
+    per trainer, not one per row; ranges of 1 MiB and more still each get a message received in
+    place (zero-copy); every element lands where its id says (LocalSession, numpy)."""
+    from wb.algorithms.planner import SMALL_RUN_BYTES
+    from wb.runtime.program import Program
+
+    rows, cols = 64, 8  # float32: 32-byte rows
+    small = np.arange(rows * cols).reshape(rows, cols)
+    big_n = SMALL_RUN_BYTES // 4  # float32 elements in one 1 MiB range
+    big = small.size + np.arange(2 * big_n)
+    f32 = lambda ids: wb.BufferSpec(wb.SourceMap.from_indices(ids), "float32")  # noqa: E731
+    trainers = [wb.Layout(wb.Worker(t, f"t{t}", "trainer", 0),
+                          {"s": f32(small[t::2]), "b": f32(big[t * big_n:(t + 1) * big_n])})
+                for t in range(2)]
+    rollout = wb.Layout(wb.Worker(2, "r", "rollout", 0), {"s": f32(small), "b": f32(big)})
+    p = wb.plan(trainers, [rollout])
+    prog = Program(p, 2)
+    got = sorted((g.peer, g.zc_dst, g.nbytes) for g in prog.messages.values())
+    assert got == [(0, False, small.size * 2), (0, True, SMALL_RUN_BYTES),
+                   (1, False, small.size * 2), (1, True, SMALL_RUN_BYTES)]
+    values = np.random.default_rng(1).standard_normal(small.size + big.size).astype(np.float32)
+    tb = {lay.worker.rank: {k: values[b.sourcemap.to_indices()] for k, b in lay.buffers.items()}
+          for lay in trainers}
+    rb = {2: {"s": np.zeros((rows, cols), np.float32), "b": np.zeros(big.size, np.float32)}}
+    with wb.LocalSession(p, tb, rb) as s:
+        s.update()
+    np.testing.assert_array_equal(rb[2]["s"], values[small])
+    np.testing.assert_array_equal(rb[2]["b"], values[big])

@@ -151,8 +151,11 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             for r in plan.ranks:
                 store.get(f"go/{r}", options.get("timeout", 60.0))
         t0 = time.time()
+        trace = [] if options.get("trace") else None
         stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
-                        staging_bytes=options.get("staging_bytes", 256 << 20))
+                        staging_bytes=options.get("staging_bytes", 256 << 20), trace=trace)
+        if trace is not None:  # (message, stage, peer, out, nbytes, ready, posted, done)
+            result["trace"] = [list(e) for e in trace]
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)
         if not trainer:
             if fp8:

@@ -107,6 +107,22 @@ def prepare(xp, pairs) -> None:
             assign(xp, xp.zeros(1, xp_dtype(xp, dst)), xp.zeros(1, xp_dtype(xp, src)), dst, src)
 
 
+def prepare_copies(xp, dtypes) -> None:
+    """Loads CuPy's copy kernels for arrays of ``dtypes`` (CuPy dtypes) now, once per process,
+    in the forms packing, unpacking and local copies use (contiguous, and strided two-dimensional
+    regions either way): a first copy of a kind compiles or loads its kernel, tens of
+    milliseconds that would otherwise stall the first update's first packed message."""
+    if xp is np:
+        return
+    for dt in sorted({np.dtype(d) for d in dtypes}, key=str):
+        a, b = xp.zeros((4, 4), dt), xp.zeros((4, 4), dt)
+        b[...] = a  # contiguous
+        b[:, :2] = a[:, ::2]  # strided both ways
+        b.reshape(-1)[:8].reshape(4, 2)[...] = a[:, 1:3]  # packed from a region
+        a[:, 1:3] = b.reshape(-1)[:8].reshape(4, 2)  # unpacked into a region
+    xp.cuda.runtime.deviceSynchronize()
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(src: str, dst: str):
     import cupy  # only CUDA buffers come here

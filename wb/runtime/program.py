@@ -22,7 +22,7 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans, part_of, schedule
 from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import check_buffers, fixed_memory
-from wb.runtime.casts import prepare
+from wb.runtime.casts import prepare, prepare_copies
 from wb.runtime.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
 
 __all__ = ["Program", "Message", "schedule"]
@@ -178,7 +178,7 @@ class Program:
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
         self._checked: _Checked | None = None
-        self._prepared = False  # the CUDA conversion kernels are compiled
+        self._prepared = False  # the CUDA conversion and copy kernels are loaded
 
     def dtype_of(self, slot: int) -> str:
         """The dtype of this rank's buffer ``slot`` (a slot of the part); ``""`` for another
@@ -251,9 +251,10 @@ class Program:
                 then aborted).
         """
         flat, xp = self.check(buffers, layout=layout)
-        if xp is not np and flat and self.conversions and not self._prepared:
-            with next(iter(flat.values())).device:
-                prepare(xp, self.conversions)  # compiled once, before the first update
+        if xp is not np and flat and not self._prepared:
+            with next(iter(flat.values())).device:  # compiled once, before the first update
+                prepare(xp, self.conversions)
+                prepare_copies(xp, {a.dtype for a in flat.values()})
             self._prepared = True
         if xp is not np and flat:
             # CuPy's current device is per thread: staging and kernels must go to the buffers'

@@ -84,15 +84,23 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
 
     spec, fspec = scaled.trainer_spec, scaled.spec
     hd = dtype_info(held).numpy
-    parts = {}
-    for t, n in enumerate(scaled.names):
-        x = weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n))
-        parts[n], parts[scaled.scale_name(t)] = quantize_tensor(x, scaled.decl.block,
-                                                                scaled.decl.format)
-    starts = np.array([fspec.offset(n) for n in parts], np.int64)
-    order = np.argsort(starts)
-    names = [list(parts)[i] for i in order]
-    starts = starts[order]
+    # (start, tensor, 0: the FP8 values, 1: the scales) of every FP8 checkpoint tensor; a tensor
+    # is quantised only when this layout needs part of it (a rank holds a small share)
+    names = [(n, t, 0) for t, n in enumerate(scaled.names)] + [
+        (scaled.scale_name(t), t, 1) for t in range(len(scaled.names))]
+    rows = sorted((fspec.offset(n), t, which, int(np.prod(fspec.shape(n))))
+                  for n, t, which in names)
+    starts = np.array([r[0] for r in rows], np.int64)
+    done_q: dict[int, tuple] = {}
+
+    def part(k: int) -> np.ndarray:
+        _, t, which, _ = rows[k]
+        if t not in done_q:
+            n = scaled.names[t]
+            x = weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n))
+            done_q[t] = quantize_tensor(x, scaled.decl.block, scaled.decl.format)
+        return np.asarray(done_q[t][which]).reshape(-1)
+
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
@@ -100,10 +108,10 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         vals = np.zeros(ids.size, np.float64)
         t = np.searchsorted(starts, ids, side="right") - 1
         done = np.zeros(ids.size, bool)
-        for k in np.unique(t[(t >= 0) & (ids >= 0)]):
-            flat = np.asarray(parts[names[k]]).reshape(-1)
-            sel = (t == k) & (ids >= 0) & (ids - starts[k] < flat.size)
-            vals[sel] = flat[ids[sel] - starts[k]].astype(np.float64)
+        for k in np.unique(t[(t >= 0) & (ids >= 0)]).tolist():
+            sel = (t == k) & (ids >= 0) & (ids - starts[k] < rows[k][3])
+            if sel.any():
+                vals[sel] = part(k)[ids[sel] - starts[k]].astype(np.float64)
             done |= sel
         rest = (ids >= 0) & ~done  # undeclared tensors: the weights as held, converted
         vals[rest] = weight_bits(ids[rest], hd).view(hd).astype(np.float64)
