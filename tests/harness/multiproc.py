@@ -59,6 +59,8 @@ class _FaultyTransport:
 
     def send(self, peer, buf, tag):
         f = self.fault
+        if not self.armed and f.in_version is not None and tag >> 32 >= f.in_version:
+            self.armed = True  # the first send of that version (a tag holds its version)
         if not self.armed:
             return self.inner.send(peer, buf, tag)
         if f.die_after is not None and self.sends >= f.die_after:
@@ -91,6 +93,15 @@ class _FaultyTransport:
 
     def abort(self):
         return self.inner.abort()
+
+    def cancel(self):
+        return self.inner.cancel()
+
+    def add_peers(self, peers):
+        return self.inner.add_peers(peers)
+
+    def forget(self, peers):
+        return self.inner.forget(peers)
 
 
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
@@ -199,8 +210,12 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
                                                         str(result_dir), opts), daemon=True)
         procs[r].start()
     deadline = t0 + join_timeout
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.time()))
+    for r, p in procs.items():  # the healthy first; a faulty one (stopped?) gets 5 s more
+        if not (faults and r in faults):
+            p.join(max(0.0, deadline - time.time()))
+    for r, p in procs.items():
+        if faults and r in faults:
+            p.join(max(0.0, min(deadline, time.time() + 5.0) - time.time()))
     for p in procs.values():
         if p.is_alive():
             p.kill()
@@ -274,6 +289,12 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
 
 
+def _repairs(worker) -> list[dict]:
+    """The attempt records a Sender's or Receiver's versions ran or saw (wb.runtime.finish)."""
+    fin = worker._end.finisher
+    return list(fin.repairs) if fin is not None else []
+
+
 def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                      options: dict) -> None:
     """One worker of a multi-version run through wb.Sender / wb.Receiver (spawned): trainers push
@@ -315,6 +336,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     transport.armed = True
                 tx.push()
             tx.close()
+            result["repairs"] = _repairs(tx)
         else:
             bufs = {k: np.zeros_like(v) for k, v in base.items()}
             rx = wb.Receiver(plan, rank, bufs, staging=options.get("receiver_staging", True), **kw)
@@ -327,7 +349,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     v = rx.apply()
                 except TransferError as e:
                     result["error"], result["error_at"] = str(e), time.time()
-                    want = version_bits(base, rx.version, mapped)
+                    want = version_bits(base, max(rx.version, 0), mapped)
                     result["intact"] = bool(all(np.array_equal(bufs[k].view(np.uint8),
                                                                want[k].view(np.uint8))
                                                 for k in bufs))
@@ -342,6 +364,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 rx.close()
             except TransferError as e:  # a peer died: the closing barrier says so
                 result["close_error"] = str(e)
+            result["repairs"] = _repairs(rx)
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
         result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(),

@@ -9,6 +9,7 @@ for the peers it exchanges bytes with; then its program runs with tags ``v << 32
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,10 +21,13 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans
 from wb.errors import PlanError, TransferError
 from wb.runtime.executor import connect
+from wb.runtime.finish import Finisher, repairable, tag_base
 from wb.runtime.liveness import Heartbeat, Watch
 from wb.runtime.program import Program
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import ExecStats
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Endpoint", "Transferred", "in_thread", "worker_layout"]
 
@@ -124,6 +128,13 @@ class Endpoint:
         except BaseException:
             self.heartbeat.stop()
             raise
+        # a version finishes without a rollout that dies during it, where that can be done
+        self.finisher = Finisher(self) if repairable(plan) else None
+
+    def adopt(self, part) -> None:
+        """Runs ``part`` (this rank's part of a plan for new membership) from the next version."""
+        self.program = Program(part, self.rank)
+        self.peers = list(part.peers)
 
     # --- the store ------------------------------------------------------------------------------
     def key(self, *parts) -> str:
@@ -134,7 +145,8 @@ class Endpoint:
         self.store.set(self.key("version", v, self.rank), b"1")
 
     def await_keys(self, keys: Mapping[int, str], late: Callable[[int], str], *,
-                   cancel: threading.Event | None = None) -> None:
+                   cancel: threading.Event | None = None,
+                   skip: Callable[[int], bool] | None = None) -> None:
         """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store; a
         rank that stopped beating meanwhile fails the wait at once.
 
@@ -153,6 +165,10 @@ class Endpoint:
                     if cancel is not None and cancel.is_set():
                         raise CancelledError() from None
                     silent = self.watch.silent([r]) if r != self.rank else {}
+                    if silent and skip is not None and skip(r):
+                        log.warning("rank %d: peer %d stopped beating before `%s`; going on "
+                                    "without it", self.rank, r, key)
+                        break
                     if silent:
                         raise TransferError(
                             f"rank {self.rank}: peer {r} ({silent[r]:.1f} s) stopped beating "
@@ -169,25 +185,38 @@ class Endpoint:
 
     def join(self, v: int, *, cancel: threading.Event | None = None) -> float:
         """Joins version ``v`` and waits for every peer to join it; returns the join time."""
+        if self.finisher is not None:
+            self.finisher.before_join()  # the membership the last version left
         joined = time.time()
         self.store.set(self.key("join", v, self.rank), b"1")
         trainers = set(self.trainers)
         self.await_keys({p: self.key("join", v, p) for p in self.peers}, lambda p: (
             f"rank {self.rank}: peer {p} did not join version {v} within "
             f"{self.wait_timeout:.0f} s (wait_timeout); is its "
-            f"{'push' if p in trainers else 'apply'} being called?"), cancel=cancel)
+            f"{'push' if p in trainers else 'apply'} being called?"), cancel=cancel,
+            # a dead rollout: the version goes on without it (wb.runtime.finish)
+            skip=None if self.finisher is None else (lambda p: p not in trainers))
         return joined
 
     # --- the transfer ----------------------------------------------------------------------------
     def run(self, v: int, arrays: Mapping[str, Any]) -> ExecStats:
         """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
         at set-up, joined for ``v``)."""
-        return self.program.run(arrays, self.transport, tag_base=v << 32,
+        if self.finisher is not None:
+            return self.finisher.run(v, arrays)
+        return self.program.run(arrays, self.transport, tag_base=tag_base(v, 0),
                                 staging_bytes=self.staging_bytes, timeout=self.timeout,
                                 liveness=self.watch)
 
     def stop(self) -> None:
-        """Stops beating (the worker is closing)."""
+        """Stops beating (the worker is closing), once it knows which peers died (the closing
+        barrier waits for the others only)."""
+        if self.finisher is not None:
+            try:
+                self.finisher.before_join()
+            except TransferError as e:
+                log.warning("rank %d: closing without the last version's final record: %s",
+                            self.rank, e)
         self.heartbeat.stop()
 
     def record(self, v: int, stall_s: float, t: Transferred) -> None:

@@ -224,7 +224,7 @@ class Program:
     def run(self, buffers: Mapping[str, Any], transport, *, tag_base: int = 0,
             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
             trace: list | None = None, layout: Layout | None = None,
-            liveness=None) -> ExecStats:
+            liveness=None, interrupt=None) -> ExecStats:
         """Runs one update: this rank's sends, receives, local copies and forwards.
 
         Args:
@@ -241,6 +241,9 @@ class Program:
             layout: this worker's own layout (as it probed it); refused if the plan's differs.
             liveness: a :class:`~wb.runtime.liveness.Watch` over the peers' heartbeats: a peer
                 that stops beating fails the update within its grace, not after ``timeout``.
+            interrupt: a callable asked while the update is stalled whether to give up (see
+                :func:`wb.runtime.update.run_update`); with it, lost peers raise
+                :class:`~wb.runtime.update.PeersLost` and the transport is kept.
 
         Returns:
             :class:`~wb.runtime.update.ExecStats`.
@@ -263,7 +266,7 @@ class Program:
             with next(iter(flat.values())).device:
                 return run_update(self, flat, xp, transport, tag_base=tag_base,
                                   staging_bytes=staging_bytes, timeout=timeout, trace=trace,
-                                  liveness=liveness)
+                                  liveness=liveness, interrupt=interrupt)
         return run_update(self, flat, xp, transport, tag_base=tag_base,
                           staging_bytes=staging_bytes, timeout=timeout, trace=trace,
-                          liveness=liveness)
+                          liveness=liveness, interrupt=interrupt)

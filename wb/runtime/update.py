@@ -32,6 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,7 +40,7 @@ import numpy as np
 from wb.errors import TransferError
 from wb.runtime.casts import assign, xp_dtype
 
-__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "Inflight", "fencer", "abort",
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "PeersLost", "TraceEntry", "Inflight", "fencer", "abort",
            "run_update"]
 
 log = logging.getLogger(__name__)
@@ -177,9 +178,20 @@ def abort(transport) -> None:
 ASK_AFTER_S = 1.0
 
 
+class PeersLost(TransferError):
+    """Peers stopped beating while this update waited for them (``ranks``: ``{rank: seconds
+    silent}``), or (``ranks`` empty) the update was interrupted because the version went on
+    without it (:mod:`wb.runtime.finish`). Raised with the transport kept: its requests in
+    flight are cancelled, not the connection."""
+
+    def __init__(self, message: str, ranks: dict[int, float]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
 def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
                staging_bytes: int, timeout: float, trace: list | None,
-               liveness=None) -> ExecStats:
+               liveness=None, interrupt: Callable[[], bool] | None = None) -> ExecStats:
     """Runs one update of ``program`` (a :class:`~wb.runtime.program.Program`) over checked,
     flattened buffers and a connected transport (see :meth:`Program.run`, which calls this).
 
@@ -187,7 +199,14 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
     :data:`ASK_AFTER_S`, it is asked (twice a second) whether a peer this rank still waits for
     stopped beating; such a peer fails the update at once, long before ``timeout``.
 
+    ``interrupt``: with it, a silent peer raises :class:`PeersLost` and the transport is kept
+    (what is in flight is cancelled), and once no progress has been made for
+    :data:`ASK_AFTER_S` it is asked (twice a second) whether to give up waiting: then
+    :class:`PeersLost` too, with no ranks. The caller (:mod:`wb.runtime.finish`) goes on with
+    the version another way.
+
     Raises:
+        PeersLost: see ``interrupt``.
         TransferError: a failed or stalled transfer, or a silent peer (the transport is then
             aborted).
     """
@@ -212,14 +231,31 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
                 last, idle = now, 0
             elif now - last > timeout:
                 raise TransferError(u.stalled(timeout))
-            elif liveness is not None and now - last > ASK_AFTER_S and now - asked > 0.5:
+            elif (liveness is not None or interrupt is not None) and now - last > ASK_AFTER_S \
+                    and now - asked > 0.5:
                 asked = now
-                silent = liveness.silent(u.waiting_for())
+                silent = liveness.silent(u.waiting_for()) if liveness is not None else {}
+                if silent and interrupt is not None and hasattr(transport, "cancel"):
+                    raise PeersLost(u.silent(silent, now - last), silent)
                 if silent:
                     raise TransferError(u.silent(silent, now - last))
+                if interrupt is not None and hasattr(transport, "cancel") and interrupt():
+                    raise PeersLost(f"rank {program.rank}: interrupted after {now - last:.1f} s "
+                                    f"without progress: the version goes on without this "
+                                    f"attempt; waiting for: " + u.waiting(), {})
             else:
                 idle += 1
                 time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
+    except PeersLost:
+        transport.cancel()  # the connection stays: the version goes on over it
+        raise
+    except TransferError as e:
+        peer = getattr(e, "peer", None)  # a request with this peer failed (connection reset)
+        if interrupt is None or peer is None or not hasattr(transport, "cancel"):
+            abort(transport)
+            raise
+        transport.cancel()
+        raise PeersLost(str(e), {int(peer): 0.0}) from e
     except BaseException:
         abort(transport)
         raise

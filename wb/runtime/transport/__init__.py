@@ -47,3 +47,8 @@ class Transport(Protocol):
     def close(self) -> None:
         """Waits until every peer is done (a barrier), then releases endpoints and the worker."""
         ...
+
+    # Optional, for versions that finish without a dead peer (wb.runtime.finish): ``cancel()``
+    # cancels the requests in flight and keeps the connections, ``add_peers(peers)`` allows
+    # ranks of the same session not connected so far, ``forget(peers)`` drops dead ones. A
+    # transport without them fails the whole version when a peer dies.

@@ -122,3 +122,19 @@ class LocalTransport:
 
     def abort(self) -> None:
         self.close(barrier=False)
+
+    def cancel(self) -> None:
+        """Cancels this rank's sends and receives not yet matched (their requests fail)."""
+        with self.hub._lock:
+            for book in (self.hub._sends, self.hub._recvs):
+                for key in [k for k in book if self.rank in k[:2]
+                            and (book is self.hub._sends) == (k[0] == self.rank)]:
+                    _, req = book.pop(key)
+                    req.error = f"rank {self.rank}: tag {key[2]:#x} cancelled"
+                    req.event.set()
+
+    def add_peers(self, peers: Iterable[int]) -> None:
+        """Nothing to do: every rank of the hub can reach every other."""
+
+    def forget(self, peers: Iterable[int]) -> None:
+        """Nothing to do: no connection to close."""

@@ -70,8 +70,10 @@ class _UcxRequest:
         try:
             self.req.check_error()
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
-            raise TransferError(f"rank {self.rank}: UCX {self.what} of tag {self.tag:#x} with peer "
-                                f"{self.peer} failed: {type(e).__name__}: {e}") from e
+            err = TransferError(f"rank {self.rank}: UCX {self.what} of tag {self.tag:#x} with "
+                                f"peer {self.peer} failed: {type(e).__name__}: {e}")
+            err.peer = self.peer  # the update may go on without it (wb.runtime.finish)
+            raise err from e
         return True
 
 
@@ -216,6 +218,31 @@ class UcxTransport:
         if self._worker is not None:
             self._worker.cancel_inflight_requests()
             self.close(barrier=False)
+
+    def cancel(self) -> None:
+        """Cancels every request in flight and keeps the connections (a version goes on without
+        its stalled attempt: :mod:`wb.runtime.finish`)."""
+        if self._worker is not None:
+            self._worker.cancel_inflight_requests()
+
+    def add_peers(self, peers: Iterable[int]) -> None:
+        """Allows sends and receives with ``peers`` too (ranks of the same session, whose
+        addresses are in the store), without a new :meth:`connect` round."""
+        self._peers = sorted(set(self._peers) | (set(int(p) for p in peers) - {self.rank}))
+
+    def forget(self, peers: Iterable[int]) -> None:
+        """Drops ``peers`` (dead): their endpoints are closed and :meth:`close` waits for them no
+        more."""
+        gone = set(int(p) for p in peers)
+        self._peers = [p for p in self._peers if p not in gone]
+        for p in gone:
+            ep = self._eps.pop(p, None)
+            if ep is not None:
+                try:
+                    ep.close()
+                except Exception:  # noqa: BLE001 - the peer is gone
+                    log.debug("rank %d: closing the endpoint to %d failed", self.rank, p,
+                              exc_info=True)
 
     # --- transfers -----------------------------------------------------------------------------
     def _ep(self, peer: int):

@@ -1,0 +1,94 @@
+"""Survivors finish the version: real processes over UCX (spawned), a rollout killed (or stopped)
+mid-transfer or between versions; every other rollout applies every version bit-identical, the
+trainers' leader names the dead within seconds and sends again what the survivors lack, and the
+next versions run without the dead."""
+
+import time
+
+import numpy as np
+import pytest
+
+import wb
+from harness.multiproc import coord_child_main, run_ranks
+
+pytest.importorskip("ucxx")
+
+RANKS = list(range(8))
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    """2 trainers x TP 2 -> 2 rollout nodes x 2 GPUs (ranks 4-7): stage-2 forwards between the
+    nodes, so a dead rollout leaves pieces it was to forward undelivered."""
+    w = np.arange(64 * 48, dtype=np.int64).reshape(64, 48)
+    f32 = lambda ids: wb.BufferSpec(wb.SourceMap.from_indices(ids), "float32")  # noqa: E731
+    trainers = [wb.Layout(wb.Worker(d * 2 + t, f"t{d}", "trainer", t),
+                          {"w": f32(w[:, 24 * t:24 * (t + 1)].T)}) for d in range(2) for t in range(2)]
+    rollouts = [wb.Layout(wb.Worker(4 + n * 2 + g, f"r{n}", "rollout", g),
+                          {"w": f32(w[32 * g:32 * (g + 1)])}) for n in range(2) for g in range(2)]
+    p = wb.plan(trainers, rollouts, chunk_bytes=1024)
+    p.verify()
+    d = tmp_path_factory.mktemp("plan")
+    p.save(d / "plan.npz")
+    return d
+
+
+def _forwarder(plan_dir) -> int:
+    p = wb.Plan.load(plan_dir / "plan.npz")
+    fwd = {r: int(((p.messages.src_rank == r) & (p.messages.stage > 1)).sum()) for r in range(4, 8)}
+    victim = max(fwd, key=fwd.get)
+    assert fwd[victim] > 0
+    return victim
+
+
+def _survivors_applied_everything(run, victim, versions, **kw):
+    for r in RANKS:
+        if r == victim:
+            continue
+        res = run.results[r]
+        assert res is not None and res["ok"] and "error" not in res, (r, res)
+        if r >= 4:
+            assert res["applied"] == list(range(1, versions + 1)), (r, res)
+            assert all(res["checks"]), (r, res)
+    leader = run.results[0]
+    return leader["repairs"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["die", "stop"])
+@pytest.mark.parametrize("mode", ["both", "sync"])
+def test_survivors_finish_a_version_whose_forwarding_rollout_died(plan_file, tmp_path, how, mode):
+    """The rollout that forwards most dies (kill -9 alike) or is stopped (SIGSTOP) after its first
+    send of version 2: every other rollout still gets versions 1, 2 and 3 bit-identical, within
+    seconds of the death, and version 3 runs without it."""
+    victim = _forwarder(plan_file)
+    stamp = tmp_path / "stamp"
+    send, recv = wb.MODES[mode]
+    t0 = time.time()
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"), target=coord_child_main,
+                    options={"versions": 3, "timeout": 60, "sender_staging": send,
+                             "receiver_staging": recv},
+                    faults={victim: {f"{how}_after": 1, "in_version": 2, "stamp": str(stamp)}},
+                    join_timeout=150)
+    repairs = _survivors_applied_everything(run, victim, 3)
+    gone = float(stamp.read_text())
+    assert len(repairs) == 1 and repairs[0]["dead"] == [victim], repairs
+    assert victim not in repairs[0]["need"]
+    detect = repairs[0]["detected_s"] - gone
+    assert 0 < detect < 10, detect  # the heartbeat's grace (3 s) and the stall check, not 60 s
+    assert time.time() - t0 < 120
+    print(f"{how}/{mode}: rank {victim} called dead after {detect:.1f} s; attempt 1 sent to "
+          f"{repairs[0]['need']}")
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_dead_between_versions_is_left_out_of_the_next(plan_file, tmp_path):
+    """A rollout exits after applying version 1: version 2 goes on without it (the others
+    receive what it was to forward), and version 3 is planned without it."""
+    victim = _forwarder(plan_file)
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"), target=coord_child_main,
+                    options={"versions": 3, "timeout": 60, "receiver_staging": False},
+                    faults={victim: {"exit_before": 2}}, join_timeout=150)
+    assert run.exitcodes[victim] == 17
+    repairs = _survivors_applied_everything(run, victim, 3)
+    assert [r["dead"] for r in repairs] == [[victim]], repairs
