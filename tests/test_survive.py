@@ -43,7 +43,7 @@ def _forwarder(plan_dir) -> int:
 
 def _survivors_applied_everything(run, victim, versions, **kw):
     for r in RANKS:
-        if r == victim:
+        if r == victim:  # None: nobody died
             continue
         res = run.results[r]
         assert res is not None and res["ok"] and "error" not in res, (r, res)
@@ -92,3 +92,48 @@ def test_a_rollout_dead_between_versions_is_left_out_of_the_next(plan_file, tmp_
     assert run.exitcodes[victim] == 17
     repairs = _survivors_applied_everything(run, victim, 3)
     assert [r["dead"] for r in repairs] == [[victim]], repairs
+
+
+@pytest.mark.timeout(240)
+def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_file, tmp_path):
+    """Rank 8 (not in the plan: a third node with rollout 6's layout) asks to join while the
+    trainers push 8 versions: it is admitted at the end of a version and applies every later
+    one bit-identical; the others apply all 8, never waiting for it."""
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 8, "timeout": 60, "step_s": 0.4,
+                             "join_as": {"rank": 8, "like": 6, "node": "r2", "after_s": 1.0}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, None, 8)
+    j = run.results[8]
+    assert j is not None and j["ok"], j
+    first = j["first_version"]
+    assert 1 < first <= 8 and j["applied"] == list(range(first, 9)) and all(j["checks"]), j
+    print(f"rank 8 admitted {j['admitted_at'] - j['asked_at']:.1f} s after asking, from "
+          f"version {first}")
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tmp_path):
+    """The forwarding rollout dies mid-version 2 and is restarted 1 s later (the same rank and
+    layout, joining): the survivors finish version 2; the restarted one is admitted at the end
+    of a version and applies every later one bit-identical, back within two versions."""
+    victim = _forwarder(plan_file)
+    stamp = tmp_path / "stamp"
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 10, "timeout": 60, "step_s": 0.5},
+                    faults={victim: {"die_after": 1, "in_version": 2, "stamp": str(stamp),
+                                     "rejoin_after_s": 1.0}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, victim, 10)
+    back = run.results[victim]
+    assert back is not None and back["ok"], back
+    first = back["first_version"]
+    assert back["applied"] == list(range(first, 11)) and all(back["checks"]), back
+    gone = float(stamp.read_text())
+    # versions pushed between the death and its admission: every 0.5 s, plus the detection
+    behind = first - 2
+    assert behind <= 2 + (back["admitted_at"] - back["asked_at"]) / 0.5, back
+    print(f"rank {victim} died at version 2, asked to join {back['asked_at'] - gone:.1f} s later, "
+          f"admitted after {back['admitted_at'] - back['asked_at']:.1f} s, from version {first}")

@@ -42,6 +42,7 @@ class Fault:
     other_plan: str | None = None  # path of another plan file
     bad_buffer: str | None = None  # name of a buffer to give the wrong shape
     in_version: int | None = None  # count sends only from this update on (coordinator runs)
+    rejoin_after_s: float | None = None  # run_ranks restarts the dead rank, joining, this later
 
 
 _STAMP_LOCK = threading.Lock()
@@ -210,6 +211,15 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
                                                         str(result_dir), opts), daemon=True)
         procs[r].start()
     deadline = t0 + join_timeout
+    rejoin = {r: f["rejoin_after_s"] for r, f in (faults or {}).items() if "rejoin_after_s" in f}
+    while rejoin and time.time() < deadline:  # restart the dead that are to come back
+        for r in [r for r in rejoin if not procs[r].is_alive()]:
+            opts = dict(options or {})
+            opts["join_as"] = {"rank": r, "like": r, "after_s": rejoin.pop(r)}  # its own layout
+            procs[r] = ctx.Process(target=target or child_main, daemon=True,
+                                   args=(r, plan_path, str(store_dir), str(result_dir), opts))
+            procs[r].start()
+        time.sleep(0.05)
     for r, p in procs.items():  # the healthy first; a faulty one (stopped?) gets 5 s more
         if not (faults and r in faults):
             p.join(max(0.0, deadline - time.time()))
@@ -289,6 +299,47 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
 
 
+def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict,
+                 join: dict) -> None:
+    """A rollout that joins a running job after ``after_s`` seconds, with the layout of rollout
+    ``like`` on node ``node``, and applies every version from the first it is given."""
+    from types import SimpleNamespace
+
+    import wb
+    from wb.data.plan import Plan
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    result: dict = {"rank": rank, "applied": [], "checks": []}
+    try:
+        time.sleep(join.get("after_s", 0.0))
+        like = Plan.load(plan_path).layout_of(join["like"])
+        lay = wb.Layout(wb.Worker(rank, join.get("node", like.worker.node), "rollout",
+                                  like.worker.local_rank),
+                        dict(like.buffers))
+        base = buffers_of(lay, fill=True)
+        mapped = mapped_for(SimpleNamespace(layout_of=lambda r: lay), rank)
+        bufs = {k: np.zeros_like(v) for k, v in base.items()}
+        store = DirectoryStore(store_dir)
+        timeout = options.get("timeout", 60.0)
+        result["asked_at"] = time.time()
+        rx = wb.Receiver.join(store, lay, bufs, transport=UcxTransport(rank, store, timeout=timeout),
+                              staging=options.get("receiver_staging", True), timeout=timeout,
+                              wait_timeout=timeout, join_timeout=timeout)
+        result["admitted_at"], result["first_version"] = time.time(), rx.version + 1
+        for _ in range(rx.version + 1, options["versions"] + 1):
+            v = rx.apply()
+            want = version_bits(base, v, mapped)
+            result["applied"].append(v)
+            result["checks"].append(bool(all(np.array_equal(bufs[k].view(np.uint8),
+                                                            want[k].view(np.uint8)) for k in bufs)))
+        rx.close()
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
 def _repairs(worker) -> list[dict]:
     """The attempt records a Sender's or Receiver's versions ran or saw (wb.runtime.finish)."""
     fin = worker._end.finisher
@@ -308,6 +359,10 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
 
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank, "applied": [], "checks": []}
+    join = options.get("join_as") or {}
+    if join.get("rank") == rank:  # not in the plan: a new rollout joining the running job
+        _joiner_main(rank, plan_path, store_dir, result_dir, options, join)
+        return
     try:
         plan = Plan.load(plan_path)
         trainer = plan.layout_of(rank).worker.role == Role.TRAINER
@@ -331,6 +386,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             for v in range(1, options["versions"] + 1):
                 for k, a in version_bits(base, v, mapped).items():
                     bufs[k][...] = a  # the training step
+                time.sleep(options.get("step_s", 0.0))
                 if fault.in_version == v:
                     tx.wait()  # the previous version is out; break this one
                     transport.armed = True

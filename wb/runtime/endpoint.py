@@ -21,7 +21,7 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans
 from wb.errors import PlanError, TransferError
 from wb.runtime.executor import connect
-from wb.runtime.finish import Finisher, repairable, tag_base
+from wb.runtime.finish import Finisher, tag_base
 from wb.runtime.liveness import Heartbeat, Watch
 from wb.runtime.program import Program
 from wb.runtime.stats import UpdateStats
@@ -101,6 +101,8 @@ class Endpoint:
         timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
         wait_timeout: seconds to wait for peers to join (or trainers to announce) a version.
         layout: the worker's layout as it probed it; refused if the plan's differs.
+        joined: ``(first version, epoch)`` of a rollout that joined a running job
+            (:func:`wb.runtime.finish.request_join`); ``plan`` is then its part.
 
     Raises:
         TransferError: wrong role, wrong buffers, or a peer running another plan.
@@ -108,7 +110,7 @@ class Endpoint:
 
     def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int, buffers: Mapping[str, Any],
                  *, role: Role, transport, store, name: str, staging_bytes: int, timeout: float,
-                 wait_timeout: float, layout: Layout | None):
+                 wait_timeout: float, layout: Layout | None, joined: tuple[int, int] | None = None):
         self.layout = worker_layout(plan, rank, role)
         self.plan, self.rank, self.role = plan, int(rank), role
         self.program = Program(plan, self.rank)
@@ -124,12 +126,17 @@ class Endpoint:
         # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
         # for it, and refuse peers that run another plan before any update.
         try:
-            self.peers = connect(self.program.part, self.rank, transport)
+            if joined is None:
+                self.peers = connect(self.program.part, self.rank, transport)
+            else:  # a rollout joining a running job: its peers said hello long ago
+                transport.connect([], hello=b"")
+                self.peers = list(self.program.part.peers)
+                transport.add_peers(self.peers)
         except BaseException:
             self.heartbeat.stop()
             raise
-        # a version finishes without a rollout that dies during it, where that can be done
-        self.finisher = Finisher(self) if repairable(plan) else None
+        # versions finish without rollouts that die during them; rollouts join between them
+        self.finisher = Finisher(self, epoch=0 if joined is None else joined[1])
 
     def adopt(self, part) -> None:
         """Runs ``part`` (this rank's part of a plan for new membership) from the next version."""

@@ -22,9 +22,14 @@ is done, and a rollout reads the intent after marking its own done, so one of th
 the other. A trainer that dies fails the version for everyone, as before: rollouts keep the
 previous version.
 
-Needs the whole plan at every worker (a :class:`~wb.data.plan.Plan`), to plan again from its
-layouts, and a transport with ``cancel``/``add_peers``/``forget`` (UCX's and the local one);
-otherwise a dead peer fails the version, as before.
+Membership is by version: a rollout that asks to join (:func:`request_join`, a new replica or a
+restarted one) is admitted by the leader when a version finishes, and receives the next version
+whole; the others are not disturbed and never wait for a joiner.
+
+Planning again needs the layouts: the leader must have the whole plan (a
+:class:`~wb.data.plan.Plan`); a leader with only its part fails the version when a rollout dies,
+as before, and admits no joiner. Cancelling needs a transport with ``cancel`` (UCX's, the local
+one); without it a dead peer fails the version.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 from typing import Any
 
 from wb.algorithms.planner import plan as make_plan
+from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, parts
 from wb.errors import PlanError, TransferError
@@ -42,26 +48,21 @@ from wb.runtime.program import Program
 from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.update import ExecStats, PeersLost
 
-__all__ = ["Finisher", "repairable", "tag_base", "ATTEMPT_BITS"]
+__all__ = ["Finisher", "request_join", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
 
 log = logging.getLogger(__name__)
 
 #: Bits of a tag for the message index within an attempt; the attempt sits above them and the
 #: version above ``32``.
 ATTEMPT_BITS = 27
+#: How many ranks after the highest it knows a leader asks for join requests at each version.
+JOIN_RANGE = 16
 _POLL_S = 0.01
 
 
 def tag_base(v: int, attempt: int) -> int:
     """The tag of message 0 of attempt ``attempt`` of version ``v``."""
     return (int(v) << 32) + (int(attempt) << ATTEMPT_BITS)
-
-
-def repairable(plan: Any) -> bool:
-    """Whether versions finish through a :class:`Finisher`: the whole plan is at every worker
-    (to plan again). It depends on the plan alone, so every worker of a job decides alike; a
-    transport without ``cancel`` then fails the version when a peer dies, as before."""
-    return isinstance(plan, Plan)
 
 
 def _call(transport, method: str, peers) -> None:
@@ -89,18 +90,24 @@ class Finisher:
         end: the endpoint (its plan must be a whole :class:`~wb.data.plan.Plan`).
     """
 
-    def __init__(self, end):
+    def __init__(self, end, *, epoch: int = 0):
         self.end = end
-        plan: Plan = end.plan
-        self.plan = plan
-        self.layouts = {lay.worker.rank: lay for lay in (*plan.trainers, *plan.rollouts)}
-        self.trainers = sorted(lay.worker.rank for lay in plan.trainers)
-        self.rollouts = sorted(lay.worker.rank for lay in plan.rollouts)  # this epoch's
+        plan = end.plan
+        if isinstance(plan, Plan):  # the leader plans again from these layouts
+            self.plan: Plan | None = plan
+            self.layouts = {lay.worker.rank: lay for lay in (*plan.trainers, *plan.rollouts)}
+            self.trainers = sorted(lay.worker.rank for lay in plan.trainers)
+            self.rollouts = sorted(lay.worker.rank for lay in plan.rollouts)  # this epoch's
+        else:  # a part: enough for every worker but a leader that has to plan again
+            self.plan, self.layouts = None, {}
+            self.trainers = sorted(int(t) for t in end.program.part.trainers)
+            self.rollouts = []
         self.leader = self.trainers[0]
         self.is_trainer = end.rank in self.trainers
-        self.epoch = 0
+        self.epoch = epoch
         self.pending_final: int | None = None  # a version whose final record is not read yet
         self.repairs: list[dict] = []  # the attempt records this worker ran or saw
+        self.joined: dict[int, str] = {}  # rank -> the join request admitted (leader)
 
     # --- the store --------------------------------------------------------------------------------
     def _key(self, v: int, *parts) -> str:
@@ -170,7 +177,10 @@ class Finisher:
                 return None
             rec = self._has(self._key(v, "attempt", a + 1))
             if rec is not None:
-                return json.loads(rec)
+                rec = json.loads(rec)
+                if "failed" in rec:
+                    raise TransferError(f"rank {end.rank}: version {v} failed: {rec['failed']}")
+                return rec
             silent = end.watch.silent(others)
             if silent:
                 raise TransferError(
@@ -212,11 +222,17 @@ class Finisher:
         detected = time.time()
         store.set(self._key(v, "intent", a + 1), b"1")
         done = {r for r in need if self._has(self._key(v, "done", a, r)) is not None}
-        dead_all = sorted(dead | {r for rec in self.repairs for r in rec["dead"]})
+        dead_all = sorted(dead | self._dead_in(v))
         left = [r for r in need if r not in done and r not in dead]
         if not left:
             self._finish(v, set(dead_all))
             return None
+        if self.plan is None:
+            msg = (f"rollouts {sorted(dead)} stopped beating and the leader (trainer "
+                   f"{end.rank}) has only its part of the plan: give every Sender the whole plan "
+                   f"(wb.plan / wb.agree_plan) for versions to finish without a dead rollout")
+            store.set(self._key(v, "attempt", a + 1), json.dumps({"failed": msg}).encode())
+            raise TransferError(f"version {v} failed: {msg}")
         repair = make_plan([self.layouts[t] for t in self.trainers],
                            [self.layouts[r] for r in left], self.plan.cluster,
                            chunk_bytes=self.plan.chunk_bytes)
@@ -224,7 +240,7 @@ class Finisher:
             raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
                             f"2**{ATTEMPT_BITS} fit a tag")
         _publish(store, repair, self._key(v, "part", a + 1))
-        rec = {"attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
+        rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
                "planned_s": time.time() - detected}
         store.set(self._key(v, "attempt", a + 1), json.dumps(rec).encode())
         log.warning("version %d: rollouts %s stopped beating; attempt %d sends again to %s",
@@ -232,19 +248,60 @@ class Finisher:
         return rec
 
     def _finish(self, v: int, dead: set[int]) -> None:
-        """The final record of version ``v``; with dead rollouts, the plan without them first."""
-        dead |= {r for rec in self.repairs for r in rec["dead"]}
-        rollouts = [r for r in self.rollouts if r not in dead]
-        rec: dict = {"dead": sorted(dead), "rollouts": rollouts, "epoch": self.epoch}
-        if dead & set(self.rollouts):
+        """The final record of version ``v``. With dead rollouts or rollouts asking to join, the
+        plan for the next version's members first (their parts under the new epoch), and the
+        joiners' admissions."""
+        dead |= self._dead_in(v)
+        joiners = self._join_requests(dead) if self.plan is not None else {}
+        rollouts = sorted({r for r in self.rollouts if r not in dead} | set(joiners))
+        rec: dict = {"dead": sorted(dead), "rollouts": rollouts, "epoch": self.epoch,
+                     "joined": sorted(joiners)}
+        if dead & set(self.rollouts) or joiners:
             if not rollouts:
                 raise TransferError(f"version {v}: every rollout died")
+            t0 = time.time()
             nxt = make_plan([self.layouts[t] for t in self.trainers],
                             [self.layouts[r] for r in rollouts], self.plan.cluster,
                             chunk_bytes=self.plan.chunk_bytes)
             rec["epoch"] = self.epoch + 1
+            rec["planned_s"] = time.time() - t0
             _publish(self.end.store, nxt, self.end.key("epoch", rec["epoch"]))
+            for r, token in joiners.items():
+                self.joined[r] = token
+                self.end.store.set(self.end.key("admitted", r), json.dumps(
+                    {"token": token, "epoch": rec["epoch"], "version": v + 1}).encode())
         self.end.store.set(self._key(v, "final"), json.dumps(rec).encode())
+
+    def _dead_in(self, v: int) -> set[int]:
+        """The rollouts called dead in version ``v``'s attempts so far."""
+        return {r for rec in self.repairs if rec.get("version") == v for r in rec["dead"]}
+
+    def _join_requests(self, dead: set[int]) -> dict[int, str]:
+        """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
+        their layouts read into :attr:`layouts`. Asked of the ranks the job has lost and of the
+        :data:`JOIN_RANGE` ranks after the highest it knows (new replicas number their ranks
+        on from there)."""
+        known = set(self.layouts) | set(self.joined)
+        lost = (set(self.layouts) - set(self.trainers) - set(self.rollouts)) | dead
+        top = max(known)
+        out = {}
+        for r in sorted(lost | set(range(top + 1, top + 1 + JOIN_RANGE))):
+            raw = self._has(self.end.key("joinreq", r))
+            if raw is None or raw.decode() == self.joined.get(r):
+                continue
+            try:
+                lay = layouts_from_bytes(get_large(self.end.store, self.end.key("member", r),
+                                                   self.end.wait_timeout))[0]
+            except TransferError as e:
+                log.warning("rank %d asked to join without its layout: %s", r, e)
+                continue
+            if lay.worker.rank != r or lay.worker.role.value != "rollout":
+                log.warning("a join request for rank %d came with the layout of rank %d (%s)",
+                            r, lay.worker.rank, lay.worker.role.value)
+                continue
+            self.layouts[r] = lay
+            out[r] = raw.decode()
+        return out
 
     # --- between versions -------------------------------------------------------------------------
     def before_join(self) -> None:
@@ -265,7 +322,8 @@ class Finisher:
             return
         gone = set(self.rollouts) - set(rec["rollouts"])
         self.rollouts, self.epoch = list(rec["rollouts"]), rec["epoch"]
-        _call(end.transport, "forget", gone)
+        # the dead's connections are dropped, a restarted one's too: it is reached anew
+        _call(end.transport, "forget", (gone | set(rec["dead"])) - {end.rank})
         if end.rank in gone:
             raise TransferError(f"rank {end.rank} was called dead during version {v}")
         part = RankPlan.from_bytes(_get_parts(end, end.key("epoch", self.epoch), end.rank))
@@ -283,3 +341,41 @@ def _publish(store, plan: Plan, name: str) -> None:
 
 def _get_parts(end, name: str, rank: int) -> bytes:
     return get_large(end.store, f"{name}/part/{rank}", max(end.wait_timeout, end.timeout))
+
+
+def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0
+                 ) -> tuple[RankPlan, int, int]:
+    """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
+    replica's worker, or a restarted one. Publishes the layout and a join request, then waits
+    until the trainers' leader admits it at the end of a version.
+
+    Returns:
+        ``(part, version, epoch)``: this rank's part of the plan from then on, the first version
+        it receives (whole), and the membership epoch it joins.
+
+    Raises:
+        TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
+    """
+    import os
+    import uuid
+
+    rank = layout.worker.rank
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
+    store.set(f"{name}/joinreq/{rank}", token.encode())
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
+            if rec["token"] == token:
+                break
+        except TransferError:
+            pass
+        if time.monotonic() > deadline:
+            raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
+                                f"{timeout:.0f} s; the trainers' leader admits joiners when a "
+                                f"version finishes: is the job pushing versions?")
+        time.sleep(0.05)
+    part = RankPlan.from_bytes(get_large(store, f"{name}/epoch/{rec['epoch']}/part/{rank}",
+                                         timeout))
+    return part, int(rec["version"]), int(rec["epoch"])

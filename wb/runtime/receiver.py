@@ -32,6 +32,7 @@ from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread, worker_layout
+from wb.runtime.finish import request_join
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES
 
@@ -266,7 +267,8 @@ class Receiver:
                  store, staging: bool = True, name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
-                 handoff: bool = False, allocate: Callable | None = None):
+                 handoff: bool = False, allocate: Callable | None = None,
+                 _joined: tuple[int, int] | None = None):
         self.staging, self.handoff = bool(staging), bool(handoff)
         allocate = allocate or aligned_empty
         if buffers is None:
@@ -277,7 +279,8 @@ class Receiver:
                                  rank=rank)
         self._end = Endpoint(plan, rank, buffers, role=Role.ROLLOUT, transport=transport,
                              store=store, name=name, staging_bytes=staging_bytes,
-                             timeout=timeout, wait_timeout=wait_timeout, layout=layout)
+                             timeout=timeout, wait_timeout=wait_timeout, layout=layout,
+                             joined=_joined)
         self.plan, self.rank, self.wait_timeout = plan, self._end.rank, wait_timeout
         self.stats: list[UpdateStats] = self._end.stats  # one record per version applied
         live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._end.layout.buffers}
@@ -285,10 +288,25 @@ class Receiver:
                                  if self.handoff else _InPlace(live))
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))
-        self.version = 0
+        self.version = 0 if _joined is None else _joined[0] - 1
         self._error: TransferError | None = None  # the failure every later call raises
         self._closed = False
-        self._path.start(1)  # with staging, version 1 starts landing now
+        self._path.start(self.version + 1)  # with staging, the first version lands from now
+
+    @classmethod
+    def join(cls, store, layout: Layout, buffers: Mapping[str, Any] | None, *, transport,
+             name: str = "wb", join_timeout: float = 600.0, **kw) -> Receiver:
+        """A rollout joining a running job (a new replica's worker, or a restarted one): asks
+        the trainers' leader to take ``layout`` in (:func:`wb.runtime.finish.request_join`),
+        waits until it is admitted at the end of a version, and receives from the next version
+        on, whole. The others are not disturbed. Other arguments as for :class:`Receiver`.
+
+        Raises:
+            TransferError: not admitted within ``join_timeout`` seconds.
+        """
+        part, first, epoch = request_join(store, layout, name=name, timeout=join_timeout)
+        return cls(part, layout.worker.rank, buffers, transport=transport, store=store,
+                   name=name, layout=layout, _joined=(first, epoch), **kw)
 
     @property
     def buffers(self) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """One update of a rank's :class:`~wb.runtime.program.Program`: post, complete and forward its
 messages until all are done.
+Long because the loop, the per-update state it steps through and the errors naming what it
+waits for are read together.
 
 The state of one update is :class:`_Update`; :func:`run_update` is its loop. Every turn it
 
