@@ -137,3 +137,16 @@ def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tm
     assert behind <= 2 + (back["admitted_at"] - back["asked_at"]) / 0.5, back
     print(f"rank {victim} died at version 2, asked to join {back['asked_at'] - gone:.1f} s later, "
           f"admitted after {back['admitted_at'] - back['asked_at']:.1f} s, from version {first}")
+
+
+@pytest.mark.timeout(240)
+def test_survivors_finish_when_every_worker_has_only_its_part(plan_file, tmp_path):
+    """Set up with wb.agree_parts under the session's name: each worker holds only its part,
+    the leader reads the roster and layouts from the store to plan the repair."""
+    victim = _forwarder(plan_file)
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 3, "timeout": 60, "agree": True, "agree_name": "wb"},
+                    faults={victim: {"die_after": 1, "in_version": 2}}, join_timeout=150)
+    repairs = _survivors_applied_everything(run, victim, 3)
+    assert [r["dead"] for r in repairs] == [[victim]], repairs

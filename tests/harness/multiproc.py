@@ -372,7 +372,8 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             from wb.runtime.coordinator import agree_parts
 
             plan = agree_parts(store, [plan.layout_of(rank)], world=len(plan.ranks),
-                               name="agree", timeout=timeout, chunk_bytes=plan.chunk_bytes)
+                               name=options.get("agree_name", "agree"), timeout=timeout,
+                               chunk_bytes=plan.chunk_bytes)
             result["part_messages"] = int(plan[rank].index.size)
         transport = UcxTransport(rank, store, timeout=timeout)
         if fault.die_after is not None or fault.stop_after is not None:

@@ -25,17 +25,18 @@ AGST.
 from __future__ import annotations
 
 import io
+import json
 import time
 from typing import NamedTuple
 
 from wb.algorithms.blockplan import quantize_layouts
 from wb.algorithms.planner import plan as make_plan
-from wb.data.layout import Role, layouts_from_bytes, layouts_to_bytes
+from wb.data.layout import Role
 from wb.data.plan import Plan
-from wb.data.rankplan import RankPlan, RankPlans, parts
-from wb.errors import TransferError
+from wb.data.rankplan import RankPlans, parts
 from wb.runtime.buffers import aligned_empty
 from wb.runtime.receiver import Receiver
+from wb.runtime.records import fetch_part, gather_layouts, publish_layouts, publish_parts
 from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.sender import Sender
 from wb.runtime.stats import Summary, UpdateStats, summarize
@@ -59,61 +60,6 @@ MODES: dict[str, SyncMode] = {
     "receiver": SyncMode(False, True),  # trainer blocks; rollouts generate while bytes land
     "both": SyncMode(True, True),  # each side blocks only for one local copy
 }
-
-
-def publish_layouts(store, layouts, *, world: int, name: str = "wb") -> int:
-    """Puts each of this process's workers' layouts in ``store`` (one key per rank).
-
-    Args:
-        store: the rendezvous store every process shares.
-        layouts: this process's workers' layouts.
-        world: the number of workers of the plan.
-        name: keeps the keys of concurrent sessions apart.
-
-    Returns:
-        The bytes put in the store.
-
-    Raises:
-        TransferError: a rank outside ``0 .. world - 1``.
-    """
-    layouts = list(layouts)
-    for lay in layouts:
-        if not 0 <= lay.worker.rank < world:
-            raise TransferError(f"rank {lay.worker.rank} is outside 0..{world - 1} (world={world})")
-    return sum(set_large(store, f"{name}/layout/{lay.worker.rank}", layouts_to_bytes([lay]))
-               for lay in layouts)
-
-
-def gather_layouts(store, *, world: int, name: str = "wb", timeout: float = 600.0) -> list:
-    """Every rank's layout from ``store`` (rank order), waiting up to ``timeout`` seconds in all.
-
-    Raises:
-        TransferError: a rank did not publish its layout in time.
-    """
-    deadline = time.monotonic() + timeout
-    return [layouts_from_bytes(get_large(store, f"{name}/layout/{r}",
-                                         max(deadline - time.monotonic(), 0.001)))[0]
-            for r in range(world)]
-
-
-def publish_parts(store, plan: Plan, *, name: str = "wb") -> int:
-    """Puts every rank's part of ``plan`` in ``store`` under its own key (chunked where the store
-    needs it): each rank then reads only its own.
-
-    Returns:
-        The bytes put in the store.
-    """
-    return sum(set_large(store, f"{name}/part/{part.rank}", part.to_bytes())
-               for part in parts(plan))
-
-
-def fetch_part(store, rank: int, *, name: str = "wb", timeout: float = 600.0) -> RankPlan:
-    """Rank ``rank``'s part of the plan, from ``store`` (waiting up to ``timeout`` seconds).
-
-    Raises:
-        TransferError: no part for ``rank`` was published in time.
-    """
-    return RankPlan.from_bytes(get_large(store, f"{name}/part/{rank}", timeout))
 
 
 def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
@@ -172,10 +118,17 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         [0, 1]
     """
     layouts = list(layouts)
+    quantized = plan_kwargs.get("quantize") is not None
     p = _plan_here(store, layouts, world=world, name=name, timeout=timeout, **plan_kwargs)
     if p is not None:
         if planned is not None:
             planned.append(p)
+        # what the trainers' leader needs to plan again (a dead rollout, a joiner): the layouts
+        # are in the store already (wb.runtime.finish)
+        c = p.cluster
+        store.set(f"{name}/roster", json.dumps({
+            "world": world, "chunk_bytes": p.chunk_bytes, "quantized": quantized,
+            "cluster": [c.nic_gbps, c.nvlink_GBps, dict(c.nodes)]}).encode())
         mine = {lay.worker.rank for lay in layouts}
         out = {}
         for part in parts(p):

@@ -37,14 +37,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
 
 from wb.algorithms.planner import plan as make_plan
-from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
+from wb.data.layout import Cluster, Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import Plan
-from wb.data.rankplan import RankPlan, parts
+from wb.data.rankplan import RankPlan
 from wb.errors import PlanError, TransferError
 from wb.runtime.program import Program
+from wb.runtime.records import fetch_part, gather_layouts, publish_parts
 from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.update import ExecStats, PeersLost
 
@@ -93,21 +93,45 @@ class Finisher:
     def __init__(self, end, *, epoch: int = 0):
         self.end = end
         plan = end.plan
-        if isinstance(plan, Plan):  # the leader plans again from these layouts
-            self.plan: Plan | None = plan
+        self.can_plan = isinstance(plan, Plan)  # the leader plans again from the layouts
+        if self.can_plan:
             self.layouts = {lay.worker.rank: lay for lay in (*plan.trainers, *plan.rollouts)}
             self.trainers = sorted(lay.worker.rank for lay in plan.trainers)
             self.rollouts = sorted(lay.worker.rank for lay in plan.rollouts)  # this epoch's
-        else:  # a part: enough for every worker but a leader that has to plan again
-            self.plan, self.layouts = None, {}
+            self.cluster, self.chunk_bytes = plan.cluster, plan.chunk_bytes
+        else:  # a part: enough for every worker but the leader, which reads the roster
+            self.layouts = {}
             self.trainers = sorted(int(t) for t in end.program.part.trainers)
             self.rollouts = []
+            if end.rank == self.trainers[0]:
+                self._read_roster()
         self.leader = self.trainers[0]
         self.is_trainer = end.rank in self.trainers
         self.epoch = epoch
         self.pending_final: int | None = None  # a version whose final record is not read yet
         self.repairs: list[dict] = []  # the attempt records this worker ran or saw
         self.joined: dict[int, str] = {}  # rank -> the join request admitted (leader)
+        self.deaths: list[dict] = []  # the leader's: whom it called dead, in which version, when
+
+    def _read_roster(self) -> None:
+        """The leader of a job set up by :func:`wb.agree_parts` (under this session's name):
+        every worker's layout from the store, to plan again. Without a roster the leader cannot:
+        a dead rollout then fails the version, as before, and no rollout can join."""
+        end = self.end
+        raw = self._has(end.key("roster"))
+        if raw is None:
+            return
+        roster = json.loads(raw)
+        if roster.get("quantized"):
+            return  # trainers' quantised layouts are not in the store
+        everyone = gather_layouts(end.store, world=int(roster["world"]), name=end.name,
+                                  timeout=max(end.wait_timeout, end.timeout))
+        self.layouts = {lay.worker.rank: lay for lay in everyone}
+        self.rollouts = sorted(r for r, lay in self.layouts.items()
+                               if lay.worker.role.value == "rollout")
+        nic, nvlink, nodes = roster["cluster"]
+        self.cluster, self.chunk_bytes = Cluster(nic, nvlink, nodes), int(roster["chunk_bytes"])
+        self.can_plan = True
 
     # --- the store --------------------------------------------------------------------------------
     def _key(self, v: int, *parts) -> str:
@@ -156,7 +180,8 @@ class Finisher:
             a += 1
             self.repairs.append(nxt)
             if self.is_trainer or end.rank in nxt["need"]:
-                part = RankPlan.from_bytes(_get_parts(end, self._key(v, "part", a), end.rank))
+                part = fetch_part(end.store, end.rank, name=self._key(v, "part", a),
+                                  timeout=max(end.wait_timeout, end.timeout))
                 _call(end.transport, "add_peers", part.peers)
                 prog = Program(part, end.rank)
             elif ok:  # done before the repair: nothing more to receive
@@ -210,6 +235,8 @@ class Finisher:
                 raise TransferError(f"rank {end.rank}: trainer {min(silent)} stopped beating "
                                     f"during version {v}; the version failed")
             if silent:
+                self.deaths.append({"version": v, "ranks": sorted(silent),
+                                    "detected_s": time.time()})
                 return self._repair(v, a, need, set(silent))
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {end.rank}: workers {missing[:8]} did not finish "
@@ -227,19 +254,19 @@ class Finisher:
         if not left:
             self._finish(v, set(dead_all))
             return None
-        if self.plan is None:
+        if not self.can_plan:
             msg = (f"rollouts {sorted(dead)} stopped beating and the leader (trainer "
-                   f"{end.rank}) has only its part of the plan: give every Sender the whole plan "
-                   f"(wb.plan / wb.agree_plan) for versions to finish without a dead rollout")
+                   f"{end.rank}) cannot plan again: give the Senders the whole plan, or set up "
+                   f"with wb.agree_parts under this session's name (without quantize=)")
             store.set(self._key(v, "attempt", a + 1), json.dumps({"failed": msg}).encode())
             raise TransferError(f"version {v} failed: {msg}")
         repair = make_plan([self.layouts[t] for t in self.trainers],
-                           [self.layouts[r] for r in left], self.plan.cluster,
-                           chunk_bytes=self.plan.chunk_bytes)
+                           [self.layouts[r] for r in left], self.cluster,
+                           chunk_bytes=self.chunk_bytes)
         if repair.messages.stage.size >= 1 << ATTEMPT_BITS:
             raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
                             f"2**{ATTEMPT_BITS} fit a tag")
-        _publish(store, repair, self._key(v, "part", a + 1))
+        publish_parts(store, repair, name=self._key(v, "part", a + 1))
         rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
                "planned_s": time.time() - detected}
         store.set(self._key(v, "attempt", a + 1), json.dumps(rec).encode())
@@ -252,7 +279,7 @@ class Finisher:
         plan for the next version's members first (their parts under the new epoch), and the
         joiners' admissions."""
         dead |= self._dead_in(v)
-        joiners = self._join_requests(dead) if self.plan is not None else {}
+        joiners = self._join_requests(dead) if self.can_plan else {}
         rollouts = sorted({r for r in self.rollouts if r not in dead} | set(joiners))
         rec: dict = {"dead": sorted(dead), "rollouts": rollouts, "epoch": self.epoch,
                      "joined": sorted(joiners)}
@@ -261,11 +288,11 @@ class Finisher:
                 raise TransferError(f"version {v}: every rollout died")
             t0 = time.time()
             nxt = make_plan([self.layouts[t] for t in self.trainers],
-                            [self.layouts[r] for r in rollouts], self.plan.cluster,
-                            chunk_bytes=self.plan.chunk_bytes)
+                            [self.layouts[r] for r in rollouts], self.cluster,
+                            chunk_bytes=self.chunk_bytes)
             rec["epoch"] = self.epoch + 1
             rec["planned_s"] = time.time() - t0
-            _publish(self.end.store, nxt, self.end.key("epoch", rec["epoch"]))
+            publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))
             for r, token in joiners.items():
                 self.joined[r] = token
                 self.end.store.set(self.end.key("admitted", r), json.dumps(
@@ -326,21 +353,12 @@ class Finisher:
         _call(end.transport, "forget", (gone | set(rec["dead"])) - {end.rank})
         if end.rank in gone:
             raise TransferError(f"rank {end.rank} was called dead during version {v}")
-        part = RankPlan.from_bytes(_get_parts(end, end.key("epoch", self.epoch), end.rank))
+        part = fetch_part(end.store, end.rank, name=end.key("epoch", self.epoch),
+                          timeout=max(end.wait_timeout, end.timeout))
         _call(end.transport, "add_peers", part.peers)
         end.adopt(part)
         log.warning("rank %d: from version %d on, rollouts %s (without %s)", end.rank, v + 1,
                     self.rollouts, sorted(gone))
-
-
-def _publish(store, plan: Plan, name: str) -> None:
-    """Every rank's part of ``plan`` under ``name`` (as :func:`wb.agree_parts` puts them)."""
-    for part in parts(plan):
-        set_large(store, f"{name}/part/{part.rank}", part.to_bytes())
-
-
-def _get_parts(end, name: str, rank: int) -> bytes:
-    return get_large(end.store, f"{name}/part/{rank}", max(end.wait_timeout, end.timeout))
 
 
 def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0
@@ -376,6 +394,5 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
                                 f"{timeout:.0f} s; the trainers' leader admits joiners when a "
                                 f"version finishes: is the job pushing versions?")
         time.sleep(0.05)
-    part = RankPlan.from_bytes(get_large(store, f"{name}/epoch/{rec['epoch']}/part/{rank}",
-                                         timeout))
+    part = fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout)
     return part, int(rec["version"]), int(rec["epoch"])

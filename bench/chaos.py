@@ -1,0 +1,329 @@
+"""Chaos run: rollouts killed (kill -9) and restarted at random while training pushes versions.
+
+Spawned processes over UCX (``wb.Sender`` / ``wb.Receiver`` with staging on both sides): 2
+trainer processes (TP 2) feed ``--replicas`` rollout replicas of 2 processes each (one node per
+replica: stage 2 between replicas, stage 3 inside one). Once version 2 is out, a supervisor kills
+``--faults`` times a random rollout process, or a whole replica (``--replica-p``), at random
+moments (each kill is classed by what the victim was doing: mid-transfer or between versions), and
+restarts each killed process after a random delay: it joins the running job
+(``wb.Receiver.join``) with its own rank and layout. Every rollout checks every version it applies
+against the weights of that version, bit for bit, and logs it at once (a line per version: kept
+when the process is killed). The trainers push until every fault is injected and every restarted
+process is back, then 3 more versions.
+
+Reported (``--json``): versions sent; per replica, versions applied and verified; torn reads (a
+version applied whose bytes are not all that version's: must be 0); the longest stall a surviving
+rollout saw (``apply`` blocked); each death's detection time (the trainers' leader called it dead)
+and each restart's rejoin time and how many versions behind the current one it came back; EWTT of
+the versions during which a process died against the others. Exits non-zero when a check fails or
+the run hangs.
+
+    python bench/chaos.py [--replicas 4] [--faults 20] [--seed 0] [--json] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+TRAINERS = 2
+
+
+def _layouts(replicas: int):
+    import wb
+
+    w = np.arange(256 * 192, dtype=np.int64).reshape(256, 192)
+    norm = w.size + np.arange(192)
+    f32 = lambda ids: wb.BufferSpec(wb.SourceMap.from_indices(ids), "float32")  # noqa: E731
+    trainers = [wb.Layout(wb.Worker(t, "t0", "trainer", t),
+                          {"w": f32(w[:, 96 * t:96 * (t + 1)].T), "n": f32(norm)})
+                for t in range(TRAINERS)]
+    rollouts = [wb.Layout(wb.Worker(TRAINERS + 2 * n + g, f"r{n}", "rollout", g),
+                          {"w": f32(w[128 * g:128 * (g + 1)]), "n": f32(norm)})
+                for n in range(replicas) for g in range(2)]
+    return trainers, rollouts
+
+
+def _log(path: Path, **row) -> None:
+    with open(path, "a") as f:  # one line per event, flushed: kept when the process is killed
+        f.write(json.dumps(row) + "\n")
+
+
+def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float) -> None:
+    import wb
+    from harness.multiproc import buffers_for, mapped_for, version_bits
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    plan = wb.Plan.load(plan_path)
+    store = DirectoryStore(store_dir)
+    log = Path(out, f"trainer{rank}.log")
+    base = buffers_for(plan, rank, fill=True)
+    mapped = mapped_for(plan, rank)
+    bufs = {k: a.copy() for k, a in base.items()}
+    try:
+        tx = wb.Sender(plan, rank, bufs, transport=UcxTransport(rank, store, timeout=60),
+                       store=store, timeout=60, wait_timeout=60)
+        v, last = 0, None
+        while last is None or v < last:
+            v += 1
+            for k, a in version_bits(base, v, mapped).items():
+                bufs[k][...] = a  # the training step
+            time.sleep(step_s)
+            tx.push()
+            _log(log, event="pushed", v=v, t=time.time())
+            if last is None:  # the supervisor says when to stop; the leader picks the version
+                if rank == 0 and Path(out, "stop").exists():
+                    store.set("chaos/last", str(v + 3).encode())
+                try:
+                    last = int(store.get("chaos/last", 0))
+                except wb.TransferError:
+                    pass
+        tx.close()
+        fin = tx._end.finisher
+        _log(log, event="closed", v=v, deaths=fin.deaths, repairs=fin.repairs, t=time.time())
+    except Exception as e:  # noqa: BLE001 - into the log, which the supervisor reads
+        _log(log, event="error", error=f"{type(e).__name__}: {e}", t=time.time())
+
+
+def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool) -> None:
+    import wb
+    from harness.multiproc import buffers_for, mapped_for, version_bits
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    plan = wb.Plan.load(plan_path)
+    store = DirectoryStore(store_dir)
+    log = Path(out, f"rollout{rank}.log")
+    base = buffers_for(plan, rank, fill=True)
+    mapped = mapped_for(plan, rank)
+    bufs = {k: np.zeros_like(a) for k, a in base.items()}
+    pid = os.getpid()
+    try:
+        transport = UcxTransport(rank, store, timeout=60)
+        if join:
+            _log(log, event="asked", pid=pid, t=time.time())
+            rx = wb.Receiver.join(store, plan.layout_of(rank), bufs, transport=transport,
+                                  timeout=60, wait_timeout=60, join_timeout=120)
+            _log(log, event="admitted", pid=pid, first=rx.version + 1, t=time.time())
+        else:
+            rx = wb.Receiver(plan, rank, bufs, transport=transport, store=store, timeout=60,
+                             wait_timeout=60)
+        while True:
+            t0 = time.time()
+            v = rx.apply()
+            stall = time.time() - t0
+            want = version_bits(base, v, mapped)
+            ok = all(np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8)) for k in bufs)
+            st = rx.stats[-1]
+            _log(log, event="applied", pid=pid, v=v, ok=bool(ok), stall=stall, start=st.start_s,
+                 end=st.end_s, t=time.time())
+            try:
+                if v >= int(store.get("chaos/last", 0)):
+                    break
+            except wb.TransferError:
+                pass
+        rx.close()
+        _log(log, event="closed", pid=pid, t=time.time())
+    except Exception as e:  # noqa: BLE001 - into the log
+        _log(log, event="error", pid=pid, error=f"{type(e).__name__}: {e}", t=time.time())
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 0.3,
+        replica_p: float = 0.25, timeout_s: float = 900.0) -> dict:
+    import wb
+
+    rng = random.Random(seed)
+    trainers, rollouts = _layouts(replicas)
+    plan = wb.plan(trainers, rollouts, chunk_bytes=8192)
+    work = Path(tempfile.mkdtemp(prefix="wb-chaos-"))
+    plan.save(work / "plan.npz")
+    store_dir, out = work / "store", work / "out"
+    store_dir.mkdir()
+    out.mkdir()
+    ctx = mp.get_context("spawn")
+    plan_path = str(work / "plan.npz")
+    procs: dict[int, mp.Process] = {}
+
+    def start(rank: int, join: bool = False) -> None:
+        if rank < TRAINERS:
+            p = ctx.Process(target=trainer_main, args=(rank, plan_path, str(store_dir), str(out),
+                                                       step_s), daemon=True)
+        else:
+            p = ctx.Process(target=rollout_main, args=(rank, plan_path, str(store_dir), str(out),
+                                                       join), daemon=True)
+        p.start()
+        procs[rank] = p
+
+    t_start = time.time()
+    for r in range(TRAINERS + 2 * replicas):
+        start(r)
+    deadline = t_start + timeout_s
+
+    def pushed() -> int:
+        rows = [x for x in _rows(out / "trainer0.log") if x["event"] == "pushed"]
+        return rows[-1]["v"] if rows else 0
+
+    def active(rank: int) -> bool:  # alive and has applied a version in this incarnation
+        p = procs[rank]
+        rows = [x for x in _rows(out / f"rollout{rank}.log") if x.get("pid") == p.pid]
+        return p.is_alive() and any(x["event"] == "applied" for x in rows)
+
+    while pushed() < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    kills, restarts, pending = [], [], []  # pending: (time to restart, rank)
+    from wb.runtime.rendezvous import DirectoryStore
+
+    store = DirectoryStore(store_dir)
+    ranks = [lay.worker.rank for lay in rollouts]
+    while (len(kills) < faults or pending) and time.time() < deadline:
+        now = time.time()
+        for due, r in [x for x in pending if x[0] <= now]:
+            pending.remove((due, r))
+            restarts.append({"rank": r, "t": time.time(), "current_version": pushed()})
+            start(r, join=True)
+        if len(kills) < faults and (not kills or now >= kills[-1]["t"] + kills[-1]["gap"]):
+            live = [r for r in ranks if active(r)]
+            if rng.random() < replica_p:
+                n = rng.randrange(replicas)
+                victims = [r for r in (TRAINERS + 2 * n, TRAINERS + 2 * n + 1) if r in live]
+            else:
+                victims = [rng.choice(live)] if live else []
+            if victims and len(live) - len(victims) >= 2:
+                v = pushed()
+                mid = any(_has(store, f"wb/join/{v}/{r}") and
+                          not _has(store, f"wb/v/{v}/done/0/{r}") for r in victims)
+                for r in victims:
+                    os.kill(procs[r].pid, signal.SIGKILL)
+                t = time.time()
+                kills.append({"ranks": victims, "t": t, "version": v,
+                              "phase": "mid-transfer" if mid else "between versions",
+                              "gap": rng.uniform(0.5, 3.0)})
+                for r in victims:
+                    pending.append((t + rng.uniform(0.5, 4.0), r))
+        time.sleep(0.02)
+    # every restarted process back (admitted), then stop
+    while time.time() < deadline and not all(
+            any(x["event"] == "admitted" and x.get("pid") == procs[r["rank"]].pid
+                for x in _rows(out / f"rollout{r['rank']}.log")) for r in restarts):
+        time.sleep(0.1)
+    (out / "stop").write_text("1")
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.time()))
+    hung = [r for r, p in procs.items() if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+    return _report(out, kills, restarts, replicas, hung, time.time() - t_start, seed, faults)
+
+
+def _has(store, key: str) -> bool:
+    try:
+        store.get(key, 0)
+        return True
+    except Exception:  # noqa: BLE001 - absent
+        return False
+
+
+def _report(out: Path, kills, restarts, replicas, hung, wall_s, seed, faults) -> dict:
+    t0 = _rows(out / "trainer0.log")
+    closed = [x for x in t0 if x["event"] == "closed"]
+    errors = [(f.name, x["error"]) for f in sorted(out.glob("*.log")) for x in _rows(f)
+              if x["event"] == "error"]
+    deaths = closed[0]["deaths"] if closed else []
+    sent = max([x["v"] for x in t0 if x["event"] == "pushed"], default=0)
+    applied = {}  # rank -> rows
+    for f in out.glob("rollout*.log"):
+        applied[int(f.stem[7:])] = [x for x in _rows(f) if x["event"] == "applied"]
+    torn = sum(not x["ok"] for rows in applied.values() for x in rows)
+    per_replica = {}
+    for n in range(replicas):
+        ranks = (TRAINERS + 2 * n, TRAINERS + 2 * n + 1)
+        got = [{x["v"] for x in applied.get(r, [])} for r in ranks]
+        ok = [{x["v"] for x in applied.get(r, []) if x["ok"]} for r in ranks]
+        per_replica[f"r{n}"] = {"versions_applied": len(got[0] & got[1]),
+                                "versions_verified": len(ok[0] & ok[1])}
+    detect = []
+    for k in kills:
+        after = [d["detected_s"] - k["t"] for d in deaths
+                 if set(k["ranks"]) & set(d["ranks"]) and d["detected_s"] >= k["t"]]
+        detect.append(min(after) if after else None)
+    rejoin = []
+    for r in restarts:
+        rows = _rows(out / f"rollout{r['rank']}.log")
+        adm = [x for x in rows if x["event"] == "admitted" and x["t"] >= r["t"]]
+        rejoin.append({"rank": r["rank"], "rejoin_s": adm[0]["t"] - r["t"] if adm else None,
+                       "versions_behind": (adm[0]["first"] - r["current_version"]) if adm else None})
+    # EWTT per version over the processes that applied it; versions with a death against the rest
+    by_v: dict[int, list] = {}
+    for rows in applied.values():
+        for x in rows:
+            by_v.setdefault(x["v"], []).append(x)
+    ewtt = {v: max(x["end"] for x in xs) - min(x["start"] for x in xs) for v, xs in by_v.items()}
+    faulty = {d["version"] for d in deaths}
+    clean = [e for v, e in ewtt.items() if v not in faulty]
+    hit = [e for v, e in ewtt.items() if v in faulty]
+    stall = max((x["stall"] for rows in applied.values() for x in rows), default=0.0)
+    det = [d for d in detect if d is not None]
+    clean_med = statistics.median(clean) if clean else None
+    rep = {
+        "seed": seed, "replicas": replicas, "faults_asked": faults, "faults": len(kills),
+        "whole_replica_kills": sum(len(k["ranks"]) == 2 for k in kills),
+        "mid_transfer_kills": sum(k["phase"] == "mid-transfer" for k in kills),
+        "versions_sent": sent, "per_replica": per_replica, "torn_reads": torn,
+        "longest_stall_s": stall, "detection_s": detect,
+        "detection_max_s": max(det) if det else None, "rejoins": rejoin,
+        "ewtt_clean_median_s": clean_med, "ewtt_with_death_max_s": max(hit) if hit else None,
+        "with_death_within_2x_plus_detection": (
+            bool(max(hit) <= 2 * clean_med + max(det)) if hit and clean_med and det else None),
+        "hung": hung, "errors": errors[:10], "wall_s": wall_s, "kills": kills,
+    }
+    rep["ok"] = bool(not hung and not errors and torn == 0 and len(kills) == faults
+                     and all(d is not None and d < 5 for d in detect)
+                     and all(r["versions_behind"] is not None and r["versions_behind"] <= 2
+                             for r in rejoin))
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step", type=float, default=0.3, help="seconds per training step")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rep = run(replicas=a.replicas, faults=a.faults, seed=a.seed, step_s=a.step)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=1))
+    if a.json:
+        print(json.dumps(rep))
+    else:
+        for k, v in rep.items():
+            if k not in ("kills", "rejoins", "detection_s"):
+                print(f"{k:>36}: {v}")
+        print(f"{'detection_s':>36}: {[round(d, 2) if d else d for d in rep['detection_s']]}")
+        print(f"{'rejoins (s, versions behind)':>36}: "
+              f"{[(round(r['rejoin_s'] or -1, 1), r['versions_behind']) for r in rep['rejoins']]}")
+    sys.exit(0 if rep["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
