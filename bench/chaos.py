@@ -193,7 +193,10 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 0
 
     store = DirectoryStore(store_dir)
     ranks = [lay.worker.rank for lay in rollouts]
-    while (len(kills) < faults or pending) and time.time() < deadline:
+    def training() -> bool:  # the trainers still push (a failed version ends the run)
+        return all(procs[t].is_alive() for t in range(TRAINERS))
+
+    while (len(kills) < faults or pending) and time.time() < deadline and training():
         now = time.time()
         for due, r in [x for x in pending if x[0] <= now]:
             pending.remove((due, r))
@@ -215,12 +218,12 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 0
                 t = time.time()
                 kills.append({"ranks": victims, "t": t, "version": v,
                               "phase": "mid-transfer" if mid else "between versions",
-                              "gap": rng.uniform(0.5, 3.0)})
+                              "gap": rng.uniform(0.5, 6.0)})
                 for r in victims:
                     pending.append((t + rng.uniform(0.5, 4.0), r))
         time.sleep(0.02)
     # every restarted process back (admitted), then stop
-    while time.time() < deadline and not all(
+    while time.time() < deadline and training() and not all(
             any(x["event"] == "admitted" and x.get("pid") == procs[r["rank"]].pid
                 for x in _rows(out / f"rollout{r['rank']}.log")) for r in restarts):
         time.sleep(0.1)
@@ -235,7 +238,7 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 0
 
 def _has(store, key: str) -> bool:
     try:
-        store.get(key, 0)
+        store.get(key, 0.001)
         return True
     except Exception:  # noqa: BLE001 - absent
         return False

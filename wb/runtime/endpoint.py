@@ -101,7 +101,7 @@ class Endpoint:
         timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
         wait_timeout: seconds to wait for peers to join (or trainers to announce) a version.
         layout: the worker's layout as it probed it; refused if the plan's differs.
-        joined: ``(first version, epoch)`` of a rollout that joined a running job
+        joined: ``(first version, epoch, incarnation)`` of a rollout that joined a running job
             (:func:`wb.runtime.finish.request_join`); ``plan`` is then its part.
 
     Raises:
@@ -110,7 +110,8 @@ class Endpoint:
 
     def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int, buffers: Mapping[str, Any],
                  *, role: Role, transport, store, name: str, staging_bytes: int, timeout: float,
-                 wait_timeout: float, layout: Layout | None, joined: tuple[int, int] | None = None):
+                 wait_timeout: float, layout: Layout | None,
+                 joined: tuple[int, int, str] | None = None):
         self.layout = worker_layout(plan, rank, role)
         self.plan, self.rank, self.role = plan, int(rank), role
         self.program = Program(plan, self.rank)
@@ -121,7 +122,8 @@ class Endpoint:
         self.trainers = list(self.program.part.trainers)
         self.stats: list[UpdateStats] = []  # one per version, in order
         # Liveness: beat from now on; a stalled update or join asks which peer went silent
-        self.heartbeat = Heartbeat(store, self.key("alive", self.rank))
+        self.heartbeat = Heartbeat(store, self.key("alive", self.rank),
+                                   incarnation=None if joined is None else joined[2])
         self.watch = Watch(store, lambda r: self.key("alive", r))
         # Set-up round: connect once now (UCX context, worker, endpoints), so updates do not pay
         # for it, and refuse peers that run another plan before any update.

@@ -37,12 +37,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 
 from wb.algorithms.planner import plan as make_plan
 from wb.data.layout import Cluster, Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan
 from wb.errors import PlanError, TransferError
+from wb.runtime.liveness import new_incarnation
 from wb.runtime.program import Program
 from wb.runtime.records import fetch_part, gather_layouts, publish_parts
 from wb.runtime.rendezvous import get_large, set_large
@@ -58,6 +60,7 @@ ATTEMPT_BITS = 27
 #: How many ranks after the highest it knows a leader asks for join requests at each version.
 JOIN_RANGE = 16
 _POLL_S = 0.01
+_PEEK_S = 0.001  # a store lookup that does not wait
 
 
 def tag_base(v: int, attempt: int) -> int:
@@ -69,6 +72,11 @@ def _call(transport, method: str, peers) -> None:
     fn = getattr(transport, method, None)
     if fn is not None:
         fn(peers)
+
+
+def _since(stats: ExecStats, first: float | None) -> ExecStats:
+    """``stats`` of a version counted from ``first`` (a failed attempt's start), if earlier."""
+    return stats if first is None else replace(stats, start_s=min(first, stats.start_s))
 
 
 def _merged(a: ExecStats | None, b: ExecStats) -> ExecStats:
@@ -112,6 +120,7 @@ class Finisher:
         self.repairs: list[dict] = []  # the attempt records this worker ran or saw
         self.joined: dict[int, str] = {}  # rank -> the join request admitted (leader)
         self.deaths: list[dict] = []  # the leader's: whom it called dead, in which version, when
+        self._watched: set[int] = set()  # workers whose incarnation the watch knows
 
     def _read_roster(self) -> None:
         """The leader of a job set up by :func:`wb.agree_parts` (under this session's name):
@@ -139,7 +148,7 @@ class Finisher:
 
     def _has(self, key: str) -> bytes | None:
         try:
-            return self.end.store.get(key, 0)
+            return self.end.store.get(key, _PEEK_S)  # 0 means "forever" to some stores
         except TransferError:
             return None
 
@@ -148,9 +157,11 @@ class Finisher:
         """Version ``v`` for this worker, over as many attempts as it takes."""
         end, a, prog = self.end, 0, self.end.program
         total: ExecStats | None = None
+        first = None  # when a failed attempt started: the version's stats run from there
         while True:
             ok = False
             if prog is not None:
+                began = time.time()
                 try:
                     ex = prog.run(arrays, end.transport, tag_base=tag_base(v, a),
                                   staging_bytes=end.staging_bytes, timeout=end.timeout,
@@ -160,13 +171,14 @@ class Finisher:
                     total, ok = _merged(total, ex), True
                 except PeersLost as e:
                     log.warning("version %d, attempt %d: %s", v, a, e)
+                    first = began if first is None else first
             if ok:
                 end.store.set(self._key(v, "done", a, end.rank), b"1")
             if end.rank == self.leader:
                 nxt = self._lead(v, a, ok)
             elif not self.is_trainer and ok and self._has(self._key(v, "intent", a + 1)) is None:
                 self.pending_final = v  # done; the next join reads the final record
-                return total if total is not None else ex
+                return _since(total, first)
             else:
                 nxt = self._await(v, a)
             if nxt is None:  # final
@@ -176,7 +188,7 @@ class Finisher:
                 if total is None:
                     raise TransferError(f"rank {end.rank}: version {v} finished without this "
                                         f"rank's part")
-                return total
+                return _since(total, first)
             a += 1
             self.repairs.append(nxt)
             if self.is_trainer or end.rank in nxt["need"]:
@@ -186,7 +198,7 @@ class Finisher:
                 prog = Program(part, end.rank)
             elif ok:  # done before the repair: nothing more to receive
                 self.pending_final = v
-                return total
+                return _since(total, first)
             else:
                 raise TransferError(f"rank {end.rank}: version {v} went on without this rank "
                                     f"(called dead after {nxt['dead']}); it holds part of it")
@@ -223,6 +235,9 @@ class Finisher:
         end = self.end
         need = self.rollouts if a == 0 else self.repairs[-1]["need"]
         workers = [r for r in (*self.trainers, *need) if r != end.rank or not ok]
+        # the incarnation each worker beats as now: one restarted under its rank later is dead
+        end.watch.silent([r for r in workers if r not in self._watched and r != end.rank])
+        self._watched.update(workers)
         deadline = time.monotonic() + max(end.wait_timeout, end.timeout)
         while True:
             done = {r for r in workers if self._has(self._key(v, "done", a, r)) is not None}
@@ -349,6 +364,9 @@ class Finisher:
             return
         gone = set(self.rollouts) - set(rec["rollouts"])
         self.rollouts, self.epoch = list(rec["rollouts"]), rec["epoch"]
+        back = set(rec["dead"]) | set(rec["joined"])  # their new incarnations are the members
+        end.watch.reset(back)
+        self._watched -= back
         # the dead's connections are dropped, a restarted one's too: it is reached anew
         _call(end.transport, "forget", (gone | set(rec["dead"])) - {end.rank})
         if end.rank in gone:
@@ -362,23 +380,23 @@ class Finisher:
 
 
 def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0
-                 ) -> tuple[RankPlan, int, int]:
+                 ) -> tuple[RankPlan, int, int, str]:
     """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
     replica's worker, or a restarted one. Publishes the layout and a join request, then waits
     until the trainers' leader admits it at the end of a version.
 
     Returns:
-        ``(part, version, epoch)``: this rank's part of the plan from then on, the first version
-        it receives (whole), and the membership epoch it joins.
+        ``(part, version, epoch, incarnation)``: this rank's part of the plan from then on, the
+        first version it receives (whole), the membership epoch it joins, and the incarnation
+        its heartbeat must carry.
 
     Raises:
         TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
     """
-    import os
-    import uuid
-
     rank = layout.worker.rank
-    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    token = new_incarnation()
+    # beat as this incarnation from now on: the leader takes it for the member it admits
+    store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
     set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
     store.set(f"{name}/joinreq/{rank}", token.encode())
     deadline = time.monotonic() + timeout
@@ -395,4 +413,4 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
                                 f"version finishes: is the job pushing versions?")
         time.sleep(0.05)
     part = fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout)
-    return part, int(rec["version"]), int(rec["epoch"])
+    return part, int(rec["version"]), int(rec["epoch"]), token

@@ -12,13 +12,15 @@ watch about the peers it still waits for, so a killed or stopped peer is named w
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
 from wb.errors import TransferError
 
-__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S"]
+__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S", "new_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,11 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5
 #: Seconds without a new beat after which a peer is called dead or hung.
 GRACE_S = 3.0
+
+
+def new_incarnation() -> str:
+    """A name for one run of a worker process (its beats carry it)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Heartbeat:
@@ -38,8 +45,11 @@ class Heartbeat:
         interval: seconds between beats.
     """
 
-    def __init__(self, store, key: str, interval: float = BEAT_S):
+    def __init__(self, store, key: str, interval: float = BEAT_S, *,
+                 incarnation: str | None = None):
         self.store, self.key, self.interval = store, key, float(interval)
+        # tells a restarted worker (the same rank, the same key) from the one that died
+        self.incarnation = incarnation or new_incarnation()
         self._stop = threading.Event()
         self._beats = 0
         self._beat()  # the first beat before anyone waits for it
@@ -49,7 +59,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self.key, str(self._beats).encode())
+        self.store.set(self.key, f"{self.incarnation}:{self._beats}".encode())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -76,10 +86,14 @@ class Watch:
     def __init__(self, store, key_of: Callable[[int], str], grace: float = GRACE_S):
         self.store, self.key_of, self.grace = store, key_of, float(grace)
         self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last beat, when seen)
+        self._incarnation: dict[int, bytes] = {}  # rank -> the incarnation first seen beating
+        self._restarted: dict[int, float] = {}  # rank -> when another incarnation was seen
 
     def silent(self, peers: Iterable[int]) -> dict[int, float]:
         """``{peer: seconds since its beat last changed}`` for the peers silent longer than the
-        grace (a peer never seen counts from the first time it was asked about)."""
+        grace (a peer never seen counts from the first time it was asked about). A peer that
+        beats as another incarnation than the one first seen (it died and was restarted under
+        the same rank) is silent from then on, until :meth:`reset`."""
         now = time.monotonic()
         out = {}
         for p in peers:
@@ -90,7 +104,18 @@ class Watch:
             last, since = self._seen.get(p, (None, now))
             if beat is not None and beat != last:
                 last, since = beat, now
+                who = beat.rsplit(b":", 1)[0]
+                if self._incarnation.setdefault(p, who) != who:
+                    self._restarted.setdefault(p, now)
             self._seen[p] = (last, since)
-            if now - since > self.grace:
+            if p in self._restarted:
+                out[p] = self.grace + now - self._restarted[p]
+            elif now - since > self.grace:
                 out[p] = now - since
         return out
+
+    def reset(self, peers: Iterable[int]) -> None:
+        """Accepts the incarnation ``peers`` beat as now (restarted workers taken back in)."""
+        for p in peers:
+            for book in (self._seen, self._incarnation, self._restarted):
+                book.pop(p, None)

@@ -268,7 +268,7 @@ class Receiver:
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
                  handoff: bool = False, allocate: Callable | None = None,
-                 _joined: tuple[int, int] | None = None):
+                 _joined: tuple[int, int, str] | None = None):
         self.staging, self.handoff = bool(staging), bool(handoff)
         allocate = allocate or aligned_empty
         if buffers is None:
@@ -304,9 +304,10 @@ class Receiver:
         Raises:
             TransferError: not admitted within ``join_timeout`` seconds.
         """
-        part, first, epoch = request_join(store, layout, name=name, timeout=join_timeout)
+        part, first, epoch, incarnation = request_join(store, layout, name=name,
+                                                       timeout=join_timeout)
         return cls(part, layout.worker.rank, buffers, transport=transport, store=store,
-                   name=name, layout=layout, _joined=(first, epoch), **kw)
+                   name=name, layout=layout, _joined=(first, epoch, incarnation), **kw)
 
     @property
     def buffers(self) -> dict[str, Any]:

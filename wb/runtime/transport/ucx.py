@@ -256,8 +256,10 @@ class UcxTransport:
                 address = self._api.UCXAddress.create_from_buffer(np.frombuffer(raw, np.uint8))
                 ep = self._worker.create_endpoint_from_worker_address(address, False)
             except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
-                raise TransferError(f"rank {self.rank}: cannot reach peer {peer} over UCX "
-                                    f"(TLS={self.tls}): {type(e).__name__}: {e}") from e
+                err = TransferError(f"rank {self.rank}: cannot reach peer {peer} over UCX "
+                                    f"(TLS={self.tls}): {type(e).__name__}: {e}")
+                err.peer = peer  # dead since it published its address (wb.runtime.finish)
+                raise err from e
             self._eps[peer] = ep
         return ep
 
