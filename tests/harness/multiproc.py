@@ -340,6 +340,20 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
     Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
+class _LossyStore:
+    """A store that loses some keys: their ``set`` is dropped (a store restarted or evicting)."""
+
+    def __init__(self, inner, lose: set[str]):
+        self.inner, self.lose = inner, lose
+
+    def set(self, key: str, value: bytes) -> None:
+        if key not in self.lose:
+            self.inner.set(key, value)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        return self.inner.get(key, timeout)
+
+
 def _repairs(worker) -> list[dict]:
     """The attempt records a Sender's or Receiver's versions ran or saw (wb.runtime.finish)."""
     fin = worker._end.finisher
@@ -367,6 +381,8 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
         plan = Plan.load(plan_path)
         trainer = plan.layout_of(rank).worker.role == Role.TRAINER
         store = DirectoryStore(store_dir)
+        if options.get("lose_keys"):  # a store that loses these keys (never keeps them)
+            store = _LossyStore(store, set(options["lose_keys"]))
         timeout = options.get("timeout", 60.0)
         if options.get("agree"):  # the set-up of a real job: publish the layout, get the part
             from wb.runtime.coordinator import agree_parts

@@ -165,15 +165,16 @@ class Finisher:
                 try:
                     ex = prog.run(arrays, end.transport, tag_base=tag_base(v, a),
                                   staging_bytes=end.staging_bytes, timeout=end.timeout,
-                                  liveness=end.watch,
-                                  interrupt=lambda: self._has(self._key(v, "intent", a + 1))
-                                  is not None)
+                                  liveness=end.watch, interrupt=lambda: self._stop(v, a))
                     total, ok = _merged(total, ex), True
                 except PeersLost as e:
                     log.warning("version %d, attempt %d: %s", v, a, e)
                     first = began if first is None else first
+                    if e.ranks:  # the leader may be waiting on a live peer: tell it
+                        end.store.set(self._key(v, "lost", a), json.dumps(sorted(e.ranks)).encode())
             if ok:
                 end.store.set(self._key(v, "done", a, end.rank), b"1")
+                end.heartbeat.status = f"{v}.{a}"  # again in every beat: a lost key comes back
             if end.rank == self.leader:
                 nxt = self._lead(v, a, ok)
             elif not self.is_trainer and ok and self._has(self._key(v, "intent", a + 1)) is None:
@@ -202,6 +203,19 @@ class Finisher:
             else:
                 raise TransferError(f"rank {end.rank}: version {v} went on without this rank "
                                     f"(called dead after {nxt['dead']}); it holds part of it")
+
+    def _done(self, v: int, a: int, r: int) -> bool:
+        """Whether worker ``r`` is done with attempt ``a`` of version ``v``: its key, or, should
+        the store have lost it, the status its beats carry."""
+        return (self._has(self._key(v, "done", a, r)) is not None
+                or self.end.watch.status(r) == f"{v}.{a}")
+
+    def _stop(self, v: int, a: int) -> bool:
+        """Whether a stalled attempt ``a`` should give up: the leader opened the next one, or
+        (for the leader) a worker reported a lost peer."""
+        if self.end.rank == self.leader:
+            return self._has(self._key(v, "lost", a)) is not None
+        return self._has(self._key(v, "intent", a + 1)) is not None
 
     def _await(self, v: int, a: int) -> dict | None:
         """Waits for the version's final record (None) or attempt ``a + 1``'s record; fails if
@@ -240,7 +254,7 @@ class Finisher:
         self._watched.update(workers)
         deadline = time.monotonic() + max(end.wait_timeout, end.timeout)
         while True:
-            done = {r for r in workers if self._has(self._key(v, "done", a, r)) is not None}
+            done = {r for r in workers if self._done(v, a, r)}
             missing = [r for r in workers if r not in done]
             if not missing:
                 self._finish(v, set())
@@ -263,7 +277,7 @@ class Finisher:
         end, store = self.end, self.end.store
         detected = time.time()
         store.set(self._key(v, "intent", a + 1), b"1")
-        done = {r for r in need if self._has(self._key(v, "done", a, r)) is not None}
+        done = {r for r in need if self._done(v, a, r)}
         dead_all = sorted(dead | self._dead_in(v))
         left = [r for r in need if r not in done and r not in dead]
         if not left:

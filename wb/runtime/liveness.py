@@ -52,6 +52,9 @@ class Heartbeat:
         self.incarnation = incarnation or new_incarnation()
         self._stop = threading.Event()
         self._beats = 0
+        #: a short note every beat carries (what this worker has done: wb.runtime.finish), so
+        #: peers read it again within a beat should the store lose the key it was also put in
+        self.status = ""
         self._beat()  # the first beat before anyone waits for it
         self._thread = threading.Thread(target=self._run, name=f"wb-heartbeat {key}",
                                         daemon=True)
@@ -59,7 +62,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self.key, f"{self.incarnation}:{self._beats}".encode())
+        self.store.set(self.key, f"{self.incarnation}:{self._beats}:{self.status}".encode())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -104,7 +107,7 @@ class Watch:
             last, since = self._seen.get(p, (None, now))
             if beat is not None and beat != last:
                 last, since = beat, now
-                who = beat.rsplit(b":", 1)[0]
+                who = beat.split(b":", 1)[0]
                 if self._incarnation.setdefault(p, who) != who:
                     self._restarted.setdefault(p, now)
             self._seen[p] = (last, since)
@@ -113,6 +116,15 @@ class Watch:
             elif now - since > self.grace:
                 out[p] = now - since
         return out
+
+    def status(self, peer: int) -> str:
+        """The status note of ``peer``'s last beat ("" if none)."""
+        try:
+            beat = self.store.get(self.key_of(peer), 0.001)
+        except TransferError:
+            return ""
+        parts = beat.decode(errors="replace").split(":", 2)
+        return parts[2] if len(parts) == 3 else ""
 
     def reset(self, peers: Iterable[int]) -> None:
         """Accepts the incarnation ``peers`` beat as now (restarted workers taken back in)."""

@@ -103,6 +103,7 @@ class UcxTransport:
         self.tls = tls or default_tls()
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
+        self._stale: list[Any] = []  # endpoints to peers that died (forget), closed at close()
         self._peers: list[int] = []
         self._round = 0
 
@@ -182,7 +183,8 @@ class UcxTransport:
             # Endpoints close through the progress thread (delayed submission): close them while
             # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
             closed = threading.Semaphore(0)
-            for ep in self._eps.values():
+            eps = [*self._eps.values(), *self._stale]
+            for ep in eps:
                 try:
                     ep.set_close_callback(closed.release)
                     ep.close()
@@ -190,11 +192,12 @@ class UcxTransport:
                     closed.release()
                     log.debug("rank %d: closing an endpoint failed", self.rank, exc_info=True)
             deadline = time.monotonic() + 2.0
-            for _ in self._eps:
+            for _ in eps:
                 if not closed.acquire(timeout=max(0.0, deadline - time.monotonic())):
                     log.warning("rank %d: UCX endpoints still closing after 2 s", self.rank)
                     break
             self._eps.clear()
+            self._stale.clear()
             if all_done:
                 self._closed_barrier()
             self._worker.stop_progress_thread()
@@ -237,12 +240,8 @@ class UcxTransport:
         self._peers = [p for p in self._peers if p not in gone]
         for p in gone:
             ep = self._eps.pop(p, None)
-            if ep is not None:
-                try:
-                    ep.close()
-                except Exception:  # noqa: BLE001 - the peer is gone
-                    log.debug("rank %d: closing the endpoint to %d failed", self.rank, p,
-                              exc_info=True)
+            if ep is not None:  # closed with the others, while the progress thread runs
+                self._stale.append(ep)
 
     # --- transfers -----------------------------------------------------------------------------
     def _ep(self, peer: int):
