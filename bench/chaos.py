@@ -62,17 +62,23 @@ def _log(path: Path, **row) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float) -> None:
+def _worker(rank: int, plan_path: str, store_dir: str, out: str, role: str):
+    """A worker's plan, store, log file, weights (version 0) and which elements are mapped."""
     import wb
-    from harness.multiproc import buffers_for, mapped_for, version_bits
+    from harness.multiproc import buffers_for, mapped_for
     from wb.runtime.rendezvous import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
 
     plan = wb.Plan.load(plan_path)
-    store = DirectoryStore(store_dir)
-    log = Path(out, f"trainer{rank}.log")
-    base = buffers_for(plan, rank, fill=True)
-    mapped = mapped_for(plan, rank)
+    return (plan, DirectoryStore(store_dir), Path(out, f"{role}{rank}.log"),
+            buffers_for(plan, rank, fill=True), mapped_for(plan, rank))
+
+
+def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float) -> None:
+    import wb
+    from harness.multiproc import version_bits
+    from wb.runtime.transport.ucx import UcxTransport
+
+    plan, store, log, base, mapped = _worker(rank, plan_path, store_dir, out, "trainer")
     bufs = {k: a.copy() for k, a in base.items()}
     try:
         tx = wb.Sender(plan, rank, bufs, transport=UcxTransport(rank, store, timeout=60),
@@ -89,7 +95,7 @@ def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: fl
                 if rank == 0 and Path(out, "stop").exists():
                     store.set("chaos/last", str(v + 3).encode())
                 try:
-                    last = int(store.get("chaos/last", 0))
+                    last = int(store.get("chaos/last", 0.001))
                 except wb.TransferError:
                     pass
         tx.close()
@@ -101,15 +107,10 @@ def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: fl
 
 def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool) -> None:
     import wb
-    from harness.multiproc import buffers_for, mapped_for, version_bits
-    from wb.runtime.rendezvous import DirectoryStore
+    from harness.multiproc import version_bits
     from wb.runtime.transport.ucx import UcxTransport
 
-    plan = wb.Plan.load(plan_path)
-    store = DirectoryStore(store_dir)
-    log = Path(out, f"rollout{rank}.log")
-    base = buffers_for(plan, rank, fill=True)
-    mapped = mapped_for(plan, rank)
+    plan, store, log, base, mapped = _worker(rank, plan_path, store_dir, out, "rollout")
     bufs = {k: np.zeros_like(a) for k, a in base.items()}
     pid = os.getpid()
     try:
@@ -132,7 +133,7 @@ def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool
             _log(log, event="applied", pid=pid, v=v, ok=bool(ok), stall=stall, start=st.start_s,
                  end=st.end_s, t=time.time())
             try:
-                if v >= int(store.get("chaos/last", 0)):
+                if v >= int(store.get("chaos/last", 0.001)):
                     break
             except wb.TransferError:
                 pass
