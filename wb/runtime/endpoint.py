@@ -21,7 +21,7 @@ from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan, RankPlans
 from wb.errors import PlanError, TransferError
 from wb.runtime.executor import connect
-from wb.runtime.finish import Finisher, tag_base
+from wb.runtime.finish import Finisher
 from wb.runtime.liveness import Heartbeat, Watch
 from wb.runtime.program import Program
 from wb.runtime.stats import UpdateStats
@@ -194,8 +194,7 @@ class Endpoint:
 
     def join(self, v: int, *, cancel: threading.Event | None = None) -> float:
         """Joins version ``v`` and waits for every peer to join it; returns the join time."""
-        if self.finisher is not None:
-            self.finisher.before_join()  # the membership the last version left
+        self.finisher.before_join()  # the membership the last version left
         joined = time.time()
         self.store.set(self.key("join", v, self.rank), b"1")
         trainers = set(self.trainers)
@@ -204,28 +203,23 @@ class Endpoint:
             f"{self.wait_timeout:.0f} s (wait_timeout); is its "
             f"{'push' if p in trainers else 'apply'} being called?"), cancel=cancel,
             # a dead rollout: the version goes on without it (wb.runtime.finish)
-            skip=None if self.finisher is None else (lambda p: p not in trainers))
+            skip=lambda p: p not in trainers)
         return joined
 
     # --- the transfer ----------------------------------------------------------------------------
     def run(self, v: int, arrays: Mapping[str, Any]) -> ExecStats:
         """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
         at set-up, joined for ``v``)."""
-        if self.finisher is not None:
-            return self.finisher.run(v, arrays)
-        return self.program.run(arrays, self.transport, tag_base=tag_base(v, 0),
-                                staging_bytes=self.staging_bytes, timeout=self.timeout,
-                                liveness=self.watch)
+        return self.finisher.run(v, arrays)
 
     def stop(self) -> None:
         """Stops beating (the worker is closing), once it knows which peers died (the closing
         barrier waits for the others only)."""
-        if self.finisher is not None:
-            try:
-                self.finisher.before_join()
-            except TransferError as e:
-                log.warning("rank %d: closing without the last version's final record: %s",
-                            self.rank, e)
+        try:
+            self.finisher.before_join()
+        except TransferError as e:
+            log.warning("rank %d: closing without the last version's final record: %s",
+                        self.rank, e)
         self.heartbeat.stop()
 
     def record(self, v: int, stall_s: float, t: Transferred) -> None:

@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 ATTEMPT_BITS = 27
 #: How many ranks after the highest it knows a leader asks for join requests at each version.
 JOIN_RANGE = 16
-_POLL_S = 0.01
+_POLL_S = 0.01  # how often the store is read for records and done keys
+_ASK_S = 0.25  # how often heartbeats are read (a peer is dead only after seconds anyway)
 _PEEK_S = 0.001  # a store lookup that does not wait
 
 
@@ -134,7 +135,7 @@ class Finisher:
         if roster.get("quantized"):
             return  # trainers' quantised layouts are not in the store
         everyone = gather_layouts(end.store, world=int(roster["world"]), name=end.name,
-                                  timeout=max(end.wait_timeout, end.timeout))
+                                  timeout=self._patience)
         self.layouts = {lay.worker.rank: lay for lay in everyone}
         self.rollouts = sorted(r for r, lay in self.layouts.items()
                                if lay.worker.role.value == "rollout")
@@ -194,7 +195,7 @@ class Finisher:
             self.repairs.append(nxt)
             if self.is_trainer or end.rank in nxt["need"]:
                 part = fetch_part(end.store, end.rank, name=self._key(v, "part", a),
-                                  timeout=max(end.wait_timeout, end.timeout))
+                                  timeout=self._patience)
                 _call(end.transport, "add_peers", part.peers)
                 prog = Program(part, end.rank)
             elif ok:  # done before the repair: nothing more to receive
@@ -204,11 +205,15 @@ class Finisher:
                 raise TransferError(f"rank {end.rank}: version {v} went on without this rank "
                                     f"(called dead after {nxt['dead']}); it holds part of it")
 
-    def _done(self, v: int, a: int, r: int) -> bool:
-        """Whether worker ``r`` is done with attempt ``a`` of version ``v``: its key, or, should
-        the store have lost it, the status its beats carry."""
-        return (self._has(self._key(v, "done", a, r)) is not None
-                or self.end.watch.status(r) == f"{v}.{a}")
+    def _beats_done(self, v: int, a: int, r: int) -> bool:
+        """Whether worker ``r``'s beats say it is done with attempt ``a`` of version ``v`` (for a
+        done key the store lost)."""
+        return self.end.watch.status(r) == f"{v}.{a}"
+
+    @property
+    def _patience(self) -> float:
+        """Seconds to wait for a record or for workers before failing the version."""
+        return max(self.end.wait_timeout, self.end.timeout)
 
     def _stop(self, v: int, a: int) -> bool:
         """Whether a stalled attempt ``a`` should give up: the leader opened the next one, or
@@ -221,8 +226,9 @@ class Finisher:
         """Waits for the version's final record (None) or attempt ``a + 1``'s record; fails if
         a trainer stops beating meanwhile (the version fails)."""
         end = self.end
-        deadline = time.monotonic() + max(end.wait_timeout, end.timeout)
+        deadline = time.monotonic() + self._patience
         others = [t for t in self.trainers if t != end.rank]
+        asked = 0.0
         while True:
             if self._has(self._key(v, "final")) is not None:
                 return None
@@ -232,7 +238,9 @@ class Finisher:
                 if "failed" in rec:
                     raise TransferError(f"rank {end.rank}: version {v} failed: {rec['failed']}")
                 return rec
-            silent = end.watch.silent(others)
+            silent = {}
+            if time.monotonic() - asked > _ASK_S:
+                asked, silent = time.monotonic(), end.watch.silent(others)
             if silent:
                 raise TransferError(
                     f"rank {end.rank}: trainer {min(silent)} stopped beating while version {v} "
@@ -240,7 +248,7 @@ class Finisher:
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {end.rank}: version {v} was not finished by its "
                                     f"leader (trainer {self.leader}) within "
-                                    f"{max(end.wait_timeout, end.timeout):.0f} s")
+                                    f"{self._patience:.0f} s")
             time.sleep(_POLL_S)
 
     def _lead(self, v: int, a: int, ok: bool) -> dict | None:
@@ -252,14 +260,23 @@ class Finisher:
         # the incarnation each worker beats as now: one restarted under its rank later is dead
         end.watch.silent([r for r in workers if r not in self._watched and r != end.rank])
         self._watched.update(workers)
-        deadline = time.monotonic() + max(end.wait_timeout, end.timeout)
+        deadline = time.monotonic() + self._patience
+        done: set[int] = set()  # grows: only the missing are read again
+        asked = 0.0
         while True:
-            done = {r for r in workers if self._done(v, a, r)}
+            done |= {r for r in workers if r not in done
+                     and self._has(self._key(v, "done", a, r)) is not None}
             missing = [r for r in workers if r not in done]
+            silent = {}
+            if missing and time.monotonic() - asked > _ASK_S:
+                asked = time.monotonic()
+                # a done key the store lost: the worker's beats carry its status too
+                done |= {r for r in missing if self._beats_done(v, a, r)}
+                missing = [r for r in workers if r not in done]
+                silent = end.watch.silent([r for r in missing if r != end.rank])
             if not missing:
                 self._finish(v, set())
                 return None
-            silent = end.watch.silent([r for r in missing if r != end.rank])
             if any(r in self.trainers for r in silent):
                 raise TransferError(f"rank {end.rank}: trainer {min(silent)} stopped beating "
                                     f"during version {v}; the version failed")
@@ -269,15 +286,16 @@ class Finisher:
                 return self._repair(v, a, need, set(silent))
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {end.rank}: workers {missing[:8]} did not finish "
-                                    f"version {v} within {max(end.wait_timeout, end.timeout):.0f}"
-                                    f" s and still beat (hung?)")
+                                    f"version {v} within {self._patience:.0f} s and still beat "
+                                    f"(hung?)")
             time.sleep(_POLL_S)
 
     def _repair(self, v: int, a: int, need: list[int], dead: set[int]) -> dict | None:
         end, store = self.end, self.end.store
         detected = time.time()
         store.set(self._key(v, "intent", a + 1), b"1")
-        done = {r for r in need if self._done(v, a, r)}
+        done = {r for r in need if self._has(self._key(v, "done", a, r)) is not None
+                or self._beats_done(v, a, r)}
         dead_all = sorted(dead | self._dead_in(v))
         left = [r for r in need if r not in done and r not in dead]
         if not left:
@@ -369,7 +387,7 @@ class Finisher:
 
     def _take_final(self, v: int, *, wait: bool = False) -> None:
         end = self.end
-        raw = (end.store.get(self._key(v, "final"), max(end.wait_timeout, end.timeout)) if wait
+        raw = (end.store.get(self._key(v, "final"), self._patience) if wait
                else self._has(self._key(v, "final")))
         if raw is None:
             return
@@ -386,7 +404,7 @@ class Finisher:
         if end.rank in gone:
             raise TransferError(f"rank {end.rank} was called dead during version {v}")
         part = fetch_part(end.store, end.rank, name=end.key("epoch", self.epoch),
-                          timeout=max(end.wait_timeout, end.timeout))
+                          timeout=self._patience)
         _call(end.transport, "add_peers", part.peers)
         end.adopt(part)
         log.warning("rank %d: from version %d on, rollouts %s (without %s)", end.rank, v + 1,
