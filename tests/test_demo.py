@@ -67,9 +67,9 @@ def test_demo_process_check_fails_on_wrong_weights():
     from rich.console import Console
 
     import wb.cli.demo.runner
-    out = wb.cli.demo.runner._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"], steps=1,
-                                 train_s=0.0, gen_s=0.01, console=Console(quiet=True),
-                                 expect_offset=1)
+    out = wb.cli.demo.runner.run_processes("jax", "torch", replicas=1, tp=2, modes=["both"],
+                                           steps=1, train_s=0.0, gen_s=0.01,
+                                           console=Console(quiet=True), expect_offset=1)
     assert out["transfers_verified"] is False
     assert out["modes"]["both"]["mismatches"] > 0
 
@@ -118,8 +118,26 @@ def test_demo_fp8_check_fails_on_wrong_weights():
     from rich.console import Console
 
     import wb.cli.demo.runner
-    out = wb.cli.demo.runner._run_processes("jax", "torch", replicas=1, tp=2, modes=["both"],
-                                            steps=1, train_s=0.0, gen_s=0.01,
-                                            console=Console(quiet=True), expect_offset=1,
-                                            rollout_dtype="float8_e4m3fn")
+    out = wb.cli.demo.runner.run_processes("jax", "torch", replicas=1, tp=2, modes=["both"],
+                                           steps=1, train_s=0.0, gen_s=0.01,
+                                           console=Console(quiet=True), expect_offset=1,
+                                           rollout_dtype="float8_e4m3fn")
     assert out["transfers_verified"] is False and out["modes"]["both"]["mismatches"] > 0
+
+
+def test_the_demos_zero_copy_check_sees_a_copy():
+    """The address check the demo's processes run can fail: a worker holding a copy of the
+    framework's array is counted, one holding the array itself (or a view of it) is not."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from wb.cli.demo.workers import _zero_copy
+
+    t = torch.arange(6.0, requires_grad=True)
+    a = np.arange(4, dtype=np.float32)
+    same = types.SimpleNamespace(buffers={"t": t.detach().numpy(), "a": a})
+    copied = types.SimpleNamespace(buffers={"t": t.detach().numpy().copy(), "a": a.copy()})
+    assert _zero_copy({0: same}, {0: {"t": t, "a": a}}) == (2, 0)
+    assert _zero_copy({0: copied}, {0: {"t": t, "a": a}}) == (2, 2)

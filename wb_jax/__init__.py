@@ -375,9 +375,25 @@ class _Arrays:
         for leaf in leaves(params).values():
             leaf.block_until_ready()
 
+    def allocator(self, rank: int) -> Callable | None:
+        """How a rank's new buffers are made: arrays of its own accelerator (UCX writes into
+        their memory, read through DLPack; :meth:`received` hands them over as they are), or
+        ``None`` on the CPU backend (64-byte aligned host arrays, which ``jax.device_put``
+        aliases)."""
+        dev = next((d for d, r in self.ranks.items() if r == rank), None)
+        if dev is None or dev.platform == "cpu":
+            return None
+
+        def allocate(shape: tuple[int, ...], dtype: str) -> jax.Array:
+            a = jax.numpy.zeros(shape, dtype=wb.dtypes.dtype_info(dtype).numpy, device=dev)
+            return a.block_until_ready()  # written by wb from other streams next
+
+        return allocate
+
     def received(self, params: Any, bufs: dict[int, dict[str, Any]]) -> Any:
-        """A new pytree with ``params``' shardings over the received buffers (no copy on the CPU
-        backend: ``jax.device_put`` aliases a 64-byte aligned host buffer; a copy on GPUs)."""
+        """A new pytree with ``params``' shardings over the received buffers, without a copy: on
+        an accelerator they are arrays of its own (see :meth:`allocator`); on the CPU backend
+        ``jax.device_put`` aliases the 64-byte aligned host buffers."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         out = []
         for path, leaf in flat:
@@ -386,7 +402,12 @@ class _Arrays:
             for shard in leaf.addressable_shards:
                 r = self.ranks.get(shard.device)
                 buf = bufs.get(r, {}).get(key) if r is not None else None
-                shards.append(shard.data if buf is None else jax.device_put(buf, shard.device))
+                if buf is None:
+                    shards.append(shard.data)
+                elif isinstance(buf, jax.Array) and buf.devices() == {shard.device}:
+                    shards.append(buf)
+                else:
+                    shards.append(jax.device_put(buf, shard.device))
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
                                                                 shards))
         return jax.tree_util.tree_unflatten(treedef, out)
@@ -413,9 +434,10 @@ class Receiver(wb.ReceiverGroup):
     params.
 
     A :class:`wb.ReceiverGroup` over a pytree of ``jax.Array``. JAX arrays are immutable, so every
-    version lands in new buffers (:class:`wb.Receiver`'s ``handoff``; ``allocate=``, default 64-byte
-    aligned host arrays), and ``apply()`` returns a new pytree made from them (without copying on
-    the CPU backend).
+    version lands in new buffers (:class:`wb.Receiver`'s ``handoff``): arrays of each device's
+    own (on a GPU, UCX writes into their memory), 64-byte aligned host arrays on the CPU backend;
+    ``apply()`` returns a new pytree made from them without a copy (the previous version's
+    arrays are never written again).
 
     Args:
         params: a template pytree with the target shardings (its values are kept only for

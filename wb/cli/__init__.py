@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--replicas", type=int, default=2, help="rollout replicas (default 2)")
     demo.add_argument("--tp", type=int, default=2, help="TP degree of each PyTorch side (default 2)")
     demo.add_argument("--cuda", action="store_true",
-                      help="PyTorch processes on CUDA devices (a node's workers spread over the "
-                           "GPUs); JAX stays on CPU")
+                      help="every process on the CUDA devices (a node's PyTorch workers spread "
+                           "over the GPUs; a JAX rollout needs --tp GPUs), checked zero-copy")
     demo.add_argument("--rollout-dtype", default=None, metavar="DTYPE",
                       help="the PyTorch rollouts' parameter dtype (float32, float16, bfloat16; "
                            "default bfloat16, the trainer's): wb converts in flight; "

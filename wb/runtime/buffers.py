@@ -18,8 +18,8 @@ from wb.data.layout import Layout
 from wb.errors import TransferError
 from wb.runtime import dlpack
 
-__all__ = ["as_array", "check_buffers", "fixed_memory", "copy", "copy_of", "aligned_empty"]
-
+__all__ = ["as_array", "address", "check_buffers", "fixed_memory", "copy", "copy_of",
+           "aligned_empty"]
 
 
 def as_array(name: str, buf: Any, *, rank: int) -> tuple[Any, Any]:
@@ -72,6 +72,25 @@ def as_array(name: str, buf: Any, *, rank: int) -> tuple[Any, Any]:
         with cupy.cuda.Device(dev):  # from its own device, not the thread's current one
             return cupy, cupy.asarray(buf)
     return np, np.asarray(buf)
+
+
+def address(buf: Any) -> int:
+    """The address of ``buf``'s first element, as wb sees it (host or device memory): two arrays
+    with the same address share memory, so tests check zero-copy hand-offs with it.
+
+    Args:
+        buf: any array :func:`as_array` takes.
+
+    Returns:
+        The address (0 for an empty array).
+
+    Examples:
+        >>> a = np.zeros(4, np.float32)
+        >>> address(a[1:]) - address(a)
+        4
+    """
+    xp, a = as_array("buffer", buf, rank=-1)
+    return int(a.ctypes.data) if xp is np else int(a.data.ptr)
 
 
 def _cupy(name: str, rank: int):

@@ -47,7 +47,9 @@ class ParamsAdapter(Protocol):
         the buffers are its own storage; a new one for immutable arrays)."""
 
     #: the framework's arrays are immutable: a receiver lands every version in new buffers
-    #: (:class:`wb.Receiver`'s ``handoff``), which :meth:`received` wraps
+    #: (:class:`wb.Receiver`'s ``handoff``), which :meth:`received` wraps. An adapter may then
+    #: also have ``allocator(rank)``: the ``allocate(shape, dtype name)`` that makes the rank's
+    #: new buffers (on its device), or None for host arrays.
     handoff: bool
 
 
@@ -123,17 +125,24 @@ def _workers(plan: Plan, buffers: Mapping[int, Mapping[str, Any]], transports, m
     return _Ranks({r: (lambda r=r: make(r, planned[r], transports[r])) for r in planned})
 
 
-def _no_options(adapter: ParamsAdapter) -> dict:
+def _no_options(adapter: ParamsAdapter, rank: int) -> dict:
     return {}
 
 
-def _group_of(worker: type, worker_options: Callable[[ParamsAdapter], dict] = _no_options
+def _receiver_options(adapter: ParamsAdapter, rank: int) -> dict:
+    """``handoff`` from the adapter, and ``allocate`` where it makes a rank's new buffers itself
+    (on that rank's device: JAX on a GPU)."""
+    allocate = getattr(adapter, "allocator", lambda r: None)(rank)
+    return {"handoff": adapter.handoff, **({"allocate": allocate} if allocate else {})}
+
+
+def _group_of(worker: type, worker_options: Callable[[ParamsAdapter, int], dict] = _no_options
               ) -> Callable[[type], type]:
     """Gives a group class what both kinds share, over one ``worker`` per rank (:class:`wb.Sender`
     or :class:`wb.Receiver`): the constructor, ``workers`` (``{rank: worker}``), ``version`` (the
     newest version every rank has sent or applied), ``stats`` (every rank's records, for
-    :func:`wb.summarize`), ``close()`` and ``with``; ``worker_options(adapter)`` adds options of
-    the worker that follow from the adapter. A class decorator rather than a common base: the
+    :func:`wb.summarize`), ``close()`` and ``with``; ``worker_options(adapter, rank)`` adds options
+    of a rank's worker that follow from the adapter. A class decorator rather than a common base: the
     shims subclass the groups, and one level of inheritance is all the house allows."""
 
     def __init__(self, params: Any, plan: Plan, ranks: Any = None, *, transports=None, store,
@@ -144,10 +153,10 @@ def _group_of(worker: type, worker_options: Callable[[ParamsAdapter], dict] = _n
             transports = options.pop("transport")
         self.plan, self.params = plan, params
         self.adapter: ParamsAdapter = self.adapter_type(plan, params, ranks)
-        options = {**worker_options(self.adapter), **options}
         self._ranks = _workers(plan, self.adapter.buffers(params), transports,
                                lambda r, b, t: worker(plan, r, b, transport=t, store=store,
-                                                      **options))
+                                                      **{**worker_options(self.adapter, r),
+                                                         **options}))
 
     def close(self) -> None:
         """Closes every rank's worker (a sender waits for its last send first)."""
@@ -216,7 +225,7 @@ class SenderGroup:
         self._ranks.all(lambda s: s.wait())
 
 
-@_group_of(Receiver, lambda adapter: {"handoff": adapter.handoff})
+@_group_of(Receiver, _receiver_options)
 class ReceiverGroup:
     """The rollout's end in one process: ``ready()`` between generation steps, then ``apply()``.
 

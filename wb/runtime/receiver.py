@@ -84,19 +84,24 @@ class _InPlace:
 
 
 class _Handoff:
-    """Every version lands in new buffers made by ``allocate(shape, dtype name)``."""
+    """Every version lands in new buffers made by ``allocate(shape, dtype name)``; the arrays
+    handed over are those objects themselves (a JAX array on a GPU, say), not wb's views of
+    them, so the framework wraps them without a copy."""
 
-    def __init__(self, live: Live, layout: Layout, allocate: Callable, rank: int):
+    def __init__(self, live: Live, layout: Layout, allocate: Callable, rank: int,
+                 given: dict[str, Any]):
         self.live, self.layout, self.allocate, self.rank = live, layout, allocate, rank
+        self.given = given
 
     def arrays(self) -> dict[str, Any]:
-        return {n: a for n, (_, a) in self.live.items()}
+        return dict(self.given)
 
     def landing(self) -> dict[str, Any]:
         return self.spare()
 
     def adopt(self, arrays: dict[str, Any]) -> None:
-        self.live = {n: as_array(n, a, rank=self.rank) for n, a in arrays.items()}
+        self.given = {n: arrays[n] for n in self.live}
+        self.live = {n: as_array(n, a, rank=self.rank) for n, a in self.given.items()}
 
     def spare(self) -> dict[str, Any]:
         return _allocated(self.layout, self.allocate, self.live, rank=self.rank)
@@ -284,7 +289,8 @@ class Receiver:
         self.plan, self.rank, self.wait_timeout = plan, self._end.rank, wait_timeout
         self.stats: list[UpdateStats] = self._end.stats  # one record per version applied
         live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._end.layout.buffers}
-        self._target: _Target = (_Handoff(live, self._end.layout, allocate, self.rank)
+        self._target: _Target = (_Handoff(live, self._end.layout, allocate, self.rank,
+                                          {n: buffers[n] for n in live})
                                  if self.handoff else _InPlace(live))
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))

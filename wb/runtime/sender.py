@@ -187,6 +187,12 @@ class Sender:
         self.version = 0
         self._closed = False
 
+    @property
+    def buffers(self) -> dict[str, Any]:
+        """The live weights as wb reads them: numpy or CuPy views of the given arrays' own
+        memory (no copy; :func:`wb.runtime.buffers.address` gives their addresses)."""
+        return {n: a for n, (_, a) in self._live.items()}
+
     def push(self, version: int | None = None, *, buffers: Mapping[str, Any] | None = None) -> int:
         """Sends the live weights as ``version`` (default: the last one + 1); returns it.
 

@@ -14,9 +14,10 @@ __all__ = ["DEMO_FP8", "random_checkpoint", "expected_checkpoint", "fp8_checkpoi
 DEMO_FP8 = {"tensors": ["*_proj.weight"], "format": "float8_e4m3fn", "block": [4, 4]}
 
 
-def random_checkpoint(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random checkpoint tensors of the tiny model (numpy, in the spec's dtypes)."""
-    spec = spec_from_config(TINY)
+def random_checkpoint(seed: int = 0, cfg: dict = TINY) -> dict[str, np.ndarray]:
+    """Random checkpoint tensors of a model (default: the tiny one; numpy, in the spec's
+    dtypes)."""
+    spec = spec_from_config(cfg)
     rng = np.random.default_rng(seed)
     return {n: rng.standard_normal(spec.shape(n), dtype=np.float32).astype(
         dtype_info(spec.dtype(n)).numpy) for n in spec.names}
@@ -29,13 +30,13 @@ def expected_checkpoint(ckpt: dict, step: int) -> dict:
     return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
 
 
-def fp8_checkpoint(ckpt: dict, decl) -> dict:
+def fp8_checkpoint(ckpt: dict, decl, cfg: dict = TINY) -> dict:
     """The FP8 checkpoint of ``ckpt`` under the declaration ``decl`` (a :class:`wb.FP8Blocks`),
     quantised by the plain reference (:func:`wb.testing.oracle.quantize_reference`): what the
     FP8 rollouts' own loaders are checked against."""
     from wb.testing.oracle import quantize_reference
 
-    scaled = decl.bind(spec_from_config(TINY))
+    scaled = decl.bind(spec_from_config(cfg))
     out = dict(ckpt)
     for t, n in enumerate(scaled.names):
         out[n], out[scaled.scale_name(t)] = quantize_reference(ckpt[n], decl.block)

@@ -30,7 +30,7 @@ from wb.cli.demo.checkpoint import random_checkpoint
 from wb.data.layout import BufferSpec, Layout, Worker
 from wb.layouts.presets import TINY, spec_from_config
 
-__all__ = ["run_demo", "jax_layouts", "torch_layouts"]
+__all__ = ["run_demo", "run_processes", "jax_layouts", "torch_layouts"]
 
 
 def jax_layouts(cfg: dict, *, role: str, dp: int, tp: int, copies: int, first_rank: int,
@@ -163,7 +163,9 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         processes: run the multi-process part (UCX); ``False`` runs only the in-process checks.
         cuda: in the processes, PyTorch models live on CUDA devices (local rank ``r`` on device
             ``r`` mod the device count: a node's workers spread over the GPUs, so stage 3 crosses
-            NVLink); JAX stays on CPU devices.
+            NVLink) and the JAX side on the GPUs too (a JAX trainer on a 1 x min(2, GPUs) mesh, a
+            JAX rollout on ``tp`` of them), every process sharing them; both ends are checked
+            to move the frameworks' own memory (addresses). In-process checks stay on the CPU.
         rollout_dtype: the PyTorch rollouts' parameter dtype (``"float32"``, ``"float16"``,
             ...; default bfloat16, the checkpoint's): wb converts in flight, and every rollout
             buffer is still checked against the rollout's own load of the checkpoint.
@@ -192,8 +194,12 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
                 f"--rollout-dtype {rollout_dtype}: a dtype of float64, float32, float16 or "
                 f"bfloat16 needs PyTorch rollouts (the JAX reference load function never casts); "
                 f"float8_e4m3fn (block-scaled) works with both")
-    if cuda and not glob.glob("/dev/nvidia[0-9]*"):
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    if cuda and not gpus:
         raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
+    if cuda and rollout == "jax" and tp > gpus:
+        raise wb.SpecError(f"--cuda puts each JAX rollout on {tp} GPUs (--tp) but this machine "
+                           f"has {gpus}; give --tp {gpus} or less")
     console = Console(quiet=quiet)
     ckpt = random_checkpoint()
     t0 = time.perf_counter()
@@ -283,7 +289,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         report["bytes_on_wire_bf16"] = wb.plan(trainers, plain).traffic().trainer_total
         report["fp8"] = fp8.to_json()
     if processes:
-        report.update(_run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
+        report.update(run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
                                      steps=steps, train_s=train_s, gen_s=gen_s, console=console,
                                      cuda=cuda, rollout_dtype=rollout_dtype))
         report["verified"] = bool(verified and report["transfers_verified"])
@@ -292,8 +298,10 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
 
 def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
     jobs = []
-    if trainer == "jax":
-        jobs.append(dict(common, name="trainer", role="trainer", kind="jax", dp=2, tp=2))
+    if trainer == "jax":  # a 2 x 2 mesh of CPU devices, or 1 x (up to 2) GPUs
+        gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+        dp, jtp = (1, min(2, gpus)) if common["cuda"] else (2, 2)
+        jobs.append(dict(common, name="trainer", role="trainer", kind="jax", dp=dp, tp=jtp))
     else:
         jobs += [dict(common, name=f"trainer-tp{r}", role="trainer", kind="torch", tp=tp,
                       local_rank=r) for r in range(tp)]
@@ -308,12 +316,16 @@ def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
     return jobs
 
 
-def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen_s,
-                   console, timeout: float = 900.0, expect_offset: int = 0,
-                   cuda: bool = False, rollout_dtype: str | None = None) -> dict:
+def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: Sequence[str],
+                  steps: int, train_s: float, gen_s: float, console: Console | None = None,
+                  timeout: float = 900.0, expect_offset: int = 0, cuda: bool = False,
+                  rollout_dtype: str | None = None, cfg: dict = TINY) -> dict:
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
-    UCX; returns what they measured and checked. ``expect_offset`` makes the rollouts expect the
-    weights of another step (tests use it to see the check fail)."""
+    UCX; returns what they measured and checked (the demo's second half; benches call it with a
+    larger ``cfg``, a model config of :mod:`wb.layouts.presets`). Other arguments as
+    :func:`run_demo`; ``expect_offset`` makes the rollouts expect the weights of another step
+    (tests use it to see the check fail)."""
+    console = console or Console(quiet=True)
     try:
         import ucxx  # noqa: F401 - only to fail here, clearly, rather than in every child
     except ImportError as e:
@@ -332,7 +344,7 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
     with tempfile.TemporaryDirectory(prefix="wb-demo-") as tmp:
         work = Path(tmp)
         (work / "results").mkdir()
-        common = dict(cfg=TINY, store_dir=str(work / "store"), result_dir=str(work / "results"),
+        common = dict(cfg=cfg, store_dir=str(work / "store"), result_dir=str(work / "results"),
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
                       expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype)
@@ -381,6 +393,8 @@ def _run_processes(trainer, rollout, *, replicas, tp, modes, steps, train_s, gen
             per_mode[mode] = {"sender_staging": wb.MODES[mode][0],
                               "receiver_staging": wb.MODES[mode][1],
                               "ewtt_s": round(sm.ewtt_s, 4), "agst_s": round(sm.agst_s, 4),
+                              "ewtt_per_version_s": {v: round(e, 5) for v, e in
+                                                     sm.ewtt_per_version.items()},
                               "trainer_stall_s": round(sm.trainer_stall_s, 4),
                               "rollout_stall_s": round(sm.rollout_stall_s, 4),
                               "updates": len(updates), "rollout_records": rollout_records,

@@ -67,8 +67,12 @@ def worker_main(job: dict) -> None:
     """One demo process: ``job`` says its side, framework, ranks and the loop's parameters."""
     out = Path(job["result_dir"]) / f"{job['name']}.json"
     result = {"name": job["name"], "ok": False, "modes": {}}
-    if job["kind"] == "jax":  # the demo's JAX side runs on emulated CPU devices, GPUs or not
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if job["kind"] == "jax":  # emulated CPU devices, or the GPUs with --cuda
+        if job.get("cuda"):  # sharing them with the other processes: no preallocation
+            os.environ["JAX_PLATFORMS"] = "cuda"
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        else:
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         from wb.layouts.presets import spec_from_config
         from wb.runtime.rendezvous import DirectoryStore
@@ -76,7 +80,7 @@ def worker_main(job: dict) -> None:
         store = DirectoryStore(job["store_dir"])
         spec = spec_from_config(job["cfg"])
 
-        ckpt = random_checkpoint(0)
+        ckpt = random_checkpoint(0, job["cfg"])
         fn = {("trainer", "jax"): _jax_trainer, ("trainer", "torch"): _torch_trainer,
               ("rollout", "jax"): _jax_rollout, ("rollout", "torch"): _torch_rollout}
         fn[(job["role"], job["kind"])](job, store, spec, ckpt, result)
@@ -95,10 +99,34 @@ def _progress(store, mode, v, rank):
 
 
 # --- trainers ------------------------------------------------------------------------------------
+def _jax_devices(job, n):
+    """``n`` emulated CPU devices, or (with ``--cuda``) the GPUs, already enough of them."""
+    import wb_jax
+
+    if not job.get("cuda"):
+        wb_jax.use_cpu_devices(n)
+
+
+def _jax_ucx(store, mode, dev):
+    """The transport of a JAX device's rank (on a GPU: UCX's CUDA transports on its memory)."""
+    return lambda r: _ucx(r, store, mode, dev.id if dev.platform == "gpu" else None)
+
+
+def _zero_copy(workers, arrays) -> tuple[int, int]:
+    """``(checked, bad)`` over ``{rank: {name: framework array}}``: each array a worker moves
+    must be its buffer itself (the same address: no copy on either side)."""
+    from wb.runtime.buffers import address
+
+    pairs = [(workers[r].buffers[n], a) for r, bufs in arrays.items() for n, a in bufs.items()
+             if n in workers[r].buffers]
+    return len(pairs), sum(address(b) != address(getattr(a, "detach", lambda: a)())
+                           for b, a in pairs)
+
+
 def _jax_trainer(job, store, spec, ckpt, result):
     import wb_jax
 
-    wb_jax.use_cpu_devices(job["dp"] * job["tp"])
+    _jax_devices(job, job["dp"] * job["tp"])
     import wb
     from wb_jax.testing import make_load_fn, make_mesh, train_step
 
@@ -125,24 +153,31 @@ def _jax_trainer(job, store, spec, ckpt, result):
     def step(sender):  # JAX makes a new pytree every step
         state["params"] = train_step(state["params"])
         sender.push(state["params"])
+        if q:  # what it sends are its quantised copies
+            return 0, 0
+        return _zero_copy(sender.workers, wb_jax.buffers(state["params"], ranks))
 
     for mode in job["modes"]:
         sender = wb_jax.Sender(state["params"], plan, ranks, store=store,
                                staging=wb.MODES[mode][0], name=f"demo/{mode}", timeout=60,
                                wait_timeout=300,
-                               transports={r: _ucx(r, store, mode) for r in ranks.values()}, **q)
+                               transports={r: _jax_ucx(store, mode, d)(r)
+                                           for d, r in ranks.items()}, **q)
         _train(job, mode, sender, step, result)
 
 
 def _train(job, mode, sender, step, result):
     """``steps`` training steps of emulated compute, each ending in ``step(sender)`` (the update
-    and the push); records the sender's stalls."""
+    and the push; it returns how many buffers wb did not read in place); records the sender's
+    stalls."""
+    checks = bad = 0
     for _ in range(job["steps"]):
         time.sleep(job["train_s"])  # the rest of a training step (emulated compute)
-        step(sender)
+        n, b = step(sender)
+        checks, bad = checks + n, bad + b
     sender.wait()
-    result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": 0,
-                             "bad": 0}
+    result["modes"][mode] = {"stats": [s.to_json() for s in sender.stats], "checks": checks,
+                             "bad": int(bad)}
     sender.close()
 
 
@@ -171,7 +206,11 @@ def _torch_trainer(job, store, spec, ckpt, result):
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
                                  transports=_ucx(r, store, mode, dev), layout=lay, **q)
-        _train(job, mode, sender, lambda s: (train_step_(model), s.push()), result)
+        params = dict(model.named_parameters())
+        in_place = {r: {n: params[n] for n in lay.buffers}} if not q else {}
+        _train(job, mode, sender,
+               lambda s: (train_step_(model), s.push(), _zero_copy(s.workers, in_place))[2],
+               result)
 
 
 # --- rollouts ------------------------------------------------------------------------------------
@@ -212,7 +251,7 @@ def _torch_rollout(job, store, spec, ckpt, result):
                 ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
                 want_ck = expected_checkpoint(ckpt, step + job["expect_offset"])
                 if fp8 is not None:  # its own load of the reference-quantised checkpoint
-                    want_ck = fp8_checkpoint(want_ck, fp8)
+                    want_ck = fp8_checkpoint(want_ck, fp8, job["cfg"])
                 ref.load_weights((n, wb_torch.from_numpy(a)) for n, a in want_ck.items())
                 want = dict(ref.named_parameters())
                 for n in lay.buffers:
@@ -229,7 +268,7 @@ def _torch_rollout(job, store, spec, ckpt, result):
 def _jax_rollout(job, store, spec, ckpt, result):
     import wb_jax
 
-    wb_jax.use_cpu_devices(job["tp"])
+    _jax_devices(job, job["tp"])
     import wb
     from wb_jax.testing import make_load_fn, make_mesh
 
@@ -241,7 +280,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
 
     def checkpoint(step):  # what this rollout's own load is fed at a step
         ck = expected_checkpoint(ckpt, step)
-        return ck if fp8 is None else fp8_checkpoint(ck, fp8)
+        return ck if fp8 is None else fp8_checkpoint(ck, fp8, job["cfg"])
 
     template = load({n: np.zeros_like(a) for n, a in checkpoint(0).items()})
     first = _trainers_key(store)
@@ -254,7 +293,8 @@ def _jax_rollout(job, store, spec, ckpt, result):
     for mode in job["modes"]:
         rx = wb_jax.Receiver(template, plan, ranks, store=store, staging=wb.MODES[mode][1],
                              name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                             transports={r: _ucx(r, store, mode) for r in ranks.values()})
+                             transports={r: _jax_ucx(store, mode, d)(r)
+                                         for d, r in ranks.items()})
         checks = bad = 0
         while rx.version < job["steps"]:
             time.sleep(job["gen_s"])
@@ -268,10 +308,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
                     checks += 1
                     bad += np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()
                 # zero-copy: the new arrays are the received buffers themselves
-                k = sorted(names)[0]
-                for shard in got[k].addressable_shards:
-                    buf = rx.workers[ranks[shard.device]].buffers[k]
-                    bad += shard.data.unsafe_buffer_pointer() != buf.ctypes.data
+                bad += _zero_copy(rx.workers, wb_jax.buffers(params, ranks))[1]
                 _progress(store, mode, rx.version, base)
         result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
                                  "bad": int(bad)}
