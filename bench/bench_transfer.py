@@ -69,14 +69,16 @@ def retyped(layouts, dtype: str):
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
-        trace_out=None) -> dict:
+        trace_out=None, warmup=0) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
     :func:`wb.layouts.blockscaled.fp8_rollouts`), each trainer quantises its blocks before the
     transfer (timed apart: ``quantize_s``), and rollouts are checked against the quantised
     weights. ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``: per
-    rank, :class:`wb.runtime.update.TraceEntry` rows; read with ``bench/trace_summary.py``)."""
+    rank, :class:`wb.runtime.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
+    ``warmup``: updates each process runs before the measured one, over the same connections (as
+    a Sender's later updates run; ``first_ewtt_s`` is the first one's)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -125,7 +127,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
                       options={"timeout": 120, "barrier": True, "tls": tls,
                                "staging_bytes": staging, "cuda_device": cuda_device,
                                "held": dtypes[0] if dtypes else None, "fp8": fp8_opt,
-                               "trace": trace_out is not None},
+                               "trace": trace_out is not None, "warmup": warmup},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
@@ -144,7 +146,9 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             p2p = agg = max(p2p, agg)
         ideal = max(busiest / p2p, total / agg)
         quant = [res[x]["quantize_s"] for x in ranks if "quantize_s" in res[x]]
-        rows.append({"ewtt_s": ewtt, "quantize_s": max(quant) if quant else 0.0,
+        first = (max(res[x]["warmup"][0][1] for x in ranks)
+                 - min(res[x]["warmup"][0][0] for x in ranks)) if warmup else ewtt
+        rows.append({"ewtt_s": ewtt, "first_ewtt_s": first, "quantize_s": max(quant) if quant else 0.0,
                      "raw_p2p_GBps": p2p / 1e9, "raw_aggregate_GBps": agg / 1e9,
                      "ideal_link_s": busiest / p2p, "ideal_host_s": total / agg,
                      "ideal_s": ideal, "ratio": ewtt / ideal,
@@ -160,7 +164,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "processes": len(ranks), "replicas": replicas, "bytes_between_processes": int(total),
             "busiest_link_bytes": int(busiest), "raw_p2p_GBps": mid["raw_p2p_GBps"],
             "raw_concurrent_pairs": pairs, "raw_aggregate_GBps": mid["raw_aggregate_GBps"],
-            "ewtt_s": mid["ewtt_s"], "quantize_s": mid["quantize_s"],
+            "ewtt_s": mid["ewtt_s"], "first_ewtt_s": mid["first_ewtt_s"], "warmup": warmup,
+            "quantize_s": mid["quantize_s"],
             "fp8": fp8.to_json() if fp8 is not None else None,
             "ideal_link_s": mid["ideal_link_s"],
             "ideal_host_s": mid["ideal_host_s"], "ideal_s": mid["ideal_s"],

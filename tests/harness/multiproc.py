@@ -105,6 +105,13 @@ class _FaultyTransport:
         return self.inner.forget(peers)
 
 
+def _barrier(store, plan, rank: int, name: str, options: dict) -> None:
+    """Every rank of ``plan`` has reached ``name``."""
+    store.set(f"{name}/{rank}", b"1")
+    for r in plan.ranks:
+        store.get(f"{name}/{r}", options.get("timeout", 60.0))
+
+
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
     """One worker process (spawned)."""
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
@@ -157,15 +164,34 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                                  timeout=options.get("timeout", 60.0), cuda_device=cuda)
         if fault.die_after is not None or fault.hang_after is not None:
             transport = _FaultyTransport(transport, fault)
-        if options.get("barrier"):  # start together: EWTT then measures the transfer alone
-            store = DirectoryStore(store_dir)
-            store.set(f"go/{rank}", b"1")
-            for r in plan.ranks:
-                store.get(f"go/{r}", options.get("timeout", 60.0))
-        t0 = time.time()
-        trace = [] if options.get("trace") else None
-        stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
-                        staging_bytes=options.get("staging_bytes", 256 << 20), trace=trace)
+        if options.get("warmup"):  # updates before the measured one (a first update also
+            # loads kernels and maps peers' memory), each with its own tags, as a Sender runs them
+            from wb.runtime.executor import connect
+            from wb.runtime.program import Program
+
+            program = Program(plan, rank)
+            connect(program.part, rank, transport)
+            for w in range(options["warmup"]):
+                _barrier(DirectoryStore(store_dir), plan, rank, f"warm{w}", options)
+                first = program.run(bufs, transport, tag_base=(w + 1) << 32,
+                                    timeout=options.get("timeout", 60.0),
+                                    staging_bytes=options.get("staging_bytes", 256 << 20))
+                result.setdefault("warmup", []).append([first.start_s, first.end_s])
+            if options.get("barrier"):
+                _barrier(DirectoryStore(store_dir), plan, rank, "go", options)
+            trace = [] if options.get("trace") else None
+            t0 = time.time()
+            stats = program.run(bufs, transport, timeout=options.get("timeout", 60.0),
+                                staging_bytes=options.get("staging_bytes", 256 << 20),
+                                trace=trace)
+            transport.close()
+        elif options.get("barrier"):  # start together: EWTT then measures the transfer alone
+            _barrier(DirectoryStore(store_dir), plan, rank, "go", options)
+        if not options.get("warmup"):
+            t0 = time.time()
+            trace = [] if options.get("trace") else None
+            stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
+                            staging_bytes=options.get("staging_bytes", 256 << 20), trace=trace)
         if trace is not None:  # (message, stage, peer, out, nbytes, ready, posted, done)
             result["trace"] = [list(e) for e in trace]
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)

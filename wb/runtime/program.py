@@ -49,7 +49,7 @@ class Message:
 
     # slots: the update loop reads these fields a few times per message
     __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
-                 "local", "wire", "conv")
+                 "local", "wire", "conv", "spans")
 
     def __init__(self, m: int, stage: int, peer: int, nbytes: int, ts, parent: int,
                  zc_src: bool, zc_dst: bool, out: bool, local: bool, wire: str = "",
@@ -57,6 +57,7 @@ class Message:
         self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
         self.parent, self.zc_src, self.zc_dst = parent, zc_src, zc_dst
         self.out, self.local, self.wire, self.conv = out, local, wire, conv
+        self.spans: list | None = None  # Program.spans(self), made on first use
 
     def label(self) -> str:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
@@ -73,6 +74,57 @@ def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
     if not each.all():
         return False
     return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
+
+
+class Span(NamedTuple):
+    """Where a stretch of a message lies in one buffer: an (na, nb) region, element (i, j) at
+    ``flat[f0 + i * fa + j * fb]`` of slot ``slot`` (on a local copy, ``d*`` in the destination's
+    slot; else the same as the source's fields)."""
+
+    slot: int
+    f0: int
+    na: int
+    nb: int
+    fa: int
+    fb: int
+    dslot: int
+    d0: int
+    da: int
+    db: int
+
+
+def _continues(slot, f0, fa, fb, na, nb):
+    """Per transfer (in message order): whether its region is one contiguous run that starts
+    where the previous transfer's run ended, in the same buffer (the first: False)."""
+    run = ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+    out = np.zeros(len(slot), bool)
+    out[1:] = (run[1:] & run[:-1] & (slot[1:] == slot[:-1])
+               & (f0[1:] == f0[:-1] + na[:-1] * nb[:-1]))
+    return out
+
+
+def _spans(src: tuple, dst: tuple | None, na, nb) -> list[Span]:
+    """The regions of a message's transfers in message order, consecutive contiguous runs of one
+    buffer merged into one (a message packed from 1,000 block rows of a tensor is then one copy,
+    not 1,000). ``src``/``dst``: ``(slot, f0, fa, fb)`` arrays of the transfers; with ``dst``
+    (a local copy) a run merges only where both sides continue."""
+    cont = _continues(*src, na, nb)
+    if dst is not None:
+        cont &= _continues(*dst, na, nb)
+    starts = np.flatnonzero(~cont).tolist() + [len(na)]
+    n = na * nb
+    out = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        s0 = (int(src[0][a]), int(src[1][a]))
+        d0 = (int(dst[0][a]), int(dst[1][a])) if dst is not None else s0
+        if b - a == 1:  # as it is
+            sa, sb = int(src[2][a]), int(src[3][a])
+            da, db = ((int(dst[2][a]), int(dst[3][a])) if dst is not None else (sa, sb))
+            out.append(Span(*s0, int(na[a]), int(nb[a]), sa, sb, *d0, da, db))
+        else:  # one run of all their elements
+            k = int(n[a:b].sum())
+            out.append(Span(*s0, 1, k, k, 1, *d0, k, 1))
+    return out
 
 
 class _Checked(NamedTuple):
@@ -179,6 +231,17 @@ class Program:
         self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
         self._checked: _Checked | None = None
         self._prepared = False  # the CUDA conversion and copy kernels are loaded
+
+    def spans(self, g: Message) -> list[Span]:
+        """Message ``g``'s regions in its order, contiguous runs merged (on the side this rank
+        packs from or unpacks into; both sides of a local copy), made once and kept."""
+        if g.spans is None:
+            T, P, ts = self.part.transfers, self.part.pieces, g.ts
+            na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+            src = (T.src_slot[ts], T.src_f0[ts], T.src_fa[ts], T.src_fb[ts])
+            dst = (T.dst_slot[ts], T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts])
+            g.spans = _spans(src if g.out else dst, dst if g.local else None, na, nb)
+        return g.spans
 
     def dtype_of(self, slot: int) -> str:
         """The dtype of this rank's buffer ``slot`` (a slot of the part); ``""`` for another

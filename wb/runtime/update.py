@@ -303,16 +303,6 @@ class _Update:
             self.mark(m, 0)
 
     # --- views of the buffers ------------------------------------------------------------------
-    def src_view(self, t):
-        T, p = self.T, self.T.piece[t]
-        return _region(self.xp, self.flat[self.prog.slot_buf[T.src_slot[t]]], T.src_f0[t],
-                       self.P.na[p], self.P.nb[p], T.src_fa[t], T.src_fb[t])
-
-    def dst_view(self, t):
-        T, p = self.T, self.T.piece[t]
-        return _region(self.xp, self.flat[self.prog.slot_buf[T.dst_slot[t]]], T.dst_f0[t],
-                       self.P.na[p], self.P.nb[p], T.dst_fa[t], T.dst_fb[t])
-
     def contiguous_bytes(self, g, *, src: bool):
         """Message ``g`` as one range of a buffer (zero-copy), as bytes."""
         t, T = g.ts[0], self.T
@@ -324,17 +314,22 @@ class _Update:
             return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
         return _DeviceBytes(a, f0 * a.itemsize, g.nbytes)
 
+    def view(self, slot, f0, na, nb, fa, fb):
+        """The (na, nb) region of this rank's buffer ``slot`` (see :class:`Span`)."""
+        return _region(self.xp, self.flat[self.prog.slot_buf[slot]], f0, na, nb, fa, fb)
+
     def pack(self, g):
-        """New staging holding message ``g``'s source regions in order, in its travelling dtype."""
+        """New staging holding message ``g``'s source regions in order, in its travelling dtype
+        (one copy per run of regions contiguous in the buffer)."""
         buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
         o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
         wire = xp_dtype(xp, g.wire) if g.conv else None
-        for t in g.ts:
-            v = self.src_view(t)
+        for sp in self.prog.spans(g):
+            v = self.view(*sp[:6])
             w = wire or v.dtype
             n = v.size * w.itemsize
             assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
-                   dtype_of(self.T.src_slot[t]) if g.conv else g.wire)
+                   dtype_of(sp.slot) if g.conv else g.wire)
             o += n
         return buf
 
@@ -343,19 +338,19 @@ class _Update:
         o, xp = 0, self.xp
         mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
         wire = xp_dtype(xp, g.wire) if g.conv else None
-        for t in g.ts:
-            v = self.dst_view(t)
+        for sp in self.prog.spans(g):
+            v = self.view(*sp[:6])
             w = wire or v.dtype
             n = v.size * w.itemsize
             assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
             o += n
 
     def copy_local(self, g) -> None:
-        T, dtype_of = self.T, self.prog.dtype_of
-        for t in g.ts:
-            assign(self.xp, self.dst_view(t), self.src_view(t),
-                   dtype_of(T.dst_slot[t]) if g.conv else "",
-                   dtype_of(T.src_slot[t]) if g.conv else "")
+        dtype_of = self.prog.dtype_of
+        for sp in self.prog.spans(g):
+            assign(self.xp, self.view(sp.dslot, sp.d0, sp.na, sp.nb, sp.da, sp.db),
+                   self.view(*sp[:6]), dtype_of(sp.dslot) if g.conv else "",
+                   dtype_of(sp.slot) if g.conv else "")
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
