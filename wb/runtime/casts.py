@@ -29,14 +29,14 @@ import numpy as np
 from wb.data.dtypes import convert, dtype_info
 from wb.runtime.dlpack import RAW_BITS
 
-__all__ = ["assign", "prepare", "xp_dtype"]
+__all__ = ["assign", "prepare", "xp_dtype", "FLOAT_BITS", "CAST_DEVICE_CODE"]
 
 # exponent bits, mantissa bits, and whether the top exponent holds numbers (no infinity: "fn")
-_FORMATS = types.MappingProxyType({"float32": (8, 23, False), "float16": (5, 10, False),
+FLOAT_BITS = types.MappingProxyType({"float32": (8, 23, False), "float16": (5, 10, False),
                                    "bfloat16": (8, 7, False),
                                    "float8_e4m3fn": (4, 3, True), "float8_e5m2": (5, 2, False)})
 
-_PREAMBLE = r"""
+CAST_DEVICE_CODE = r"""
 __device__ double wb_dec(unsigned long long b, int EB, int M, bool fn) {
     int bias = (1 << (EB - 1)) - 1;
     unsigned long long emask = (1ull << EB) - 1, mmask = (1ull << M) - 1;
@@ -131,15 +131,15 @@ def _kernel(src: str, dst: str):
     if src == "float64":
         dec = "__longlong_as_double((long long)x)"
     else:
-        eb, m, fn = _FORMATS[src]
+        eb, m, fn = FLOAT_BITS[src]
         dec = f"wb_dec((unsigned long long)x, {eb}, {m}, {str(fn).lower()})"
     if src == "float64" and dst not in ("float32", "float64"):  # as torch: through float32
         dec = f"wb_dec(wb_enc({dec}, 8, 23, false), 8, 23, false)"
     if dst == "float64":
         enc = "(unsigned long long)__double_as_longlong(v)"
     else:
-        eb, m, fn = _FORMATS[dst]
+        eb, m, fn = FLOAT_BITS[dst]
         enc = f"wb_enc(v, {eb}, {m}, {str(fn).lower()})"
     return cupy.ElementwiseKernel(
         "S x", "D y", f"double v = {dec}; y = (D)({enc});",
-        f"wb_cast_{src}_to_{dst}", preamble=_PREAMBLE)
+        f"wb_cast_{src}_to_{dst}", preamble=CAST_DEVICE_CODE)

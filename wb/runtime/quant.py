@@ -1,16 +1,18 @@
 """A trainer's quantisation before each update: its blocks of the declared tensors, gathered from
 its live buffers, quantised into the buffers the plan sends (:mod:`wb.algorithms.blockplan`).
 
-Host buffers use numpy (:func:`wb.algorithms.blockplan.quantize_buffers`). CUDA buffers use CuPy
-on their device, by the rule of :mod:`wb.data.blockscale` computed in double (exact for every
-value a block holds; a quotient of two floats rounded to double and then to float32 is the
-float32 quotient): values decoded from their raw bits, ``amax`` and ``x / scale`` in double,
-each rounded to float32 and then to the format by the kernels of :mod:`wb.runtime.casts`, which
-use integer and double arithmetic only (no flush of subnormals to zero).
+Host buffers use numpy (:func:`wb.algorithms.blockplan.quantize_buffers`). CUDA buffers use one
+CUDA kernel on their device (:data:`_QUANT`, one launch per task), by the rule of
+:mod:`wb.data.blockscale` computed in double (exact for every value a block holds; a quotient of
+two floats rounded to double and then to float32 is the float32 quotient): values decoded from
+their raw bits, ``amax`` and ``x / scale`` in double, each rounded to float32 and then to the
+format by the integer and double code of :mod:`wb.runtime.casts` (no flush of subnormals to
+zero). It reads each source element twice and writes it once: no temporaries.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +20,8 @@ import numpy as np
 
 from wb.algorithms.blockplan import Quantized, quantize_buffers
 from wb.data.blockscale import FORMATS
-from wb.runtime.casts import assign, xp_dtype
+from wb.data.dtypes import dtype_info
+from wb.runtime.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
 
 __all__ = ["Quantiser"]
 
@@ -31,7 +34,7 @@ class Quantiser:
         q: from :func:`wb.algorithms.blockplan.quantize_layouts`.
         rank: the trainer's rank.
         live: ``{name: (xp, array)}`` of its buffers (:func:`wb.runtime.buffers.as_array`).
-        chunk: elements quantised at once on a GPU (its temporaries: about 40 bytes each).
+        chunk: elements quantised per kernel launch on a GPU.
 
     Attributes:
         buffers: ``{name: array}`` to add to the trainer's buffers (what the plan sends).
@@ -79,28 +82,103 @@ class Quantiser:
                         self._run_cuda(xp, task, self._on[i], src, lo, lo + self.step)
 
     def _run_cuda(self, cp, task, on, src, lo, hi) -> None:
-        decl = self.q.scaled.decl
-        src_dtype = self.q.scaled.trainer_spec.dtype(self.q.scaled.names[task.tensor])
-        pos = task.positions(self.q.scaled, lo, hi, xp=cp, on=on)
-        ok = pos >= 0
-        raw = src.reshape(-1)[cp.maximum(pos, 0)]
-        x32 = cp.empty(raw.shape, np.float32)  # float64 rounds to float32 first, as the rule
-        assign(cp, x32, raw, "float32", src_dtype)
-        x = cp.empty(raw.shape, np.float64)
-        assign(cp, x, x32, "float64", "float32")
-        x = cp.where(ok, x, 0.0)
-        amax = cp.abs(x).max(axis=(1, 2)) if x.size else cp.zeros(x.shape[0], np.float64)
-        amax = cp.where(cp.isnan(x).any(axis=(1, 2)), cp.nan, amax)  # as numpy's max: NaN wins
-        s32 = cp.empty(amax.shape, np.float32)
-        assign(cp, s32, amax / FORMATS[decl.format], "float32", "float64")
-        s = cp.empty(amax.shape, np.float64)
-        assign(cp, s, s32, "float64", "float32")
-        s = s[:, None, None]
-        y = cp.where(s == 0, 0.0, x / cp.where(s == 0, 1.0, s))
-        y = cp.where(cp.isfinite(amax)[:, None, None], y, cp.nan)  # the rule: NaN blocks
-        y32 = cp.empty(y.shape, np.float32)
-        assign(cp, y32, y, "float32", "float64")
-        q = cp.empty(y32.shape, self.buffers[task.weights].dtype)
-        assign(cp, q, y32, decl.format, "float32")
-        self.buffers[task.weights].reshape(-1)[pos[ok]] = q[ok]
-        self.buffers[task.scales][lo:hi] = s32
+        """Blocks ``lo:hi`` of ``task`` in one kernel launch (:data:`_QUANT`): one CUDA block per
+        quantisation block finds its elements, ``amax`` and the scale, then writes each value."""
+        scaled, decl = self.q.scaled, self.q.scaled.decl
+        t = task.tensor
+        src_dtype = scaled.trainer_spec.dtype(scaled.names[t])
+        blocks, at, gather, odd = on
+        hi = min(hi, task.blocks.size)
+        if hi <= lo:
+            return
+        bh, bw = decl.block
+        raw = np.dtype(f"u{dtype_info(src_dtype).itemsize}")
+        q = self.buffers[task.weights].reshape(-1)
+        scales = self.buffers[task.scales].reshape(-1)[lo:hi]
+        gather = gather.reshape(-1) if gather.size else cp.full(1, -1, np.int64)
+        _quant_kernel(src_dtype, decl.format)(
+            (hi - lo,), (_THREADS,),
+            (src.reshape(-1).view(raw), at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
+             np.int64(hi - lo), np.int32(bh), np.int32(bw), np.int64(scaled.rows[t]),
+             np.int64(scaled.cols[t]), np.int64(scaled.grid_cols[t]),
+             q.view(np.uint8), scales.view(np.uint32)))
+
+
+_THREADS = 256  # per CUDA block (one quantisation block each)
+
+#: One CUDA block per quantisation block: its elements' positions in the source buffer (as
+#: :meth:`wb.algorithms.blockplan.Task.positions` computes them), ``amax`` reduced in shared
+#: memory (NaN if any element is NaN), ``scale = float32(amax / FMAX)``, then every element
+#: ``float32(x / scale)`` (0 for a zero scale, NaN for a non-finite amax) encoded in the format.
+#: Values are decoded from raw bits and rounded with the integer and double code of
+#: :mod:`wb.runtime.casts` (exact: a quotient of two floats rounded to double and then to
+#: float32 is the float32 quotient; no subnormal is flushed to zero).
+_QUANT = r"""
+__device__ long long wb_pos(int k, int bh, int bw, long long br, long long bc, long long rows,
+                            long long cols, long long a0, long long a1, long long a2,
+                            long long o, const long long* gather) {
+    int i = k / bw, j = k % bw;
+    if (o >= 0) return gather[o * (long long)(bh * bw) + k];
+    if (br * bh + i >= rows || bc * bw + j >= cols) return -1;
+    return a0 + i * a1 + j * a2;
+}
+extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const long long* keys,
+        const long long* odd, const long long* gather, long long n, int bh, int bw,
+        long long rows, long long cols, long long gc, unsigned char* q, unsigned int* scales) {
+    __shared__ double s_max[THREADS];
+    __shared__ int s_nan[THREADS];
+    long long b = blockIdx.x;
+    if (b >= n) return;
+    int t = threadIdx.x, per = bh * bw;
+    long long key = keys[b], br = key / gc, bc = key % gc, o = odd[b];
+    long long a0 = at[3 * b], a1 = at[3 * b + 1], a2 = at[3 * b + 2];
+    double amax = 0.0;
+    int nan = 0;
+    for (int k = t; k < per; k += THREADS) {
+        long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, o, gather);
+        if (p < 0) continue;
+        double x = DEC(src[p]);
+        if (isnan(x)) nan = 1; else amax = fmax(amax, fabs(x));
+    }
+    s_max[t] = amax;
+    s_nan[t] = nan;
+    __syncthreads();
+    for (int h = THREADS / 2; h > 0; h >>= 1) {
+        if (t < h) { s_max[t] = fmax(s_max[t], s_max[t + h]); s_nan[t] |= s_nan[t + h]; }
+        __syncthreads();
+    }
+    amax = s_nan[0] ? __longlong_as_double(0x7ff8000000000000LL) : s_max[0];
+    unsigned long long sbits = wb_enc(amax / FMAX, 8, 23, false);
+    double s = wb_dec(sbits, 8, 23, false);
+    if (t == 0) scales[b] = (unsigned int)sbits;
+    bool finite = isfinite(amax);
+    for (int k = t; k < per; k += THREADS) {
+        long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, o, gather);
+        if (p < 0) continue;
+        double x = DEC(src[p]);
+        double y = finite ? (s == 0.0 ? 0.0 : x / s) : __longlong_as_double(0x7ff8000000000000LL);
+        y = wb_dec(wb_enc(y, 8, 23, false), 8, 23, false);
+        q[p] = (unsigned char)ENC(y);
+    }
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_kernel(src: str, fmt: str):
+    """The compiled :data:`_QUANT` for ``src`` values (raw bits) into ``fmt``."""
+    import cupy  # only CUDA buffers come here
+
+    bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+            8: "unsigned long long"}[dtype_info(src).itemsize]
+    if src == "float64":  # rounded to float32 first, as the rule
+        dec = "wb_dec(wb_enc(__longlong_as_double((long long)(X)), 8, 23, false), 8, 23, false)"
+    else:
+        eb, m, fn = FLOAT_BITS[src]
+        dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
+    eb, m, fn = FLOAT_BITS[fmt]
+    defs = (f"#define SRC {bits}\n#define THREADS {_THREADS}\n#define FMAX {FORMATS[fmt]!r}\n"
+            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
+    k = cupy.RawKernel(defs + CAST_DEVICE_CODE + _QUANT, "wb_quant")
+    k.compile()
+    return k

@@ -1,0 +1,94 @@
+"""The CUDA quantiser's kernel source (``wb.runtime.quant._QUANT``), compiled for the host with
+one thread per block and run block after block, equals the rule's plain numpy quantiser
+(:func:`wb.data.blockscale.quantize_tensor`) bit for bit: its positions, amax, scale and
+encoding logic are checked on any machine with a C++ compiler (the GPU test
+``tests/test_fp8_cuda.py`` runs the same source on the device with 256 threads)."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from wb.data.blockscale import FORMATS, quantize_tensor
+from wb.data.dtypes import dtype_info
+from wb.runtime.casts import CAST_DEVICE_CODE, FLOAT_BITS
+from wb.runtime.quant import _QUANT
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+
+_HOST = r"""#include <cmath>
+#include <cstring>
+#include <algorithm>
+using namespace std;
+#define __device__
+#define __global__
+#define __shared__ static
+struct D3 { int x; };
+static D3 threadIdx, blockIdx;
+static void __syncthreads() {}
+static double __longlong_as_double(long long x) { double d; memcpy(&d, &x, 8); return d; }
+"""
+_RUN = r"""
+extern "C" void run_all(const SRC* src, const long long* at, const long long* keys,
+        const long long* odd, const long long* gather, long long n, int bh, int bw,
+        long long rows, long long cols, long long gc, unsigned char* q, unsigned int* scales) {
+    for (long long b = 0; b < n; b++) {
+        blockIdx.x = (int)b;
+        threadIdx.x = 0;
+        wb_quant(src, at, keys, odd, gather, n, bh, bw, rows, cols, gc, q, scales);
+    }
+}
+"""
+
+
+def _compiled(src: str, tmp_path):
+    bits = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}[
+        dtype_info(src).itemsize]
+    if src == "float64":
+        dec = "wb_dec(wb_enc(__longlong_as_double((long long)(X)), 8, 23, false), 8, 23, false)"
+    else:
+        eb, m, fn = FLOAT_BITS[src]
+        dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
+    eb, m, fn = FLOAT_BITS["float8_e4m3fn"]
+    defs = (f"#define SRC {bits}\n#define THREADS 1\n#define FMAX {FORMATS['float8_e4m3fn']!r}\n"
+            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
+    kernel = _QUANT.replace('extern "C" __global__ void wb_quant', "static void wb_quant")
+    cpp, so = tmp_path / f"{src}.cpp", tmp_path / f"{src}.so"
+    cpp.write_text(_HOST + defs + CAST_DEVICE_CODE + kernel + _RUN)
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+@pytest.mark.parametrize("src", ["bfloat16", "float32", "float16", "float64"])
+def test_the_cuda_quantiser_source_follows_the_rule(src, tmp_path):
+    lib = _compiled(src, tmp_path)
+    dt = np.dtype(dtype_info(src).numpy)
+    rng = np.random.default_rng(0)
+    low = -6 if src == "float16" else -30
+    for trial, (bh, bw) in enumerate([(4, 4), (8, 4), (3, 5), (16, 16), (4, 8), (2, 2)] * 2):
+        rows, cols = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+        scale = 10.0 ** rng.integers(low, 5, size=(rows, cols))
+        with np.errstate(all="ignore"):  # tiny values underflow to subnormals and zeros
+            x = (rng.standard_normal((rows, cols)) * scale).astype(dt)
+        x[0, 0] = [np.inf, np.nan, -0.0, x[0, 0], -np.inf, 0.0][trial % 6]  # non-finite blocks
+        if trial == 3:
+            x[:bh, :bw] = 0
+        gr, gc = -(-rows // bh), -(-cols // bw)
+        n = gr * gc
+        keys = np.arange(n, dtype=np.int64)
+        # blocks in a shuffled order, as a task lists them: positions from (start, strides)
+        keys = rng.permutation(keys)
+        at = np.stack([(keys // gc) * bh * cols + (keys % gc) * bw, np.full(n, cols),
+                       np.ones(n, np.int64)], 1).astype(np.int64)
+        odd, gather = np.full(n, -1, np.int64), np.full(1, -1, np.int64)
+        q, s = np.zeros(rows * cols, np.uint8), np.zeros(n, np.uint32)
+        raw = np.ascontiguousarray(x).reshape(-1).view(f"u{dt.itemsize}")
+        p = [a.ctypes.data_as(ctypes.c_void_p) for a in (raw, at, keys, odd, gather)]
+        lib.run_all(*p, ctypes.c_longlong(n), ctypes.c_int(bh), ctypes.c_int(bw),
+                    ctypes.c_longlong(rows), ctypes.c_longlong(cols), ctypes.c_longlong(gc),
+                    q.ctypes.data_as(ctypes.c_void_p), s.ctypes.data_as(ctypes.c_void_p))
+        want_q, want_s = quantize_tensor(x, (bh, bw))
+        assert q.tobytes() == want_q.view(np.uint8).reshape(-1).tobytes(), (src, trial)
+        assert s.tobytes() == want_s.reshape(-1)[keys].astype(np.float32).tobytes(), (src, trial)
