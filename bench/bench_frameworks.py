@@ -12,7 +12,8 @@ GPUs: PyTorch tensors and JAX arrays alike, several processes sharing a GPU.
         [--pairs torch:torch jax:torch torch:jax jax:jax] [--out FILE.json]
 
 The last line is one JSON object: per pairing and sync mode the EWTT (median over the updates
-after the first, which also warms every path up), and each pairing's EWTT over the PyTorch -> PyTorch one.
+after the first, which also warms every path up), and each pairing's EWTT over the PyTorch ->
+PyTorch one.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         quant = [res[x]["quantize_s"] for x in ranks if "quantize_s" in res[x]]
         first = (max(res[x]["warmup"][0][1] for x in ranks)
                  - min(res[x]["warmup"][0][0] for x in ranks)) if warmup else ewtt
-        rows.append({"ewtt_s": ewtt, "first_ewtt_s": first, "quantize_s": max(quant) if quant else 0.0,
+        rows.append({"ewtt_s": ewtt, "first_ewtt_s": first,
+                     "quantize_s": max(quant) if quant else 0.0,
                      "raw_p2p_GBps": p2p / 1e9, "raw_aggregate_GBps": agg / 1e9,
                      "ideal_link_s": busiest / p2p, "ideal_host_s": total / agg,
                      "ideal_s": ideal, "ratio": ewtt / ideal,

@@ -142,8 +142,8 @@ def _group_of(worker: type, worker_options: Callable[[ParamsAdapter, int], dict]
     or :class:`wb.Receiver`): the constructor, ``workers`` (``{rank: worker}``), ``version`` (the
     newest version every rank has sent or applied), ``stats`` (every rank's records, for
     :func:`wb.summarize`), ``close()`` and ``with``; ``worker_options(adapter, rank)`` adds options
-    of a rank's worker that follow from the adapter. A class decorator rather than a common base: the
-    shims subclass the groups, and one level of inheritance is all the house allows."""
+    of a rank's worker that follow from the adapter. A class decorator rather than a common base:
+    the shims subclass the groups, and one level of inheritance is all the house allows."""
 
     def __init__(self, params: Any, plan: Plan, ranks: Any = None, *, transports=None, store,
                  **options) -> None:
