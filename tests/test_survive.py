@@ -46,7 +46,8 @@ def _survivors_applied_everything(run, victim, versions, **kw):
         if r == victim:  # None: nobody died
             continue
         res = run.results[r]
-        assert res is not None and res["ok"] and "error" not in res, (r, res)
+        assert res is not None and res["ok"] and "error" not in res, (
+            r, {k: (v or {}).get("error") for k, v in run.results.items()}, res)
         if r >= 4:
             assert res["applied"] == list(range(1, versions + 1)), (r, res)
             assert all(res["checks"]), (r, res)
