@@ -26,15 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-
-def model(hidden: int, layers: int, experts: int) -> dict:
-    """A qwen3_moe-style config of the given size (the demo's tiny model, scaled)."""
-    from wb.layouts.presets import TINY
-
-    return dict(TINY, name="bench-frameworks", vocab_size=32000, hidden_size=hidden,
-                num_hidden_layers=layers, first_k_dense_replace=1, intermediate_size=4 * hidden,
-                num_experts=experts, moe_intermediate_size=hidden // 2, num_attention_heads=16,
-                num_key_value_heads=4, head_dim=hidden // 16)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_transfer import model  # noqa: E402 - the same scaled qwen3_moe-style model
 
 
 def main(argv=None) -> int:
@@ -52,11 +45,13 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     from wb.cli.demo.runner import run_processes
+    from wb.data.dtypes import dtype_info
     from wb.layouts.presets import spec_from_config
 
-    cfg = model(a.hidden, a.layers, a.experts)
+    cfg = dict(model(a.hidden, a.layers, a.experts), name="bench-frameworks")
     spec = spec_from_config(cfg)
-    nbytes = sum(int(np.prod(spec.shape(n))) * 2 for n in spec.names)
+    nbytes = sum(int(np.prod(spec.shape(n))) * dtype_info(spec.dtype(n)).itemsize
+                 for n in spec.names)
     console = Console(stderr=True)
     console.log(f"{cfg['name']}: {nbytes / 2**20:,.0f} MiB of bf16 weights, "
                 f"{'GPU' if a.cuda else 'CPU'} processes, pairs {a.pairs}")

@@ -1,4 +1,4 @@
-"""The CUDA quantiser's kernel source (``wb.runtime.quant._QUANT``), compiled for the host with
+"""The CUDA quantiser's kernel source (``wb.runtime.quant.kernel_source``), compiled for the host with
 one thread per block and run block after block, equals the rule's plain numpy quantiser
 (:func:`wb.data.blockscale.quantize_tensor`) bit for bit: its positions, amax, scale and
 encoding logic are checked on any machine with a C++ compiler (the GPU test
@@ -11,10 +11,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from wb.data.blockscale import FORMATS, quantize_tensor
+from wb.data.blockscale import quantize_tensor
 from wb.data.dtypes import dtype_info
-from wb.runtime.casts import CAST_DEVICE_CODE, FLOAT_BITS
-from wb.runtime.quant import _QUANT
+from wb.runtime.quant import kernel_source
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -44,19 +43,10 @@ extern "C" void run_all(const SRC* src, const long long* at, const long long* ke
 
 
 def _compiled(src: str, tmp_path):
-    bits = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}[
-        dtype_info(src).itemsize]
-    if src == "float64":
-        dec = "wb_dec(wb_enc(__longlong_as_double((long long)(X)), 8, 23, false), 8, 23, false)"
-    else:
-        eb, m, fn = FLOAT_BITS[src]
-        dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
-    eb, m, fn = FLOAT_BITS["float8_e4m3fn"]
-    defs = (f"#define SRC {bits}\n#define THREADS 1\n#define FMAX {FORMATS['float8_e4m3fn']!r}\n"
-            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
-    kernel = _QUANT.replace('extern "C" __global__ void wb_quant', "static void wb_quant")
+    kernel = kernel_source(src, "float8_e4m3fn", threads=1).replace(
+        'extern "C" __global__ void wb_quant', "static void wb_quant")
     cpp, so = tmp_path / f"{src}.cpp", tmp_path / f"{src}.so"
-    cpp.write_text(_HOST + defs + CAST_DEVICE_CODE + kernel + _RUN)
+    cpp.write_text(_HOST + kernel + _RUN)
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
     return ctypes.CDLL(str(so))
 

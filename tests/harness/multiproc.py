@@ -1,9 +1,9 @@
 """Run a plan across spawned processes over UCX: the harness of multi-process tests and benchmarks.
 
-The parent saves the plan (``Plan.save``); every child loads it, builds its buffers, runs
-:func:`wb.runtime.executor.execute` over :class:`wb.runtime.transport.ucx.UcxTransport` with a
-:class:`wb.runtime.rendezvous.DirectoryStore`, checks its rollout buffers bit for bit, and writes a JSON
-result. Trainer weights are a fixed function of each element's id (:func:`weight_bits`), so every
+The parent saves the plan (``Plan.save``); every child loads it, builds its buffers, runs the
+steps of :func:`wb.runtime.executor.execute` over :class:`wb.runtime.transport.ucx.UcxTransport`
+with a :class:`wb.runtime.rendezvous.DirectoryStore`, checks its rollout buffers bit for bit, and
+writes a JSON result. Trainer weights are a fixed function of each element's id (:func:`weight_bits`), so every
 process can make and check them without shipping arrays. Faults can be injected per rank.
 """
 
@@ -118,7 +118,8 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     from wb.data.layout import Role
     from wb.data.plan import Plan
     from wb.errors import TransferError
-    from wb.runtime.executor import execute
+    from wb.runtime.executor import connect
+    from wb.runtime.program import Program
     from wb.runtime.rendezvous import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
@@ -164,34 +165,27 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                                  timeout=options.get("timeout", 60.0), cuda_device=cuda)
         if fault.die_after is not None or fault.hang_after is not None:
             transport = _FaultyTransport(transport, fault)
-        if options.get("warmup"):  # updates before the measured one (a first update also
-            # loads kernels and maps peers' memory), each with its own tags, as a Sender runs them
-            from wb.runtime.executor import connect
-            from wb.runtime.program import Program
-
-            program = Program(plan, rank)
+        # as wb.runtime.executor.execute, with `warmup` updates first over the same connections
+        # (a first update also loads kernels and maps peers' memory), each with its own tags
+        program = Program(plan, rank)
+        timeout, staging = options.get("timeout", 60.0), options.get("staging_bytes", 256 << 20)
+        if options.get("warmup"):
+            program.check(bufs)  # bad buffers are refused before connecting to anyone
             connect(program.part, rank, transport)
             for w in range(options["warmup"]):
                 _barrier(DirectoryStore(store_dir), plan, rank, f"warm{w}", options)
-                first = program.run(bufs, transport, tag_base=(w + 1) << 32,
-                                    timeout=options.get("timeout", 60.0),
-                                    staging_bytes=options.get("staging_bytes", 256 << 20))
+                first = program.run(bufs, transport, tag_base=(w + 1) << 32, timeout=timeout,
+                                    staging_bytes=staging)
                 result.setdefault("warmup", []).append([first.start_s, first.end_s])
-            if options.get("barrier"):
-                _barrier(DirectoryStore(store_dir), plan, rank, "go", options)
-            trace = [] if options.get("trace") else None
-            t0 = time.time()
-            stats = program.run(bufs, transport, timeout=options.get("timeout", 60.0),
-                                staging_bytes=options.get("staging_bytes", 256 << 20),
-                                trace=trace)
-            transport.close()
-        elif options.get("barrier"):  # start together: EWTT then measures the transfer alone
+        if options.get("barrier"):  # start together: EWTT then measures the transfer alone
             _barrier(DirectoryStore(store_dir), plan, rank, "go", options)
-        if not options.get("warmup"):
-            t0 = time.time()
-            trace = [] if options.get("trace") else None
-            stats = execute(plan, rank, bufs, transport, timeout=options.get("timeout", 60.0),
-                            staging_bytes=options.get("staging_bytes", 256 << 20), trace=trace)
+        t0 = time.time()
+        trace = [] if options.get("trace") else None
+        if not options.get("warmup"):  # connecting is part of a single transfer's time
+            program.check(bufs)
+            connect(program.part, rank, transport)
+        stats = program.run(bufs, transport, timeout=timeout, staging_bytes=staging, trace=trace)
+        transport.close()
         if trace is not None:  # (message, stage, peer, out, nbytes, ready, posted, done)
             result["trace"] = [list(e) for e in trace]
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)

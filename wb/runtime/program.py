@@ -63,19 +63,6 @@ class Message:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
 
 
-def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
-    """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
-    buffer: then the message is that range of the buffer itself, no packing."""
-    t0 = ts[0]
-    if (slot[ts] != slot[t0]).any():
-        return False
-    n = na * nb
-    each = ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
-    if not each.all():
-        return False
-    return bool((f0[1:] == f0[:-1] + n[:-1]).all()) if ts.size > 1 else True
-
-
 class Span(NamedTuple):
     """Where a stretch of a message lies in one buffer: an (na, nb) region, element (i, j) at
     ``flat[f0 + i * fa + j * fb]`` of slot ``slot`` (on a local copy, ``d*`` in the destination's
@@ -93,14 +80,26 @@ class Span(NamedTuple):
     db: int
 
 
+def _is_run(fa, fb, na, nb):
+    """Per transfer: whether its (na, nb) region is one contiguous run of its buffer."""
+    return ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+
+
 def _continues(slot, f0, fa, fb, na, nb):
     """Per transfer (in message order): whether its region is one contiguous run that starts
     where the previous transfer's run ended, in the same buffer (the first: False)."""
-    run = ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+    run = _is_run(fa, fb, na, nb)
     out = np.zeros(len(slot), bool)
     out[1:] = (run[1:] & run[:-1] & (slot[1:] == slot[:-1])
                & (f0[1:] == f0[:-1] + na[:-1] * nb[:-1]))
     return out
+
+
+def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
+    """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
+    buffer: then the message is that range of the buffer itself, no packing."""
+    return bool(_is_run(fa[0], fb[0], na[0], nb[0])
+                and _continues(slot[ts], f0, fa, fb, na, nb)[1:].all())
 
 
 def _spans(src: tuple, dst: tuple | None, na, nb) -> list[Span]:

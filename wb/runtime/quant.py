@@ -23,7 +23,7 @@ from wb.data.blockscale import FORMATS
 from wb.data.dtypes import dtype_info
 from wb.runtime.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
 
-__all__ = ["Quantiser"]
+__all__ = ["Quantiser", "kernel_source"]
 
 
 class Quantiser:
@@ -62,7 +62,10 @@ class Quantiser:
                         self.buffers[name] = xp.zeros(shape, xp_dtype(xp, dtype))
             if xp is not np:
                 with xp.cuda.Device(src.device.id):
-                    self._on[i] = task.device_arrays(xp)
+                    blocks, at, gather, odd = task.device_arrays(xp)
+                    # the kernel reads `gather` only for blocks listed there: any array will do
+                    gather = gather.reshape(-1) if gather.size else xp.full(1, -1, np.int64)
+                    self._on[i] = (blocks, at, gather, odd)
         # the tasks whose buffers are on the host (numpy), decided once: devices do not change
         host = tuple(t for t in self.tasks if live[t.source][0] is np)
         self._host = Quantized(q.scaled, q.trainers, {rank: host}) if host else None
@@ -95,7 +98,6 @@ class Quantiser:
         raw = np.dtype(f"u{dtype_info(src_dtype).itemsize}")
         q = self.buffers[task.weights].reshape(-1)
         scales = self.buffers[task.scales].reshape(-1)[lo:hi]
-        gather = gather.reshape(-1) if gather.size else cp.full(1, -1, np.int64)
         _quant_kernel(src_dtype, decl.format)(
             (hi - lo,), (_THREADS,),
             (src.reshape(-1).view(raw), at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
@@ -164,11 +166,9 @@ extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const l
 """
 
 
-@functools.lru_cache(maxsize=None)
-def _quant_kernel(src: str, fmt: str):
-    """The compiled :data:`_QUANT` for ``src`` values (raw bits) into ``fmt``."""
-    import cupy  # only CUDA buffers come here
-
+def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
+    """The CUDA source of :data:`_QUANT` for ``src`` values (raw bits) into ``fmt``, with
+    ``threads`` per block (``tests/test_quant_kernel_host.py`` compiles it for the host too)."""
     bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
             8: "unsigned long long"}[dtype_info(src).itemsize]
     if src == "float64":  # rounded to float32 first, as the rule
@@ -177,8 +177,16 @@ def _quant_kernel(src: str, fmt: str):
         eb, m, fn = FLOAT_BITS[src]
         dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
     eb, m, fn = FLOAT_BITS[fmt]
-    defs = (f"#define SRC {bits}\n#define THREADS {_THREADS}\n#define FMAX {FORMATS[fmt]!r}\n"
+    defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}\n"
             f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
-    k = cupy.RawKernel(defs + CAST_DEVICE_CODE + _QUANT, "wb_quant")
+    return defs + CAST_DEVICE_CODE + _QUANT
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_kernel(src: str, fmt: str):
+    """The compiled :func:`kernel_source` for ``src`` values into ``fmt``."""
+    import cupy  # only CUDA buffers come here
+
+    k = cupy.RawKernel(kernel_source(src, fmt), "wb_quant")
     k.compile()
     return k

@@ -88,10 +88,11 @@ class _Handoff:
     handed over are those objects themselves (a JAX array on a GPU, say), not wb's views of
     them, so the framework wraps them without a copy."""
 
-    def __init__(self, live: Live, layout: Layout, allocate: Callable, rank: int,
-                 given: dict[str, Any]):
-        self.live, self.layout, self.allocate, self.rank = live, layout, allocate, rank
-        self.given = given
+    def __init__(self, given: dict[str, Any], layout: Layout, allocate: Callable, rank: int):
+        self.layout, self.allocate, self.rank = layout, allocate, rank
+        self.given: dict[str, Any] = {}  # the arrays handed over
+        self.live: Live = {}  # wb's views of them
+        self.adopt(given)
 
     def arrays(self) -> dict[str, Any]:
         return dict(self.given)
@@ -100,7 +101,7 @@ class _Handoff:
         return self.spare()
 
     def adopt(self, arrays: dict[str, Any]) -> None:
-        self.given = {n: arrays[n] for n in self.live}
+        self.given = {n: arrays[n] for n in self.layout.buffers}
         self.live = {n: as_array(n, a, rank=self.rank) for n, a in self.given.items()}
 
     def spare(self) -> dict[str, Any]:
@@ -288,10 +289,10 @@ class Receiver:
                              joined=_joined)
         self.plan, self.rank, self.wait_timeout = plan, self._end.rank, wait_timeout
         self.stats: list[UpdateStats] = self._end.stats  # one record per version applied
-        live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._end.layout.buffers}
-        self._target: _Target = (_Handoff(live, self._end.layout, allocate, self.rank,
-                                          {n: buffers[n] for n in live})
-                                 if self.handoff else _InPlace(live))
+        lay = self._end.layout
+        self._target: _Target = (
+            _Handoff(buffers, lay, allocate, self.rank) if self.handoff
+            else _InPlace({n: as_array(n, buffers[n], rank=self.rank) for n in lay.buffers}))
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))
         self.version = 0 if _joined is None else _joined[0] - 1

@@ -33,8 +33,8 @@ import heapq
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,8 +42,8 @@ import numpy as np
 from wb.errors import TransferError
 from wb.runtime.casts import assign, xp_dtype
 
-__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "PeersLost", "TraceEntry", "Inflight", "fencer", "abort",
-           "run_update"]
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "PeersLost", "TraceEntry", "Inflight", "fencer",
+           "abort", "run_update"]
 
 log = logging.getLogger(__name__)
 

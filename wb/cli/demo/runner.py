@@ -194,7 +194,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
                 f"--rollout-dtype {rollout_dtype}: a dtype of float64, float32, float16 or "
                 f"bfloat16 needs PyTorch rollouts (the JAX reference load function never casts); "
                 f"float8_e4m3fn (block-scaled) works with both")
-    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    gpus = _gpus()
     if cuda and not gpus:
         raise wb.SpecError("--cuda needs a machine with CUDA devices (none found)")
     if cuda and rollout == "jax" and tp > gpus:
@@ -296,11 +296,15 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     return report
 
 
+def _gpus() -> int:
+    """How many CUDA devices this machine has (without importing a framework)."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
 def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
     jobs = []
     if trainer == "jax":  # a 2 x 2 mesh of CPU devices, or 1 x (up to 2) GPUs
-        gpus = len(glob.glob("/dev/nvidia[0-9]*"))
-        dp, jtp = (1, min(2, gpus)) if common["cuda"] else (2, 2)
+        dp, jtp = (1, min(2, _gpus())) if common["cuda"] else (2, 2)
         jobs.append(dict(common, name="trainer", role="trainer", kind="jax", dp=dp, tp=jtp))
     else:
         jobs += [dict(common, name=f"trainer-tp{r}", role="trainer", kind="torch", tp=tp,

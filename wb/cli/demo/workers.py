@@ -107,9 +107,9 @@ def _jax_devices(job, n):
         wb_jax.use_cpu_devices(n)
 
 
-def _jax_ucx(store, mode, dev):
+def _jax_ucx(rank, store, mode, dev):
     """The transport of a JAX device's rank (on a GPU: UCX's CUDA transports on its memory)."""
-    return lambda r: _ucx(r, store, mode, dev.id if dev.platform == "gpu" else None)
+    return _ucx(rank, store, mode, dev.id if dev.platform == "gpu" else None)
 
 
 def _zero_copy(workers, arrays) -> tuple[int, int]:
@@ -161,7 +161,7 @@ def _jax_trainer(job, store, spec, ckpt, result):
         sender = wb_jax.Sender(state["params"], plan, ranks, store=store,
                                staging=wb.MODES[mode][0], name=f"demo/{mode}", timeout=60,
                                wait_timeout=300,
-                               transports={r: _jax_ucx(store, mode, d)(r)
+                               transports={r: _jax_ucx(r, store, mode, d)
                                            for d, r in ranks.items()}, **q)
         _train(job, mode, sender, step, result)
 
@@ -293,7 +293,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
     for mode in job["modes"]:
         rx = wb_jax.Receiver(template, plan, ranks, store=store, staging=wb.MODES[mode][1],
                              name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                             transports={r: _jax_ucx(store, mode, d)(r)
+                             transports={r: _jax_ucx(r, store, mode, d)
                                          for d, r in ranks.items()})
         checks = bad = 0
         while rx.version < job["steps"]:
