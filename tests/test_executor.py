@@ -277,3 +277,26 @@ def test_mapped_for_leaves_padding_unmapped():
     got = mapped_for(SimpleNamespace(layout_of=lambda rank: lay), 0)["w"]
     np.testing.assert_array_equal(got, ids >= 0)
     assert 0 < got.sum() < got.size
+
+
+def test_staged_receives_land_every_message_through_staging(plan):
+    """``stage_receives`` (a Receiver whose buffers are new device memory every version): no
+    receive lands straight in the buffers; every one is staged and unpacked, bit-identical."""
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    progs = {r: Program(plan, r, stage_receives=r >= len(plan.trainers)) for r in plan.ranks}
+    assert any(Program(plan, r).zero_copy_receives for r in progs)  # the plan has some
+    stats = {}
+
+    def run(r):
+        prog, t = progs[r], LocalTransport(r, hub, timeout=20)
+        connect(prog.part, r, t)
+        stats[r] = prog.run(bufs[r], t, staging_bytes=1 << 16, timeout=20)
+        t.close()
+    assert not run_each(run, plan.ranks)
+    for lay in plan.rollouts:
+        r = lay.worker.rank
+        assert progs[r].zero_copy_receives == [] and progs[r].staged_receives
+        assert stats[r].staging_peak > 0
+        for k, a in buffers_for(plan, r, fill=True).items():
+            np.testing.assert_array_equal(bufs[r][k].view(np.uint8), a.view(np.uint8))

@@ -145,8 +145,6 @@ def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tm
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=False, reason="known bug, being chased: once in CI the repair's "
-                   "messages never matched at the survivor (it waited 60 s for all of them)")
 def test_survivors_finish_when_every_worker_has_only_its_part(plan_file, tmp_path):
     """Set up with wb.agree_parts under the session's name: each worker holds only its part,
     the leader reads the roster and layouts from the store to plan the repair."""

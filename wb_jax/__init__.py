@@ -376,10 +376,10 @@ class _Arrays:
             leaf.block_until_ready()
 
     def allocator(self, rank: int) -> Callable | None:
-        """How a rank's new buffers are made: arrays of its own accelerator (UCX writes into
-        their memory, read through DLPack; :meth:`received` hands them over as they are), or
-        ``None`` on the CPU backend (64-byte aligned host arrays, which ``jax.device_put``
-        aliases)."""
+        """How a rank's new buffers are made: arrays of its own accelerator (wb unpacks each
+        version into their memory, read through DLPack, from staging UCX has mapped already;
+        :meth:`received` hands them over as they are), or ``None`` on the CPU backend (64-byte
+        aligned host arrays, which ``jax.device_put`` aliases)."""
         dev = next((d for d, r in self.ranks.items() if r == rank), None)
         if dev is None or dev.platform == "cpu":
             return None
@@ -435,9 +435,9 @@ class Receiver(wb.ReceiverGroup):
 
     A :class:`wb.ReceiverGroup` over a pytree of ``jax.Array``. JAX arrays are immutable, so every
     version lands in new buffers (:class:`wb.Receiver`'s ``handoff``): arrays of each device's
-    own (on a GPU, UCX writes into their memory), 64-byte aligned host arrays on the CPU backend;
-    ``apply()`` returns a new pytree made from them without a copy (the previous version's
-    arrays are never written again).
+    own (on a GPU, each version is unpacked into their memory from staging), 64-byte aligned host
+    arrays on the CPU backend; ``apply()`` returns a new pytree made from them without a copy
+    (the previous version's arrays are never written again).
 
     Args:
         params: a template pytree with the target shardings (its values are kept only for

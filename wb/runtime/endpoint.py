@@ -103,6 +103,7 @@ class Endpoint:
         layout: the worker's layout as it probed it; refused if the plan's differs.
         joined: ``(first version, epoch, incarnation)`` of a rollout that joined a running job
             (:func:`wb.runtime.finish.request_join`); ``plan`` is then its part.
+        stage_receives: see :class:`~wb.runtime.program.Program`.
 
     Raises:
         TransferError: wrong role, wrong buffers, or a peer running another plan.
@@ -111,10 +112,11 @@ class Endpoint:
     def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int, buffers: Mapping[str, Any],
                  *, role: Role, transport, store, name: str, staging_bytes: int, timeout: float,
                  wait_timeout: float, layout: Layout | None,
-                 joined: tuple[int, int, str] | None = None):
+                 joined: tuple[int, int, str] | None = None, stage_receives: bool = False):
         self.layout = worker_layout(plan, rank, role)
         self.plan, self.rank, self.role = plan, int(rank), role
-        self.program = Program(plan, self.rank)
+        self.stage_receives = stage_receives
+        self.program = Program(plan, self.rank, stage_receives=stage_receives)
         # refuse wrong buffers now, at set-up, not at the first update
         self.program.check(buffers, layout=layout)
         self.transport, self.store, self.name = transport, store, name
@@ -142,7 +144,7 @@ class Endpoint:
 
     def adopt(self, part) -> None:
         """Runs ``part`` (this rank's part of a plan for new membership) from the next version."""
-        self.program = Program(part, self.rank)
+        self.program = Program(part, self.rank, stage_receives=self.stage_receives)
         self.peers = list(part.peers)
 
     # --- the store ------------------------------------------------------------------------------

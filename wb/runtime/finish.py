@@ -197,7 +197,7 @@ class Finisher:
                 part = fetch_part(end.store, end.rank, name=self._key(v, "part", a),
                                   timeout=self._patience)
                 _call(end.transport, "add_peers", part.peers)
-                prog = Program(part, end.rank)
+                prog = Program(part, end.rank, stage_receives=end.stage_receives)
             elif ok:  # done before the repair: nothing more to receive
                 self.pending_final = v
                 return _since(total, first)

@@ -49,7 +49,7 @@ class Message:
 
     # slots: the update loop reads these fields a few times per message
     __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
-                 "local", "wire", "conv", "spans")
+                 "local", "wire", "conv", "spans", "table")
 
     def __init__(self, m: int, stage: int, peer: int, nbytes: int, ts, parent: int,
                  zc_src: bool, zc_dst: bool, out: bool, local: bool, wire: str = "",
@@ -58,6 +58,7 @@ class Message:
         self.parent, self.zc_src, self.zc_dst = parent, zc_src, zc_dst
         self.out, self.local, self.wire, self.conv = out, local, wire, conv
         self.spans: list | None = None  # Program.spans(self), made on first use
+        self.table: Any = None  # its spans as a device table (wb.runtime.gather), on first use
 
     def label(self) -> str:
         return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
@@ -146,6 +147,8 @@ class Program:
             parts (:class:`~wb.data.rankplan.RankPlans`), or the whole plan (its part for
             ``rank`` is cut out).
         rank: a worker of ``plan`` (needed with a whole plan; checked against a part).
+        stage_receives: every receive lands in staging and is unpacked, none straight into the
+            buffers (for buffers that are new memory every update: see :class:`wb.Receiver`).
 
     Attributes:
         part: the rank's part of the plan (a :class:`~wb.data.rankplan.RankPlan`).
@@ -176,7 +179,8 @@ class Program:
         (1, [0], [])
     """
 
-    def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int | None = None):
+    def __init__(self, plan: Plan | RankPlan | RankPlans, rank: int | None = None, *,
+                 stage_receives: bool = False):
         if rank is None:
             if not isinstance(plan, RankPlan):
                 raise TransferError("Program(plan, rank) needs the rank unless given a part")
@@ -213,7 +217,7 @@ class Program:
             if conv:  # the conversions this rank makes (kernels are prepared before updates)
                 to = slot_dt[T.dst_slot[f]] if local else wire
                 self.conversions |= {(d, to) for d in own} if out else {(wire, d) for d in own}
-            zc_src, zc_dst = zc_src and not conv, zc_dst and not conv
+            zc_src, zc_dst = zc_src and not conv, zc_dst and not conv and not stage_receives
             self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
                                        int(M.parent[k]), zc_src, zc_dst, out, local, wire, conv)
             self.when[m] = float(part.when[k])

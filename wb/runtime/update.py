@@ -39,7 +39,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
+from wb.runtime import gather
 from wb.runtime.casts import assign, xp_dtype
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "PeersLost", "TraceEntry", "Inflight", "fencer",
@@ -276,7 +278,8 @@ class _Update:
     __slots__ = ("prog", "msgs", "flat", "xp", "transport", "tag_base", "fence", "T", "P",
                  "recv_budget", "send_budget", "staged_recv", "staged_send", "peak", "inflight",
                  "next_in", "ready", "sent_out", "fenced", "done", "marks", "bytes_sent",
-                 "bytes_received", "bytes_local", "messages_sent", "messages_received")
+                 "bytes_received", "bytes_local", "messages_sent", "messages_received",
+                 "ptrs")
 
     def __init__(self, prog, flat, xp, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
@@ -299,6 +302,7 @@ class _Update:
         self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
         self.bytes_sent = self.bytes_received = self.bytes_local = 0
         self.messages_sent = self.messages_received = 0
+        self.ptrs = None  # this update's buffer addresses by slot, on the device (fused copies)
         for _, m in self.ready:
             self.mark(m, 0)
 
@@ -320,8 +324,11 @@ class _Update:
 
     def pack(self, g):
         """New staging holding message ``g``'s source regions in order, in its travelling dtype
-        (one copy per run of regions contiguous in the buffer)."""
+        (one copy per run of regions contiguous in the buffer; on a GPU without conversion, one
+        kernel launch for all: :mod:`wb.runtime.gather`)."""
         buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+        if self.fused(g, buf, scatter=False):
+            return buf
         o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
         wire = xp_dtype(xp, g.wire) if g.conv else None
         for sp in self.prog.spans(g):
@@ -335,6 +342,8 @@ class _Update:
 
     def unpack(self, g, buf) -> None:
         """Message ``g``'s staging into its destination regions, in their dtype."""
+        if self.fused(g, buf, scatter=True):
+            return
         o, xp = 0, self.xp
         mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
         wire = xp_dtype(xp, g.wire) if g.conv else None
@@ -344,6 +353,22 @@ class _Update:
             n = v.size * w.itemsize
             assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
             o += n
+
+    def fused(self, g, buf, *, scatter: bool) -> bool:
+        """On a GPU, for a message without conversion: packs ``g`` into staging ``buf`` (or,
+        with ``scatter``, unpacks ``buf``) in one kernel launch (:func:`wb.runtime.gather.copy`);
+        ``False`` (nothing done) elsewhere."""
+        if self.xp is np or g.conv:
+            return False
+        xp, prog = self.xp, self.prog
+        if g.table is None:
+            g.table = xp.asarray(gather.table(prog.spans(g)))
+        if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
+            ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
+                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
+            self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
+        gather.copy(xp, self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+        return True
 
     def copy_local(self, g) -> None:
         dtype_of = self.prog.dtype_of

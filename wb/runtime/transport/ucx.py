@@ -3,18 +3,27 @@
 Nothing happens at import or construction: the UCX context and worker are created by
 :meth:`UcxTransport.connect`. Each rank publishes its worker address through a rendezvous
 :class:`~wb.runtime.rendezvous.Store` and creates an endpoint from each peer's address. Endpoints are created
-with UCX error handling off on both sides, because UCX's shared-memory transports need it; a peer
-that dies is therefore noticed by the executor's inactivity timeout, not by UCX.
+with UCX error handling off on both sides, because UCX's shared-memory transports (which a user
+may allow) need it; a peer that dies is noticed through heartbeats (:mod:`wb.runtime.liveness`).
 
 UCX moves large tagged messages by zero-copy rendezvous: CUDA IPC between GPUs of one node,
-RDMA over InfiniBand/RoCE when UCX has verbs, shared memory or TCP otherwise. Which transports are
-allowed is ``tls`` (UCX's ``UCX_TLS``):
+RDMA over InfiniBand/RoCE when UCX has verbs, cross-memory attach (``cma``) between processes of
+one host, TCP otherwise. Which transports are allowed is ``tls`` (UCX's ``UCX_TLS``):
 
-- default on a machine without GPUs: ``tcp,posix,sysv,self``. UCX's own default also tries
-  ``cma`` (cross-memory attach), which hangs inside containers that forbid ``process_vm_readv``.
-- default on a machine with GPUs: ``cuda_ipc,cuda_copy,tcp,posix,sysv,self``, plus ``rc`` (RDMA)
+- default on a machine without GPUs: ``tcp,cma,self``, or ``tcp,self`` where cross-memory attach
+  is forbidden (:func:`cma_usable`: Yama's ``ptrace_scope`` above 0, or a seccomp filter that
+  refuses ``process_vm_readv``, as container runtimes do by default).
+- default on a machine with GPUs: ``cuda_ipc,cuda_copy,tcp`` and the same, plus ``rc`` (RDMA)
   when the system's UCX is used (``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``: PyPI's has no verbs).
 - ``UCX_TLS`` in the environment, or the ``tls`` argument, overrides both.
+
+UCX's shared-memory transports (``posix``, ``sysv``) are left out on purpose: their receive queue
+is a ring every local peer writes into, and a peer killed while it writes leaves a slot that is
+never filled, behind which its receiver waits forever, for every other peer's messages too (a
+kill -9 mid-message of a peer streaming small messages wedged its receiver in 5 of 20 tries;
+with ``tcp,cma,self``, in none). wb finishes versions without dead rollouts
+(:mod:`wb.runtime.finish`), so a survivor's transport must outlive its peers. Where no process
+can die mid-update, ``UCX_TLS=tcp,posix,sysv,self`` is faster for small messages.
 
 PyPI's ``libucx`` wheels are built without InfiniBand verbs. On an InfiniBand cluster, use the
 system's UCX: ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` (with the system UCX on the library
@@ -23,6 +32,8 @@ path) makes ``ucxx`` load it; then ``rc`` (and ``dc``/``ud``) carry stage 1 and 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import glob
 import json
 import logging
@@ -38,23 +49,52 @@ import numpy as np
 from wb.errors import TransferError
 from wb.runtime.rendezvous import Store
 
-__all__ = ["UcxTransport", "default_tls"]
+__all__ = ["UcxTransport", "default_tls", "cma_usable"]
 
 log = logging.getLogger(__name__)
 
-_CPU_TLS = "tcp,posix,sysv,self"
-_GPU_TLS = "cuda_ipc,cuda_copy,tcp,posix,sysv,self"
+_GPU_TLS = "cuda_ipc,cuda_copy,"
 _CLOSE_WAIT_S = 10.0  # for peers to close their endpoints, once all are done (they close at once)
 
 
 def default_tls() -> str:
-    """The UCX transports used when neither ``tls=`` nor ``UCX_TLS`` says otherwise."""
+    """The UCX transports used when neither ``tls=`` nor ``UCX_TLS`` says otherwise (see the
+    module doc)."""
     if os.environ.get("UCX_TLS"):
         return os.environ["UCX_TLS"]
-    tls = _GPU_TLS if glob.glob("/dev/nvidia[0-9]*") else _CPU_TLS
+    tls = "tcp,cma,self" if cma_usable() else "tcp,self"
+    if glob.glob("/dev/nvidia[0-9]*"):
+        tls = _GPU_TLS + tls
     if os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "").lower() in ("1", "true", "yes"):
         tls = "rc," + tls  # the system's UCX: built with verbs on an InfiniBand cluster
     return tls
+
+
+@functools.lru_cache(maxsize=1)
+def cma_usable() -> bool:
+    """Whether processes of this host may read each other's memory (``process_vm_readv``, UCX's
+    ``cma``): Yama's ``ptrace_scope`` is 0 (or absent) and the call is not filtered (tried on
+    this process's own memory)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() != "0":
+                return False
+    except OSError:
+        pass  # no Yama
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        src, dst = ctypes.c_uint64(0x5742), ctypes.c_uint64(0)
+
+        class _Iovec(ctypes.Structure):
+            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+        local = _Iovec(ctypes.cast(ctypes.byref(dst), ctypes.c_void_p), 8)
+        remote = _Iovec(ctypes.cast(ctypes.byref(src), ctypes.c_void_p), 8)
+        n = libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1,
+                                  0)
+    except (OSError, AttributeError):
+        return False
+    return n == 8 and dst.value == src.value
 
 
 class _UcxRequest:

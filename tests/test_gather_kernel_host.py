@@ -1,0 +1,121 @@
+"""The fused pack/unpack kernel (``wb.runtime.gather``), its CUDA source compiled for the host with
+one thread and one block (its loops then visit every element in order), against numpy: packing
+regions of several buffers gives the elements of numpy's strided views of them, in order, and
+unpacking writes each back where numpy's assignment would. The table's cutting of long regions
+into pieces is checked on the way (small pieces). On a GPU, ``tests/test_transfer_cuda.py`` and
+``tests/test_jax_cuda.py`` run the same source through real transfers."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from wb.runtime.gather import FIELDS, kernel_source, table
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+
+_HOST = r"""
+#define __global__
+struct D3 { long long x, y; };
+static D3 threadIdx, blockIdx, gridDim, blockDim;
+"""
+_RUN = r"""
+extern "C" void run(const unsigned long long* ptrs, const long long* tab, long long rows,
+                    ELEM* stage, int scatter) {
+    threadIdx.x = threadIdx.y = blockIdx.x = blockIdx.y = 0;
+    gridDim.x = gridDim.y = blockDim.x = blockDim.y = 1;
+    wb_gather(ptrs, tab, rows, stage, scatter);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gather")
+    out = {}
+    for size in (1, 2, 4, 8):
+        src = kernel_source(size).replace('extern "C" __global__ void wb_gather',
+                                          "static void wb_gather")
+        cpp, so = d / f"g{size}.cpp", d / f"g{size}.so"
+        cpp.write_text(_HOST + src + _RUN)
+        subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
+        out[size] = ctypes.CDLL(str(so))
+    return out
+
+
+def _region(flat, f0, na, nb, fa, fb):
+    return np.lib.stride_tricks.as_strided(flat[f0:], shape=(na, nb),
+                                           strides=(fa * flat.itemsize, fb * flat.itemsize))
+
+
+@st.composite
+def _spans(draw):
+    """Regions inside buffers of 200 elements: (slot, f0, na, nb, fa, fb) with steps >= 1 (a
+    transposed region has fa < fb), no two elements in one place (as a plan's: every element is
+    written once)."""
+    out = []
+    taken: set[tuple[int, int]] = set()
+    for _ in range(draw(st.integers(1, 8))):
+        na, nb = draw(st.integers(1, 6)), draw(st.integers(1, 9))
+        fb = draw(st.integers(1, 4))
+        fa = draw(st.integers(1, 30))
+        span = (na - 1) * fa + (nb - 1) * fb
+        if span >= 200:
+            continue
+        f0, slot = draw(st.integers(0, 199 - span)), draw(st.integers(0, 2))
+        at = {(slot, f0 + i * fa + j * fb) for i in range(na) for j in range(nb)}
+        if len(at) < na * nb or at & taken:
+            continue
+        taken |= at
+        out.append((slot, f0, na, nb, fa, fb))
+    return out
+
+
+def _run(lib, bufs, spans, stage, *, scatter, piece):
+    tab = table(spans, piece=piece)
+    assert tab.shape == (len(FIELDS), tab.shape[1]) and tab.dtype == np.int64
+    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64)
+    lib.run(ptrs.ctypes.data_as(ctypes.c_void_p), tab.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_longlong(tab.shape[1]), stage.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_int(int(scatter)))
+    return tab
+
+
+@settings(max_examples=150, deadline=None)
+@given(spans=_spans(), size=st.sampled_from([1, 2, 4, 8]), piece=st.sampled_from([1, 3, 7, 64]))
+def test_packing_and_unpacking_match_numpy_views(kernels, spans, size, piece):
+    assume(spans)
+    dt = np.dtype(f"u{size}")
+    rng = np.random.default_rng(len(spans) * 31 + piece)
+    bufs = [rng.integers(0, np.iinfo(dt).max, 200, dtype=dt, endpoint=True) for _ in range(3)]
+    want = np.concatenate([_region(bufs[sp[0]], *sp[1:]).reshape(-1) for sp in spans])
+    stage = np.zeros(want.size, dt)
+    tab = _run(kernels[size], bufs, spans, stage, scatter=False, piece=piece)
+    np.testing.assert_array_equal(stage, want)
+    assert (tab[2] * tab[3]).max() <= max(piece, 1)  # no piece longer than asked
+    # unpacking: each region gets its stretch of the message, in order (later ones win)
+    fresh = rng.integers(0, np.iinfo(dt).max, want.size, dtype=dt, endpoint=True)
+    got = [b.copy() for b in bufs]
+    ref = [b.copy() for b in bufs]
+    at = 0
+    for s, f0, na, nb, fa, fb in spans:
+        _region(ref[s], f0, na, nb, fa, fb)[...] = fresh[at:at + na * nb].reshape(na, nb)
+        at += na * nb
+    _run(kernels[size], got, spans, fresh, scatter=True, piece=piece)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_long_regions_are_cut_at_rows_or_within_a_row():
+    """Rows are kept whole while they fit a piece; a longer row is cut into stretches; the
+    pieces' message positions follow the region's order."""
+    tab = table([(0, 10, 4, 3, 5, 1), (1, 0, 2, 10, 10, 1)], piece=7)
+    rows = [tuple(int(x) for x in tab[:, k]) for k in range(tab.shape[1])]
+    assert rows == [(0, 10, 2, 3, 5, 1, 0), (0, 20, 2, 3, 5, 1, 6),
+                    (1, 0, 1, 7, 10, 1, 12), (1, 7, 1, 3, 10, 1, 19),
+                    (1, 10, 1, 7, 10, 1, 22), (1, 17, 1, 3, 10, 1, 29)]
+    assert table([]).shape == (len(FIELDS), 0)
