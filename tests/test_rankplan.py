@@ -103,18 +103,21 @@ def test_a_part_refuses_another_rank(plan):
 
 
 def test_a_part_of_another_format_is_refused(plan):
+    """A part of another format number, the npz parts of older wbs, and bytes that are no part at
+    all: each refused with a PlanError that says to make the plan again (or names the array)."""
     import io
     import json
-    data = RankPlan.of(plan, 2).to_bytes()
-    with np.load(io.BytesIO(data)) as z:
-        a = {k: z[k] for k in z.files}
-    h = json.loads(bytes(a["header"]).decode())
-    h["format"] = 99
-    a["header"] = np.frombuffer(json.dumps(h).encode(), np.uint8)
+
+    from wb.data.rankplan import _pack, _unpack
+    header, arrays = _unpack(RankPlan.of(plan, 2).to_bytes())
+    with pytest.raises(wb.PlanError, match="make the plan again"):
+        RankPlan.from_bytes(_pack({**header, "format": 99}, arrays))
     f = io.BytesIO()
-    np.savez(f, **a)
+    np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
     with pytest.raises(wb.PlanError, match="make the plan again"):
         RankPlan.from_bytes(f.getvalue())
+    with pytest.raises(wb.PlanError, match="dtype"):
+        _unpack(_pack(header, {**arrays, "index": np.array(["a"], object)}))
 
 
 def _execute_all(plan, source):

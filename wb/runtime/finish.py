@@ -37,7 +37,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from wb.algorithms.planner import plan as make_plan
 from wb.data.layout import Cluster, Layout, layouts_from_bytes, layouts_to_bytes
@@ -411,10 +413,11 @@ class Finisher:
                     self.rollouts, sorted(gone))
 
 
-def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0
-                 ) -> tuple[RankPlan, int, int, str]:
+def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0,
+                 meanwhile: Callable[[], Any] | None = None) -> tuple[RankPlan, int, int, str]:
     """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
-    replica's worker, or a restarted one. Publishes the layout and a join request, then waits
+    replica's worker, or a restarted one. Publishes the layout and a join request, calls
+    ``meanwhile()`` (set-up that should be done by admission: starting the transport), then waits
     until the trainers' leader admits it at the end of a version.
 
     Returns:
@@ -432,6 +435,8 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
     set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
     store.set(f"{name}/joinreq/{rank}", token.encode())
     deadline = time.monotonic() + timeout
+    if meanwhile is not None:
+        meanwhile()
     while True:
         try:
             rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))

@@ -316,8 +316,11 @@ class Receiver:
         Raises:
             TransferError: not admitted within ``join_timeout`` seconds.
         """
-        part, first, epoch, incarnation = request_join(store, layout, name=name,
-                                                       timeout=join_timeout)
+        # the transport is started while the request waits (a UCX context and worker take
+        # ~0.4 s): once admitted, the version this rank joins waits for it, the others with it
+        part, first, epoch, incarnation = request_join(
+            store, layout, name=name, timeout=join_timeout,
+            meanwhile=lambda: transport.connect([], hello=b""))
         return cls(part, layout.worker.rank, buffers, transport=transport, store=store,
                    name=name, layout=layout, _joined=(first, epoch, incarnation), **kw)
 

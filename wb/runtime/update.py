@@ -180,6 +180,9 @@ def abort(transport) -> None:
 
 #: Seconds without progress before a stalled update asks the liveness watch about its peers.
 ASK_AFTER_S = 1.0
+#: Seconds without progress before (and between) asking ``interrupt`` (one store lookup): a
+#: version that went on without this attempt is joined within this much of its record.
+INTERRUPT_EVERY_S = 0.01
 
 
 class PeersLost(TransferError):
@@ -205,7 +208,7 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
 
     ``interrupt``: with it, a silent peer raises :class:`PeersLost` and the transport is kept
     (what is in flight is cancelled), and once no progress has been made for
-    :data:`ASK_AFTER_S` it is asked (twice a second) whether to give up waiting: then
+    :data:`INTERRUPT_EVERY_S` it is asked (that often) whether to give up waiting: then
     :class:`PeersLost` too, with no ranks. The caller (:mod:`wb.runtime.finish`) goes on with
     the version another way.
 
@@ -216,9 +219,10 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
     """
     u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
                 traced=trace is not None)
-    last = asked = time.monotonic()
+    last = asked = polled = time.monotonic()
     idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
     turns = 0
+    can_cancel = hasattr(transport, "cancel")
     try:
         u.post_zero_copy_receives()
         start = time.time()
@@ -233,23 +237,25 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
             now = time.monotonic()
             if progressed:
                 last, idle = now, 0
-            elif now - last > timeout:
+                continue
+            if now - last > timeout:
                 raise TransferError(u.stalled(timeout))
-            elif (liveness is not None or interrupt is not None) and now - last > ASK_AFTER_S \
-                    and now - asked > 0.5:
+            if liveness is not None and now - last > ASK_AFTER_S and now - asked > 0.5:
                 asked = now
-                silent = liveness.silent(u.waiting_for()) if liveness is not None else {}
-                if silent and interrupt is not None and hasattr(transport, "cancel"):
+                silent = liveness.silent(u.waiting_for())
+                if silent and interrupt is not None and can_cancel:
                     raise PeersLost(u.silent(silent, now - last), silent)
                 if silent:
                     raise TransferError(u.silent(silent, now - last))
-                if interrupt is not None and hasattr(transport, "cancel") and interrupt():
+            if interrupt is not None and can_cancel and now - last > INTERRUPT_EVERY_S \
+                    and now - polled > INTERRUPT_EVERY_S:
+                polled = now
+                if interrupt():
                     raise PeersLost(f"rank {program.rank}: interrupted after {now - last:.1f} s "
                                     f"without progress: the version goes on without this "
                                     f"attempt; waiting for: " + u.waiting(), {})
-            else:
-                idle += 1
-                time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
+            idle += 1
+            time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
     except PeersLost:
         transport.cancel()  # the connection stays: the version goes on over it
         raise

@@ -144,6 +144,13 @@ class UcxTransport:
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
         self._stale: list[Any] = []  # endpoints to peers that died (forget), closed at close()
+        # Requests posted and not seen complete, and those a cancel() left behind: ucxx cannot
+        # withdraw a posted receive, so UCX may still write into its buffer (a peer's late
+        # message of the abandoned attempt): the buffer must outlive the request, never be
+        # freed and reused for another message's bytes. Kept until complete, or until close().
+        self._posted: list[_UcxRequest] = []
+        self._abandoned: list[_UcxRequest] = []
+        self._pruned = 256  # _posted's length after its last pruning (at least 256)
         self._peers: list[int] = []
         self._round = 0
 
@@ -242,6 +249,7 @@ class UcxTransport:
                 self._closed_barrier()
             self._worker.stop_progress_thread()
             self._worker = self._ctx = None
+            self._posted, self._abandoned = [], []  # no worker writes into them any more
 
     def _closed_barrier(self) -> None:
         # A peer that stops its worker while an endpoint of this rank to it still flushes on
@@ -264,9 +272,13 @@ class UcxTransport:
 
     def cancel(self) -> None:
         """Cancels every request in flight and keeps the connections (a version goes on without
-        its stalled attempt: :mod:`wb.runtime.finish`)."""
+        its stalled attempt: :mod:`wb.runtime.finish`). What UCX cannot withdraw (a posted
+        receive may still be matched by a late message) keeps its buffer alive, never reused,
+        until it completes or the transport closes."""
         if self._worker is not None:
             self._worker.cancel_inflight_requests()
+        self._abandoned = [r for r in (*self._abandoned, *self._posted) if not r.req.completed]
+        self._posted = []
 
     def add_peers(self, peers: Iterable[int]) -> None:
         """Allows sends and receives with ``peers`` too (ranks of the same session, whose
@@ -323,7 +335,12 @@ class UcxTransport:
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
             raise TransferError(f"rank {self.rank}: UCX {what} of tag {tag:#x} with peer {peer} "
                                 f"failed: {type(e).__name__}: {e}") from e
-        return _UcxRequest(req, peer, tag, what, self.rank, buf)
+        out = _UcxRequest(req, peer, tag, what, self.rank, buf)
+        self._posted.append(out)
+        if len(self._posted) >= 2 * self._pruned:  # amortised: drop the completed now and then
+            self._posted = [r for r in self._posted if not r.req.completed]
+            self._pruned = max(len(self._posted), 256)
+        return out
 
     def describe(self) -> str:
         cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
