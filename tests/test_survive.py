@@ -119,6 +119,26 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
 
 
 @pytest.mark.timeout(240)
+def test_a_new_replica_joins_with_both_its_ranks_from_one_process(plan_file, tmp_path):
+    """A third node's process joins with two ranks at once (wb.ReceiverGroup.join: ranks 8 and 9,
+    the layouts of rollouts 6 and 7): both are admitted at the same version end (all or none),
+    the group applies every later version bit-identical on both ranks; the others apply all 8."""
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 8, "timeout": 60, "step_s": 0.4,
+                             "join_as": {"rank": 8, "group": [(8, 6), (9, 7)], "node": "r2",
+                                         "after_s": 1.0}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, None, 8)
+    j = run.results[8]
+    assert j is not None and j["ok"], j
+    first = j["first_version"]
+    assert 1 < first <= 8 and j["applied"] == list(range(first, 9)) and all(j["checks"]), j
+    assert j["firsts"] == {"8": first, "9": first}, j
+    print(f"ranks 8 and 9 admitted from versions {j['firsts']}; the group from version {first}")
+
+
+@pytest.mark.timeout(240)
 def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tmp_path):
     """The forwarding rollout dies mid-version 2 and is restarted 1 s later (the same rank and
     layout, joining): the survivors finish version 2; the restarted one is admitted at the end
@@ -213,3 +233,31 @@ def test_a_cancelled_receive_keeps_its_buffer_until_a_late_message_lands(tmp_pat
             th.start()
         for th in threads:
             th.join()
+
+
+def test_a_process_joining_with_several_ranks_is_admitted_all_or_none():
+    """The leader admits a process's ranks together: while one of them has not asked yet, none
+    is (else the first would hold its first version up until the others start)."""
+    from types import SimpleNamespace
+
+    from wb.data.layout import layouts_to_bytes
+    from wb.runtime.finish import Finisher
+    from wb.runtime.rendezvous import MemoryStore, set_large
+
+    sm = wb.SourceMap.from_indices(np.arange(8))
+    lay = {r: wb.Layout(wb.Worker(r, f"n{r}", "trainer" if r == 0 else "rollout"),
+                        {"w": wb.BufferSpec(sm, "float32")}) for r in range(4)}
+    store = MemoryStore()
+    fin = object.__new__(Finisher)  # only what reading join requests needs
+    fin.end = SimpleNamespace(store=store, wait_timeout=1.0,
+                              key=lambda *p: "/".join(("wb", *map(str, p))))
+    fin.layouts, fin.trainers, fin.rollouts, fin.joined = {0: lay[0], 1: lay[1]}, [0], [1], {}
+
+    def ask(r, token):
+        set_large(store, f"wb/member/{r}", layouts_to_bytes([lay[r]]))
+        store.set(f"wb/joinreq/{r}", token.encode())
+    store.set("wb/joingroup/t1", b"[2, 3]")
+    ask(2, "t1")
+    assert fin._join_requests(set()) == {}
+    ask(3, "t1")
+    assert fin._join_requests(set()) == {2: "t1", 3: "t1"}

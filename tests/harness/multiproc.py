@@ -330,6 +330,9 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
     from wb.runtime.rendezvous import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
+    if "group" in join:
+        _group_joiner_main(rank, plan_path, store_dir, result_dir, options, join)
+        return
     result: dict = {"rank": rank, "applied": [], "checks": []}
     try:
         time.sleep(join.get("after_s", 0.0))
@@ -353,6 +356,56 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
             result["applied"].append(v)
             result["checks"].append(bool(all(np.array_equal(bufs[k].view(np.uint8),
                                                             want[k].view(np.uint8)) for k in bufs)))
+        rx.close()
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def _group_joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
+                       options: dict, join: dict) -> None:
+    """A new replica's process joining a running job with several ranks at once
+    (``wb.ReceiverGroup.join``): ``group`` is ``[(rank, like), ...]``, each rank with the layout
+    of rollout ``like`` on node ``node``; applies every version from the first and checks every
+    rank's buffers."""
+    from types import SimpleNamespace
+
+    import wb
+    from wb.data.plan import Plan
+    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    result: dict = {"rank": rank, "applied": [], "checks": []}
+    try:
+        time.sleep(join.get("after_s", 0.0))
+        plan = Plan.load(plan_path)
+        lays, base, mapped, bufs = [], {}, {}, {}
+        for r, like_rank in join["group"]:
+            like = plan.layout_of(like_rank)
+            lay = wb.Layout(wb.Worker(r, join["node"], "rollout", like.worker.local_rank),
+                            dict(like.buffers))
+            lays.append(lay)
+            base[r] = buffers_of(lay, fill=True)
+            mapped[r] = mapped_for(SimpleNamespace(layout_of=lambda q, lay=lay: lay), r)
+            bufs[r] = {k: np.zeros_like(v) for k, v in base[r].items()}
+        store = DirectoryStore(store_dir)
+        timeout = options.get("timeout", 60.0)
+        result["asked_at"] = time.time()
+        rx = wb.ReceiverGroup.join(bufs, lays, transports={
+            lay.worker.rank: UcxTransport(lay.worker.rank, store, timeout=timeout) for lay in lays},
+            store=store, staging=options.get("receiver_staging", True), timeout=timeout,
+            wait_timeout=timeout, join_timeout=timeout)
+        result["admitted_at"], result["first_version"] = time.time(), rx.version + 1
+        result["firsts"] = {str(r): w.version + 1 for r, w in rx.workers.items()}
+        while rx.version < options["versions"]:
+            rx.apply()
+            v = rx.version
+            result["applied"].append(v)
+            result["checks"].append(bool(all(
+                np.array_equal(bufs[r][k].view(np.uint8),
+                               version_bits(base[r], v, mapped[r])[k].view(np.uint8))
+                for r in bufs for k in bufs[r])))
         rx.close()
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test

@@ -52,7 +52,7 @@ from wb.runtime.records import fetch_part, gather_layouts, publish_parts
 from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.update import ExecStats, PeersLost
 
-__all__ = ["Finisher", "request_join", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
+__all__ = ["Finisher", "request_join", "request_joins", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +377,12 @@ class Finisher:
                 continue
             self.layouts[r] = lay
             out[r] = raw.decode()
+        for token in set(out.values()):  # a process's ranks: all of them, or none this time
+            group = self._has(self.end.key("joingroup", token))
+            ranks = json.loads(group) if group is not None else []
+            if any(out.get(q) != token for q in ranks):
+                log.info("join request %s: waiting for all of ranks %s", token, ranks)
+                out = {q: t for q, t in out.items() if t != token}
         return out
 
     # --- between versions -------------------------------------------------------------------------
@@ -428,26 +434,46 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
     Raises:
         TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
     """
-    rank = layout.worker.rank
+    return request_joins(store, [layout], name=name, timeout=timeout,
+                         meanwhile=meanwhile)[layout.worker.rank]
+
+
+def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
+                  meanwhile: Callable[[], Any] | None = None
+                  ) -> dict[int, tuple[RankPlan, int, int, str]]:
+    """:func:`request_join` for several ranks of one process at once: the leader admits them at
+    the same version end, all or none (a process's ranks must start together: one of them
+    admitted a version before the others would hold that version up until they are).
+
+    Returns:
+        ``{rank: (part, version, epoch, incarnation)}``, as :func:`request_join`.
+    """
+    lays = {int(lay.worker.rank): lay for lay in layouts}
     token = new_incarnation()
-    # beat as this incarnation from now on: the leader takes it for the member it admits
-    store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
-    set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
-    store.set(f"{name}/joinreq/{rank}", token.encode())
+    if len(lays) > 1:  # the leader admits none of them until it sees every one's request
+        store.set(f"{name}/joingroup/{token}", json.dumps(sorted(lays)).encode())
+    for rank, layout in lays.items():
+        # beat as this incarnation from now on: the leader takes it for the member it admits
+        store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
+        set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
+        store.set(f"{name}/joinreq/{rank}", token.encode())
     deadline = time.monotonic() + timeout
     if meanwhile is not None:
         meanwhile()
-    while True:
-        try:
-            rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
-            if rec["token"] == token:
-                break
-        except TransferError:
-            pass
-        if time.monotonic() > deadline:
-            raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
-                                f"{timeout:.0f} s; the trainers' leader admits joiners when a "
-                                f"version finishes: is the job pushing versions?")
-        time.sleep(0.05)
-    part = fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout)
-    return part, int(rec["version"]), int(rec["epoch"]), token
+    recs = {}
+    for rank in lays:
+        while True:
+            try:
+                rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
+                if rec["token"] == token:
+                    recs[rank] = rec
+                    break
+            except TransferError:
+                pass
+            if time.monotonic() > deadline:
+                raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
+                                    f"{timeout:.0f} s; the trainers' leader admits joiners when "
+                                    f"a version finishes: is the job pushing versions?")
+            time.sleep(0.05)
+    return {rank: (fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout),
+                   int(rec["version"]), int(rec["epoch"]), token) for rank, rec in recs.items()}

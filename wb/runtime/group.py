@@ -21,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from wb.data.plan import Plan
+from wb.data.rankplan import RankPlans
 from wb.errors import TransferError
+from wb.runtime.finish import request_joins
 from wb.runtime.receiver import Receiver
 from wb.runtime.sender import Sender
 from wb.runtime.stats import UpdateStats
@@ -151,12 +153,13 @@ def _group_of(worker: type, worker_options: Callable[[ParamsAdapter, int], dict]
             warnings.warn("transport= is now transports= (one Transport or {rank: Transport})",
                           DeprecationWarning, stacklevel=2)
             transports = options.pop("transport")
+        per_rank = options.pop("_per_rank", {})  # options of one rank's worker (a join's)
         self.plan, self.params = plan, params
         self.adapter: ParamsAdapter = self.adapter_type(plan, params, ranks)
         self._ranks = _workers(plan, self.adapter.buffers(params), transports,
                                lambda r, b, t: worker(plan, r, b, transport=t, store=store,
                                                       **{**worker_options(self.adapter, r),
-                                                         **options}))
+                                                         **options, **per_rank.get(r, {})}))
 
     def close(self) -> None:
         """Closes every rank's worker (a sender waits for its last send first)."""
@@ -243,6 +246,46 @@ class ReceiverGroup:
 
     #: How parameters become buffers and back (see :attr:`SenderGroup.adapter_type`).
     adapter_type: Callable[[Plan, Any, Any], ParamsAdapter] = ArrayParams
+
+    @classmethod
+    def join(cls, params: Any, layouts, ranks: Any = None, *, transports, store,
+             name: str = "wb", join_timeout: float = 600.0, **options):
+        """A rollout process joining a running job (restarted, or a new replica's): its ranks ask
+        to be taken in together (:func:`wb.runtime.finish.request_joins`: the leader admits them
+        at one version end, all or none), start their transports while they wait, and the group
+        is made from their parts of the plan.
+
+        Args:
+            params: this process's rollout parameters, as for the constructor.
+            layouts: one :class:`wb.Layout` per rank of this process (from the shim's
+                ``layouts`` of its maps: cached, or probed again).
+            ranks, transports, store, options: as for the constructor; ``name`` and
+                ``join_timeout`` as :meth:`wb.Receiver.join`.
+
+        Raises:
+            TransferError: a rank was not admitted within ``join_timeout`` seconds, or a layout
+                without a transport.
+        """
+        lays = {int(lay.worker.rank): lay for lay in layouts}
+        if not isinstance(transports, Mapping):
+            if len(lays) != 1:
+                raise TransferError(f"{len(lays)} ranks join: give transports={{rank: "
+                                    f"Transport}} for ranks {sorted(lays)}")
+            transports = {next(iter(lays)): transports}
+        missing = sorted(set(lays) - set(transports))
+        if missing:
+            raise TransferError(f"ranks {missing} join without a transport; give one per rank")
+
+        def connect_all():
+            for r in lays:
+                transports[r].connect([], hello=b"")
+        got = request_joins(store, list(lays.values()), name=name, timeout=join_timeout,
+                            meanwhile=connect_all)
+        plan = RankPlans([part for part, *_ in got.values()])
+        per_rank = {r: {"_joined": tuple(rest), "layout": lays[r]}
+                    for r, (_, *rest) in got.items()}
+        return cls(params, plan, ranks, transports=transports, store=store, name=name,
+                   _per_rank=per_rank, **options)
 
     def ready(self) -> bool:
         """Whether every rank has the next version ready (never blocks)."""
