@@ -25,6 +25,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 import wb  # noqa: E402
 import wb_jax  # noqa: E402
+from wb.cli.demo.checkpoint import random_checkpoint  # noqa: E402
 from wb.layouts.presets import TINY, spec_from_config  # noqa: E402
 
 #: TINY with every layer a mixture of experts (KerasHub's converter reads no dense first layers).
@@ -69,12 +70,6 @@ def variables(backbone) -> dict:
     return {v.path: v.value for v in backbone.weights}
 
 
-def random_checkpoint(spec: wb.CheckpointSpec, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(spec.shape(n), dtype=np.float32).astype(
-        wb.dtypes.dtype_info(spec.dtype(n)).numpy) for n in spec.names}
-
-
 def main(cfg: dict = CONFIG) -> bool:
     spec = spec_from_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,13 +81,13 @@ def main(cfg: dict = CONFIG) -> bool:
                                          tmp / f"p{next(passes)}", cfg))
 
         maps = wb_jax.probe(load, spec)
-        rollout = variables(from_preset(random_checkpoint(spec, 1), tmp / "rollout", cfg))
+        rollout = variables(from_preset(random_checkpoint(1, cfg), tmp / "rollout", cfg))
         (lay,) = wb_jax.layouts(rollout, maps, 1, node="r0", role="rollout")
         trainer = wb.Layout(wb.Worker(0, "t0", "trainer"), {
             n: wb.BufferSpec(wb.SourceMap.from_indices(spec.ids(n).reshape(spec.shape(n))),
                              spec.dtype(n)) for n in spec})
         plan = wb.plan([trainer], [lay])
-        weights = random_checkpoint(spec, 2)
+        weights = random_checkpoint(2, cfg)
         # JAX arrays are immutable: the rollout's buffers here are numpy copies of its shards
         bufs = {n: np.array(a) for n, a in wb_jax.buffers(rollout, 1)[1].items()
                 if n in lay.buffers}

@@ -100,42 +100,29 @@ def test_a_rollout_dead_between_versions_is_left_out_of_the_next(plan_file, tmp_
 
 
 @pytest.mark.timeout(240)
-def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_file, tmp_path):
-    """Rank 8 (not in the plan: a third node with rollout 6's layout) asks to join while the
-    trainers push 8 versions: it is admitted at the end of a version and applies every later
-    one bit-identical; the others apply all 8, never waiting for it."""
+@pytest.mark.parametrize("joiner", [
+    {"like": 6},  # one rank: wb.Receiver.join
+    {"group": [(8, 6), (9, 7)]},  # a process of two ranks: wb.ReceiverGroup.join
+], ids=["rank", "process-of-two-ranks"])
+def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_file, tmp_path,
+                                                                          joiner):
+    """Rank 8 (not in the plan: a third node with rollout 6's layout; or a process with ranks 8
+    and 9, rollouts 6 and 7's layouts, asking together) joins while the trainers push 8
+    versions: admitted at the end of a version (a process's ranks at the same one: all or none),
+    it applies every later one bit-identical; the others apply all 8, never waiting for it."""
     run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
                     target=coord_child_main,
                     options={"versions": 8, "timeout": 60, "step_s": 0.4,
-                             "join_as": {"rank": 8, "like": 6, "node": "r2", "after_s": 1.0}},
+                             "join_as": {"rank": 8, "node": "r2", "after_s": 1.0, **joiner}},
                     join_timeout=150)
     _survivors_applied_everything(run, None, 8)
     j = run.results[8]
     assert j is not None and j["ok"], j
     first = j["first_version"]
     assert 1 < first <= 8 and j["applied"] == list(range(first, 9)) and all(j["checks"]), j
-    print(f"rank 8 admitted {j['admitted_at'] - j['asked_at']:.1f} s after asking, from "
-          f"version {first}")
-
-
-@pytest.mark.timeout(240)
-def test_a_new_replica_joins_with_both_its_ranks_from_one_process(plan_file, tmp_path):
-    """A third node's process joins with two ranks at once (wb.ReceiverGroup.join: ranks 8 and 9,
-    the layouts of rollouts 6 and 7): both are admitted at the same version end (all or none),
-    the group applies every later version bit-identical on both ranks; the others apply all 8."""
-    run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
-                    target=coord_child_main,
-                    options={"versions": 8, "timeout": 60, "step_s": 0.4,
-                             "join_as": {"rank": 8, "group": [(8, 6), (9, 7)], "node": "r2",
-                                         "after_s": 1.0}},
-                    join_timeout=150)
-    _survivors_applied_everything(run, None, 8)
-    j = run.results[8]
-    assert j is not None and j["ok"], j
-    first = j["first_version"]
-    assert 1 < first <= 8 and j["applied"] == list(range(first, 9)) and all(j["checks"]), j
-    assert j["firsts"] == {"8": first, "9": first}, j
-    print(f"ranks 8 and 9 admitted from versions {j['firsts']}; the group from version {first}")
+    if "group" in joiner:
+        assert j["firsts"] == {"8": first, "9": first}, j
+    print(f"admitted {j['admitted_at'] - j['asked_at']:.1f} s after asking, from version {first}")
 
 
 @pytest.mark.timeout(240)

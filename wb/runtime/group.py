@@ -110,18 +110,25 @@ class _Ranks:
                 self._pool.shutdown()
 
 
-def _workers(plan: Plan, buffers: Mapping[int, Mapping[str, Any]], transports, make
-             ) -> _Ranks:
-    """One worker per rank of ``buffers``, each given its buffers that the plan names."""
+def _transports_of(ranks, transports) -> Mapping[int, Any]:
+    """``{rank: Transport}`` for ``ranks`` (one transport stands for the one rank there is)."""
+    ranks = sorted(ranks)
     if not isinstance(transports, Mapping):
-        if len(buffers) != 1:
-            raise TransferError(f"one transport was given for ranks {sorted(buffers)}; every rank "
-                                f"needs its own: give transports={{rank: Transport}}")
-        transports = {next(iter(buffers)): transports}
-    missing = sorted(set(buffers) - set(transports))
+        if len(ranks) != 1:
+            raise TransferError(f"one transport was given for ranks {ranks}; every rank needs "
+                                f"its own: give transports={{rank: Transport}}")
+        transports = {ranks[0]: transports}
+    missing = sorted(set(ranks) - set(transports))
     if missing:
         raise TransferError(f"ranks {missing} have no transport (transports has ranks "
                             f"{sorted(transports)}); give one transport per rank")
+    return transports
+
+
+def _workers(plan: Plan, buffers: Mapping[int, Mapping[str, Any]], transports, make
+             ) -> _Ranks:
+    """One worker per rank of ``buffers``, each given its buffers that the plan names."""
+    transports = _transports_of(buffers, transports)
     planned = {r: {n: b[n] for n in plan.layout_of(r).buffers if n in b}
                for r, b in buffers.items()}
     return _Ranks({r: (lambda r=r: make(r, planned[r], transports[r])) for r in planned})
@@ -267,14 +274,7 @@ class ReceiverGroup:
                 without a transport.
         """
         lays = {int(lay.worker.rank): lay for lay in layouts}
-        if not isinstance(transports, Mapping):
-            if len(lays) != 1:
-                raise TransferError(f"{len(lays)} ranks join: give transports={{rank: "
-                                    f"Transport}} for ranks {sorted(lays)}")
-            transports = {next(iter(lays)): transports}
-        missing = sorted(set(lays) - set(transports))
-        if missing:
-            raise TransferError(f"ranks {missing} join without a transport; give one per rank")
+        transports = _transports_of(lays, transports)
 
         def connect_all():
             for r in lays:
