@@ -85,7 +85,7 @@ def table(spans: Sequence, piece: int = PIECE) -> np.ndarray:
     return np.ascontiguousarray(np.array(out, np.int64).reshape(-1, len(FIELDS)).T)
 
 
-def copy(cp: Any, ptrs: Any, tab: Any, stage: Any, itemsize: int, *, scatter: bool) -> None:
+def copy(ptrs: Any, tab: Any, stage: Any, itemsize: int, *, scatter: bool) -> None:
     """One launch on CuPy's current device and stream: the regions of device table ``tab``
     (:func:`table`, as a CuPy array) in the buffers whose addresses ``ptrs`` gives by slot (a CuPy
     ``uint64`` array) into ``stage`` (a CuPy array of the message's bytes), or back with

@@ -373,7 +373,7 @@ class _Update:
             ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
                     for b, r in zip(prog.slot_buf, prog.slot_rank)]
             self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
-        gather.copy(xp, self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+        gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
         return True
 
     def copy_local(self, g) -> None:

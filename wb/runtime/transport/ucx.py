@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,7 +99,7 @@ def cma_usable() -> bool:
 
 
 class _UcxRequest:
-    __slots__ = ("req", "peer", "tag", "what", "rank", "buf")
+    __slots__ = ("req", "peer", "tag", "what", "rank", "buf", "__weakref__")
 
     def __init__(self, req, peer: int, tag: int, what: str, rank: int, buf):
         self.req, self.peer, self.tag, self.what, self.rank = req, peer, tag, what, rank
@@ -144,13 +145,12 @@ class UcxTransport:
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
         self._stale: list[Any] = []  # endpoints to peers that died (forget), closed at close()
-        # Requests posted and not seen complete, and those a cancel() left behind: ucxx cannot
-        # withdraw a posted receive, so UCX may still write into its buffer (a peer's late
-        # message of the abandoned attempt): the buffer must outlive the request, never be
-        # freed and reused for another message's bytes. Kept until complete, or until close().
-        self._posted: list[_UcxRequest] = []
+        # Requests the caller still holds (weakly: a completed one it drops goes, with its
+        # buffer), and those a cancel() left behind, held until they complete or close(): ucxx
+        # cannot withdraw a posted receive, so UCX may still write into its buffer (a peer's late
+        # message of the abandoned attempt), which must never be freed and reused meanwhile.
+        self._posted: weakref.WeakSet[_UcxRequest] = weakref.WeakSet()
         self._abandoned: list[_UcxRequest] = []
-        self._pruned = 256  # _posted's length after its last pruning (at least 256)
         self._peers: list[int] = []
         self._round = 0
 
@@ -249,7 +249,7 @@ class UcxTransport:
                 self._closed_barrier()
             self._worker.stop_progress_thread()
             self._worker = self._ctx = None
-            self._posted, self._abandoned = [], []  # no worker writes into them any more
+            self._posted, self._abandoned = weakref.WeakSet(), []  # no worker writes any more
 
     def _closed_barrier(self) -> None:
         # A peer that stops its worker while an endpoint of this rank to it still flushes on
@@ -278,7 +278,7 @@ class UcxTransport:
         if self._worker is not None:
             self._worker.cancel_inflight_requests()
         self._abandoned = [r for r in (*self._abandoned, *self._posted) if not r.req.completed]
-        self._posted = []
+        self._posted = weakref.WeakSet()
 
     def add_peers(self, peers: Iterable[int]) -> None:
         """Allows sends and receives with ``peers`` too (ranks of the same session, whose
@@ -336,10 +336,7 @@ class UcxTransport:
             raise TransferError(f"rank {self.rank}: UCX {what} of tag {tag:#x} with peer {peer} "
                                 f"failed: {type(e).__name__}: {e}") from e
         out = _UcxRequest(req, peer, tag, what, self.rank, buf)
-        self._posted.append(out)
-        if len(self._posted) >= 2 * self._pruned:  # amortised: drop the completed now and then
-            self._posted = [r for r in self._posted if not r.req.completed]
-            self._pruned = max(len(self._posted), 256)
+        self._posted.add(out)
         return out
 
     def describe(self) -> str:
