@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import wb
 from harness.fp8 import deployment, expected, fp8_checkpoint, lay, trainer_buffers, values
-from wb.algorithms.blockplan import quantize_buffers, quantize_layouts, tasks_for
+from wb.algorithms.blockplan import (partial_amax, quantize_all, quantize_buffers,
+                                      quantize_layouts, tasks_for)
 from wb.algorithms.planner import lower_bound
 from wb.data.blockscale import FP8Blocks, quantize_tensor
 from wb.data.dtypes import convert, dtype_info
@@ -121,10 +122,9 @@ def test_declarations_a_spec_cannot_take_are_refused(tensors, match):
 
 # --- planning and executing ------------------------------------------------------------------
 def _run_local(plan, q, trainers, rollouts, spec, vals):
-    tb = {}
-    for t in trainers:
-        own = trainer_buffers(t, spec, vals)
-        tb[t.worker.rank] = {**own, **quantize_buffers(q, t.worker.rank, own)}
+    own = {t.worker.rank: trainer_buffers(t, spec, vals) for t in trainers}
+    quantized = quantize_all(q, own)
+    tb = {r: {**own[r], **quantized[r]} for r in own}
     rb = {r.worker.rank: {k: np.zeros(b.shape, dtype_info(b.dtype).numpy)
                           for k, b in r.buffers.items()} for r in rollouts}
     return wb.run_local(plan, tb, rb)
@@ -158,8 +158,9 @@ def test_every_block_has_one_quantiser_and_the_plan_is_at_the_bound():
 @st.composite
 def fp8_deployments(draw):
     """A random spec of 2-D tensors (some declared) and a norm; trainers: replicas of TP ranks
-    cutting rows or columns at block multiples; rollouts: random rectangles (some transposed)
-    of each FP8 tensor and of its scales, and the norm in a random float dtype."""
+    cutting rows or columns (at block multiples, or anywhere: blocks split between ranks), or
+    FSDP-like flat shards (cut at block bands, or anywhere); rollouts: random rectangles (some
+    transposed) of each FP8 tensor and of its scales, and the norm in a random float dtype."""
     bh, bw = draw(st.integers(1, 6)), draw(st.integers(1, 6))
     n_t = draw(st.integers(1, 3))
     shapes = [(bh * draw(st.integers(1, 4)) - draw(st.integers(0, bh - 1)),
@@ -173,14 +174,15 @@ def fp8_deployments(draw):
     ids = {n: spec.ids(n).reshape(spec.shape(n)) for n in spec}
     f = {n: sc.spec.ids(n).reshape(sc.spec.shape(n)) for n in sc.spec}
     trainers, rank = [], 0
+    aligned = draw(st.sampled_from([True, False, False]))  # False: blocks may be split
     for rep in range(draw(st.integers(1, 2))):
         if draw(st.booleans()):  # FSDP-like: flat shards of the 2-D tensors, cut at block bands
             end = spec.offset("norm")  # the norm (float32) is a buffer of its own
             cuts = {0, end}
             for n in sc.names:
-                step = bh * spec.shape(n)[1]
-                cuts |= {spec.offset(n) + step * k for k in range(draw(st.integers(0, 3)))
-                         if step * k < spec.size(n)}
+                step = bh * spec.shape(n)[1] if aligned else 1
+                cuts |= {spec.offset(n) + step * draw(st.integers(0, spec.size(n) // step))
+                         for _ in range(draw(st.integers(0, 3)))} - {spec.offset(n) + spec.size(n)}
             bounds = sorted(cuts)
             pick = sorted(set(draw(st.lists(st.sampled_from(bounds), max_size=3))) | {0, end})
             flat = np.arange(end)
@@ -198,7 +200,7 @@ def fp8_deployments(draw):
                 parts[0]["norm"] = (ids["norm"], "float32")
                 continue
             axis = draw(st.integers(0, 1))
-            b = (bh, bw)[axis]
+            b = (bh, bw)[axis] if aligned else 1
             nb = -(-spec.shape(n)[axis] // b)
             cuts = sorted({0, spec.shape(n)[axis], *[min(b * draw(st.integers(0, nb)),
                                                          spec.shape(n)[axis])
@@ -236,8 +238,12 @@ def test_random_fp8_deployments_are_bit_identical_and_at_the_bound(case):
     for own, planned in zip(trainers, q.trainers):  # what each trainer rebuilds for itself
         mine = tasks_for(sc, own, planned).tasks[own.worker.rank]
         want = q.tasks[own.worker.rank]
-        assert [t[:4] for t in mine] == [t[:4] for t in want]
+        key = lambda t: (t.scales, t.tensor)  # noqa: E731 - the order may differ
+        mine, want = sorted(mine, key=key), sorted(want, key=key)
+        assert [t[:4] + (t.part,) for t in mine] == [t[:4] + (t.part,) for t in want]
         assert all(np.array_equal(a.blocks, b.blocks) and np.array_equal(a.gather, b.gather)
+                   and np.array_equal(a.at, b.at)
+                   and np.array_equal(a.windows(*sc.decl.block), b.windows(*sc.decl.block))
                    for a, b in zip(mine, want))
     p = wb.plan(q.trainers, rollouts)
     p.verify()
@@ -273,13 +279,50 @@ def test_fp8_rollouts_take_about_half_the_bytes_of_bf16_ones():
     assert sent_fp8 / sent_bf16 <= 0.52
 
 
-def test_a_block_held_only_in_parts_is_refused_naming_the_tensor():
+def _split_rows(cut, block=(4, 4)):
+    """``w`` (8 x 8) held by two TP ranks cut at row ``cut`` (a block row split between them)
+    and one rollout serving all of it in FP8 with its scales."""
     spec = wb.CheckpointSpec({"w": ((8, 8), "bfloat16")})
-    sc = FP8Blocks(("w",), block=(4, 4)).bind(spec)
+    sc = FP8Blocks(("w",), block=block).bind(spec)
     ids = spec.ids("w").reshape(8, 8)
-    trainers = [lay(0, "t", "trainer", {"w": (ids[:3], "bfloat16")}),  # rows 0-2: not whole
-                lay(1, "t", "trainer", {"w": (ids[3:], "bfloat16")}, local_rank=1)]
-    with pytest.raises(wb.PlanError, match=r"block \(0, 0\) of `w`.*held only in parts"):
+    trainers = [lay(0, "t", "trainer", {"w": (ids[:cut], "bfloat16")}),
+                lay(1, "t", "trainer", {"w": (ids[cut:].T, "bfloat16")}, local_rank=1)]
+    f = {n: sc.spec.ids(n).reshape(sc.spec.shape(n)) for n in sc.spec}
+    rollouts = [lay(2, "r", "rollout", {"w": (f["w"], F8),
+                                        "s": (f["w_scale_inv"], "float32")})]
+    return spec, sc, trainers, rollouts
+
+
+def test_a_block_held_in_parts_is_quantised_by_its_holders_with_the_whole_blocks_scale():
+    # rows 0-2 on rank 0, rows 3-7 (transposed) on rank 1: block row 0 is split between them
+    spec, sc, trainers, rollouts = _split_rows(3)
+    q = quantize_layouts(trainers, sc)
+    parts = {r: [t for t in ts if t.part] for r, ts in q.tasks.items()}
+    assert [t.blocks.tolist() for t in parts[0]] == [[0, 1]]
+    assert [t.blocks.tolist() for t in parts[1]] == [[0, 1]]
+    assert q.peers == {0: (1,), 1: (0,)}
+    vals = values(spec, 3)
+    vals["w"][0, 0] = 100.0  # block (0, 0)'s amax is on rank 0, and rank 1 must use it
+    own = {t.worker.rank: trainer_buffers(t, spec, vals) for t in trainers}
+    with pytest.raises(ValueError, match="amax over the whole block is needed"):
+        quantize_buffers(q, 1, own[1])
+    k1, a1 = partial_amax(q, 1, own[1])
+    assert a1[0] < 100.0  # its own part alone would give another scale
+    p = wb.plan(q.trainers, rollouts)
+    p.verify()
+    bound = lower_bound(q.trainers, rollouts)
+    assert p.traffic().trainer_total == bound.trainer_total  # no gather: FP8 bytes only
+    out = _run_local(p, q, trainers, rollouts, spec, vals)
+    want = expected(rollouts[0], fp8_checkpoint(sc, vals))
+    assert all(out[2][k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_a_block_its_holders_do_not_cover_is_refused_naming_the_tensor():
+    spec, sc, trainers, rollouts = _split_rows(3)
+    ids = spec.ids("w").reshape(8, 8)
+    trainers[1] = lay(1, "t", "trainer", {"w": (ids[4:], "bfloat16")}, local_rank=1)  # no row 3
+    with pytest.raises(wb.PlanError, match=r"block \(0, 0\) of `w`.*held only in parts.*do not "
+                                           r"cover it"):
         quantize_layouts(trainers, sc)
 
 
@@ -291,13 +334,14 @@ def test_an_fp8_rollout_without_a_declaration_is_refused():
 
 
 def run_fp8_over_ucx(tmp_path, options: dict) -> dict:
-    """The deployment of harness.fp8, planned and run over UCX (spawned processes): results."""
+    """The deployment of harness.fp8 (``options["split"]``: blocks split between trainers),
+    planned and run over UCX (spawned processes): results."""
     import json
     import multiprocessing as mp
 
     from harness.fp8 import child
 
-    spec, sc, trainers, rollouts = deployment()
+    spec, sc, trainers, rollouts = deployment(split=options.get("split", False))
     q = quantize_layouts(trainers, sc)
     p = wb.plan(q.trainers, rollouts, chunk_bytes=64)
     p.save(tmp_path / "plan.npz")
@@ -328,19 +372,23 @@ def run_fp8_over_ucx(tmp_path, options: dict) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sender_staging, receiver_staging", [(True, True), (False, False)])
-def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging, receiver_staging):
+@pytest.mark.parametrize("sender_staging, receiver_staging, split",
+                         [(True, True, False), (False, False, True)])
+def test_fp8_over_ucx_with_sync_modes_is_bit_identical(tmp_path, sender_staging, receiver_staging,
+                                                        split):
     pytest.importorskip("ucxx")
     run_fp8_over_ucx(tmp_path, {"versions": 2, "sender_staging": sender_staging,
-                                "receiver_staging": receiver_staging})
+                                "receiver_staging": receiver_staging, "split": split})
 
 
-def test_agreed_parts_and_senders_given_the_declaration_are_bit_identical():
+@pytest.mark.parametrize("split", [False, True])
+def test_agreed_parts_and_senders_given_the_declaration_are_bit_identical(split):
     # a real job's set-up: every worker publishes its own layout; the planner quantises the
     # trainers' layouts; each trainer's Sender rebuilds its tasks from its own layout and part
+    # (split: blocks held in parts, whose amax the trainers exchange through the store)
     import threading
 
-    spec, sc, trainers, rollouts = deployment()
+    spec, sc, trainers, rollouts = deployment(split=split)
     store, hub = wb.MemoryStore(), wb.LocalHub()
     world = len(trainers) + len(rollouts)
     vals = values(spec, 5)

@@ -11,7 +11,8 @@ cupy = cupy_or_skip()
 
 import wb  # noqa: E402
 from harness.fp8 import lay  # noqa: E402
-from wb.algorithms.blockplan import quantize_buffers, quantize_layouts  # noqa: E402
+from wb.algorithms.blockplan import (combine_amax, quantize_all, quantize_buffers,  # noqa: E402
+                                      quantize_layouts)
 from wb.data.blockscale import FP8Blocks  # noqa: E402
 from wb.data.dtypes import convert, dtype_info  # noqa: E402
 from wb.runtime.casts import xp_dtype  # noqa: E402
@@ -54,10 +55,42 @@ def test_cuda_quantiser_equals_the_host_one(dtype, seed):
         assert got.tobytes() == h.view(f"u{h.itemsize}").tobytes(), k
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_quantiser_of_blocks_held_in_parts_equals_the_host_one(dtype, seed):
+    # blocks of 128 rows; rows 0-149 on rank 0 (transposed), the rest in two flat runs cut at
+    # element 200 * 260 + 7 (ranks 1, 2): block row 1 is split between all three, affinely on
+    # rank 0, element by element on the others
+    spec = wb.CheckpointSpec({"w": ((300, 260), dtype)})
+    sc = FP8Blocks(("w",), block=(128, 64)).bind(spec)
+    ids = spec.ids("w").reshape(300, 260)
+    cut = 200 * 260 + 7
+    trainers = [lay(0, "t", "trainer", {"w": (ids[:150].T, dtype)}),
+                lay(1, "t", "trainer", {"w": (ids.reshape(-1)[150 * 260:cut], dtype)},
+                    local_rank=1),
+                lay(2, "u", "trainer", {"w": (ids.reshape(-1)[cut:], dtype)})]
+    q = quantize_layouts(trainers, sc)
+    x = _hard((300, 260), dtype, seed)
+    own = {0: {"w": np.ascontiguousarray(x[:150].T)}, 1: {"w": x.reshape(-1)[150 * 260:cut].copy()},
+           2: {"w": x.reshape(-1)[cut:].copy()}}
+    host = quantize_all(q, own)
+    live = {r: {"w": (cupy, _on_gpu(own[r]["w"], dtype))} for r in own}
+    qz = {r: Quantiser(q, r, live[r]) for r in own}
+    assert all(z.parts for z in qz.values())
+    mine = {r: z._partial_amax(live[r]) for r, z in qz.items()}
+    whole = combine_amax(mine.values())
+    for r, z in qz.items():
+        z.run(live[r], exchange=lambda keys, amax: whole)
+        for k, h in host[r].items():
+            got = cupy.asnumpy(z.buffers[k]).view(f"u{h.itemsize}")
+            assert got.tobytes() == h.view(f"u{h.itemsize}").tobytes(), (r, k)
+
+
 @pytest.mark.timeout(180)
-def test_fp8_over_ucx_with_every_buffer_on_the_gpu_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_over_ucx_with_every_buffer_on_the_gpu_is_bit_identical(tmp_path, split):
     pytest.importorskip("ucxx")
     from test_fp8 import run_fp8_over_ucx
 
     run_fp8_over_ucx(tmp_path, {"versions": 2, "sender_staging": True, "receiver_staging": False,
-                                "cuda": 0})
+                                "cuda": 0, "split": split})

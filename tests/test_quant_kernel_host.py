@@ -31,12 +31,14 @@ static double __longlong_as_double(long long x) { double d; memcpy(&d, &x, 8); r
 """
 _RUN = r"""
 extern "C" void run_all(const SRC* src, const long long* at, const long long* keys,
-        const long long* odd, const long long* gather, long long n, int bh, int bw,
-        long long rows, long long cols, long long gc, unsigned char* q, unsigned int* scales) {
+        const long long* odd, const long long* gather, const long long* win, long long n,
+        int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
+        unsigned char* q, unsigned int* scales) {
     for (long long b = 0; b < n; b++) {
         blockIdx.x = (int)b;
         threadIdx.x = 0;
-        wb_quant(src, at, keys, odd, gather, n, bh, bw, rows, cols, gc, q, scales);
+        wb_quant(src, at, keys, odd, gather, win, n, bh, bw, rows, cols, gc, mode, given, q,
+                 scales);
     }
 }
 """
@@ -72,13 +74,37 @@ def test_the_cuda_quantiser_source_follows_the_rule(src, tmp_path):
         keys = rng.permutation(keys)
         at = np.stack([(keys // gc) * bh * cols + (keys % gc) * bw, np.full(n, cols),
                        np.ones(n, np.int64)], 1).astype(np.int64)
-        odd, gather = np.full(n, -1, np.int64), np.full(1, -1, np.int64)
+        win = np.tile(np.array([0, bh, 0, bw], np.int64), (n, 1))
         q, s = np.zeros(rows * cols, np.uint8), np.zeros(n, np.uint32)
-        raw = np.ascontiguousarray(x).reshape(-1).view(f"u{dt.itemsize}")
-        p = [a.ctypes.data_as(ctypes.c_void_p) for a in (raw, at, keys, odd, gather)]
-        lib.run_all(*p, ctypes.c_longlong(n), ctypes.c_int(bh), ctypes.c_int(bw),
-                    ctypes.c_longlong(rows), ctypes.c_longlong(cols), ctypes.c_longlong(gc),
-                    q.ctypes.data_as(ctypes.c_void_p), s.ctypes.data_as(ctypes.c_void_p))
+        _run(lib, x, at, keys, win, bh, bw, gc, 0, np.zeros(n), q, s)
         want_q, want_s = quantize_tensor(x, (bh, bw))
         assert q.tobytes() == want_q.view(np.uint8).reshape(-1).tobytes(), (src, trial)
         assert s.tobytes() == want_s.reshape(-1)[keys].astype(np.float32).tobytes(), (src, trial)
+        # the same blocks split at a row: each part's amax (mode 1), the largest of the two,
+        # then each part encoded with it (mode 2), as trainers holding parts of blocks do
+        cut = int(rng.integers(1, bh)) if bh > 1 else 0
+        given = [np.zeros(n), np.zeros(n)]
+        q2, s2 = np.zeros(rows * cols, np.uint8), [np.zeros(n, np.uint32) for _ in range(2)]
+        parts = []
+        for k, (i0, i1) in enumerate([(0, cut), (cut, bh)]):
+            w = np.tile(np.array([i0, i1, 0, bw], np.int64), (n, 1))
+            a = at.copy()
+            a[:, 0] += i0 * cols
+            parts.append((a, w))
+            _run(lib, x, a, keys, w, bh, bw, gc, 1, given[k], q2, s2[k])
+        whole = np.maximum(given[0], given[1])  # NaN if either is
+        for k, (a, w) in enumerate(parts):
+            _run(lib, x, a, keys, w, bh, bw, gc, 2, whole.copy(), q2, s2[k])
+        assert q2.tobytes() == q.tobytes(), (src, trial, cut)
+        assert s2[0].tobytes() == s2[1].tobytes() == s.tobytes(), (src, trial, cut)
+
+
+def _run(lib, x, at, keys, win, bh, bw, gc, mode, given, q, s):
+    rows, cols = x.shape
+    raw = np.ascontiguousarray(x).reshape(-1).view(f"u{x.dtype.itemsize}")
+    odd, gather = np.full(keys.size, -1, np.int64), np.full(1, -1, np.int64)
+    p = [a.ctypes.data_as(ctypes.c_void_p) for a in (raw, at, keys, odd, gather, win)]
+    lib.run_all(*p, ctypes.c_longlong(keys.size), ctypes.c_int(bh), ctypes.c_int(bw),
+                ctypes.c_longlong(rows), ctypes.c_longlong(cols), ctypes.c_longlong(gc),
+                ctypes.c_int(mode), given.ctypes.data_as(ctypes.c_void_p),
+                q.ctypes.data_as(ctypes.c_void_p), s.ctypes.data_as(ctypes.c_void_p))

@@ -1,5 +1,5 @@
-"""A block-scaled FP8 deployment for tests: trainers sharded at block multiples, rollouts cut
-anywhere, values per version, and the reference FP8 checkpoint each rollout must end up with."""
+"""A block-scaled FP8 deployment for tests: trainers sharded at block multiples (or not), rollouts
+cut anywhere, values per version, and the reference FP8 checkpoint each rollout must end up with."""
 
 from __future__ import annotations
 
@@ -59,19 +59,21 @@ def expected(layout: wb.Layout, flat: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def deployment(block=(4, 8)):
-    """Two trainer replicas of two TP ranks (rows of `w` at block multiples, `u` whole on one),
-    three rollouts on two nodes: FP8 weights cut anywhere (one transposed), scales, a norm."""
+def deployment(block=(4, 8), split=False):
+    """Two trainer replicas of two TP ranks (rows of `w` at block multiples, or with ``split``
+    at row 6, inside a block; `u` whole on one), three rollouts on two nodes: FP8 weights cut
+    anywhere (one transposed), scales, a norm."""
     spec = wb.CheckpointSpec({"w": ((12, 24), "bfloat16"), "norm": ((24,), "float32"),
                               "u": ((10, 16), "bfloat16")})
     scaled = FP8Blocks(("w", "u"), block=block).bind(spec)
     ids = {n: spec.ids(n).reshape(spec.shape(n)) for n in spec}
     f = {n: scaled.spec.ids(n).reshape(scaled.spec.shape(n)) for n in scaled.spec}
     trainers = []
+    cut = 6 if split else 8
     for rep in range(2):
-        trainers += [lay(2 * rep, f"t{rep}", "trainer", {"w": (ids["w"][:8], "bfloat16"),
+        trainers += [lay(2 * rep, f"t{rep}", "trainer", {"w": (ids["w"][:cut], "bfloat16"),
                                                         "norm": (ids["norm"], "float32")}),
-                     lay(2 * rep + 1, f"t{rep}", "trainer", {"w": (ids["w"][8:], "bfloat16"),
+                     lay(2 * rep + 1, f"t{rep}", "trainer", {"w": (ids["w"][cut:], "bfloat16"),
                                                             "u": (ids["u"], "bfloat16")},
                          local_rank=1)]
     fp8 = "float8_e4m3fn"

@@ -2,9 +2,11 @@
 
 From a source map's affine rectangles (row or column shards, transposes, stacks, flat runs across
 tensors), in O(rectangles + blocks): which blocks the buffer holds whole, each with its first
-element's position and its row and column steps; which it holds in part; its map without the
-declared ids; and the map of its quantised copy given the blocks it quantises. A buffer with any
-other kind of rectangle is read element by element (:func:`analyse_elements`).
+element's position and its row and column steps; which it holds in part, each with the window
+of the block it holds (one rectangle: its first element's position, steps and rows and columns
+within the block; else every element's position); its map without the declared ids; and the map
+of its quantised copy given the blocks it quantises. A buffer with any other kind of rectangle is
+read element by element (:func:`analyse_elements`).
 """
 
 from __future__ import annotations
@@ -74,11 +76,13 @@ class Held(NamedTuple):
 
     keys: np.ndarray  # (n,) int64 blocks held whole, sorted
     at: np.ndarray  # (n, 3) int64 their first position and steps; first -1: held, not affinely
-    partial: np.ndarray  # (m,) int64 blocks held in part
+    partial: np.ndarray  # (m,) int64 blocks held in part, sorted
     masked: SourceMap  # the buffer without the declared tensors' ids
     rects: tuple | None  # the _Rects (None: read element by element, see `ids`)
     ids: np.ndarray | None  # element by element: every element's id (flat)
-    odd: dict  # key -> (bh, bw) int64 positions of whole blocks held not affinely
+    odd: dict  # key -> (bh, bw) int64 positions (-1: not held) of blocks held not affinely
+    part_at: np.ndarray  # (m,) x 3 int64 as `at`, of the window of each partial block
+    part_win: np.ndarray  # (m, 4) int64 its window: rows i0:i1, columns j0:j1 of the block
 
 
 def analyse(sm: SourceMap, g: Geometry) -> Held | None:
@@ -93,34 +97,52 @@ def analyse(sm: SourceMap, g: Geometry) -> Held | None:
         return analyse_elements(sm, g)
     if not rects:
         return None
-    bh, bw = g.block
-    whole, at, part_key, part_n, part_rect = [], [], [], [], []
+    whole, at, part_key, part_n, part_rect, part_at, part_win = [], [], [], [], [], [], []
     for ri, r in enumerate(rects):
-        k, a, pk, pn = blocks_of(r, g)
+        k, a, pk, pn, pa, pw = blocks_of(r, g)
         whole.append(k)
         at.append(a)
         part_key.append(pk)
         part_n.append(pn)
         part_rect.append(np.full(pk.size, ri))
+        part_at.append(pa)
+        part_win.append(pw)
     keys, at = np.concatenate(whole), np.concatenate(at)
     pk, pn, pr = np.concatenate(part_key), np.concatenate(part_n), np.concatenate(part_rect)
+    pa, pw = np.concatenate(part_at), np.concatenate(part_win)
     odd = {}
+    partial, p_at, p_win = np.zeros(0, np.int64), np.zeros((0, 3), np.int64), _windows(0, g)
     if pk.size:  # parts of one block in several rectangles of this buffer: whole if they add up
-        u, inv = np.unique(pk, return_inverse=True)
-        total = np.bincount(inv.reshape(-1), weights=pn).astype(np.int64)
+        u, first, inv, times = np.unique(pk, return_index=True, return_inverse=True,
+                                         return_counts=True)
+        inv = inv.reshape(-1)
+        total = np.bincount(inv, weights=pn).astype(np.int64)
         done = u[(total == g.size[u]) & ~np.isin(u, keys)]
         for k in done.tolist():
             odd[k] = odd_positions(k, [rects[i] for i in pr[pk == k]], g)
-        partial = u[(total != g.size[u]) & ~np.isin(u, keys)]
-    else:
-        partial = np.zeros(0, np.int64)
+        part = (total != g.size[u]) & ~np.isin(u, keys)
+        partial = u[part]
+        # a part in one rectangle keeps its window; in several, or in a flat run: listed
+        p_at, p_win = pa[first[part]].reshape(-1, 3), pw[first[part]].reshape(-1, 4)
+        listed = (times[part] > 1) | (p_at[:, 0] < 0)
+        for i in np.flatnonzero(listed).tolist():
+            k = int(partial[i])
+            odd[k] = odd_positions(k, [rects[j] for j in pr[pk == k]], g)
+            p_at[i] = (-1, 0, 0)
     if odd:
-        keys = np.concatenate([keys, np.array(sorted(odd), np.int64)])
-        at = np.concatenate([at, np.tile([-1, 0, 0], (len(odd), 1))])
+        whole_odd = np.array(sorted(set(odd) - set(partial.tolist())), np.int64)
+        keys = np.concatenate([keys, whole_odd])
+        at = np.concatenate([at, np.tile([-1, 0, 0], (whole_odd.size, 1))])
     keys, order = np.unique(keys, return_index=True)  # a block held twice: its first holding
     masked = SourceMap.from_blocks(sm.shape, Blocks.of(*kept) if kept else Blocks.empty(),
                                    check=False)
-    return Held(keys, at[order].reshape(-1, 3), partial, masked, tuple(rects), None, odd)
+    return Held(keys, at[order].reshape(-1, 3), partial, masked, tuple(rects), None, odd,
+                p_at, p_win)
+
+
+def _windows(n: int, g: Geometry) -> np.ndarray:
+    """``(n, 4)`` windows of whole blocks: rows ``0:bh``, columns ``0:bw``."""
+    return np.tile(np.array([0, g.block[0], 0, g.block[1]], np.int64), (n, 1))
 
 
 def rects_of(sm: SourceMap, g: Geometry) -> tuple[list | None, list]:
@@ -167,7 +189,9 @@ def rects_of(sm: SourceMap, g: Geometry) -> tuple[list | None, list]:
 
 
 def blocks_of(r: Rect, g: Geometry):
-    """``(whole keys, their (n, 3) at, partial keys, elements held of each)`` of one rectangle."""
+    """``(whole keys, their (n, 3) at, partial keys, elements held of each, their (m, 3) at,
+    their (m, 4) windows)`` of one rectangle; a partial block's ``at`` is its window's first
+    element and steps (first -1 in a flat run: its elements are listed instead)."""
     bh, bw = g.block
     t = r.t
     rows, cols = int(g.scaled.rows[t]), int(g.scaled.cols[t])
@@ -195,15 +219,17 @@ def blocks_of(r: Rect, g: Geometry):
             n[e] = np.clip(np.minimum(hi_, b) - np.maximum(lo_, a), 0, None).sum()
         at = np.stack([base, np.full_like(base, cols), np.ones_like(base)], 1)
         part = edge[n[edge] > 0]
-        return keys[whole], at[whole], keys[part], n[part]
-    ovr = np.minimum(r.r1, BR * bh + hb) - np.maximum(r.r0, BR * bh)
-    ovc = np.minimum(r.c1, BC * bw + wb) - np.maximum(r.c0, BC * bw)
-    n = np.maximum(ovr, 0) * np.maximum(ovc, 0)
+        return (keys[whole], at[whole], keys[part], n[part],
+                np.tile([-1, 0, 0], (part.size, 1)), _windows(part.size, g))
+    i0, i1 = np.maximum(r.r0 - BR * bh, 0), np.minimum(r.r1 - BR * bh, hb)
+    j0, j1 = np.maximum(r.c0 - BC * bw, 0), np.minimum(r.c1 - BC * bw, wb)
+    n = np.maximum(i1 - i0, 0) * np.maximum(j1 - j0, 0)
     whole = n == hb * wb
-    base = r.pos + (BR * bh - r.r0) * r.dr + (BC * bw - r.c0) * r.dc
+    base = r.pos + (BR * bh + i0 - r.r0) * r.dr + (BC * bw + j0 - r.c0) * r.dc
     at = np.stack([base, np.full_like(base, r.dr), np.full_like(base, r.dc)], 1)
     part = ~whole & (n > 0)
-    return keys[whole], at[whole], keys[part], n[part]
+    win = np.stack([i0, i1, j0, j1], 1)[part]
+    return keys[whole], at[whole], keys[part], n[part], at[part], win
 
 
 def odd_positions(k: int, rects: list, g: Geometry) -> np.ndarray:
@@ -240,19 +266,21 @@ def analyse_elements(sm: SourceMap, g: Geometry) -> Held | None:
     within = (r % bh) * bw + c % bw
     u, first = np.unique(key * (bh * bw) + within, return_index=True)
     keys, count = np.unique(u // (bh * bw), return_counts=True)
-    whole = keys[count == g.size[keys]]
+    whole, partial = keys[count == g.size[keys]], keys[count != g.size[keys]]
     odd = {}
-    sel = np.isin(key, whole)
-    for k in whole.tolist():
+    order = np.argsort(key, kind="stable")
+    ks, lo = key[order], np.searchsorted(key[order], keys)
+    hi = np.searchsorted(ks, keys, side="right")
+    for k, a, b in zip(keys.tolist(), lo.tolist(), hi.tolist()):  # every block's positions
         out = np.full(bh * bw, -1, np.int64)
-        m = sel & (key == k)
+        m = order[a:b]
         out[within[m]] = pos[m]
         odd[k] = out.reshape(bh, bw)
     masked = ids.copy()
     masked[pos] = -1
-    return Held(whole, np.tile([-1, 0, 0], (whole.size, 1)).reshape(-1, 3),
-                 keys[count != g.size[keys]], SourceMap.from_indices(masked.reshape(sm.shape)),
-                 None, ids, odd)
+    return Held(whole, np.tile([-1, 0, 0], (whole.size, 1)).reshape(-1, 3), partial,
+                SourceMap.from_indices(masked.reshape(sm.shape)), None, ids, odd,
+                np.tile([-1, 0, 0], (partial.size, 1)).reshape(-1, 3), _windows(partial.size, g))
 
 
 def mirror_map(h: Held, mine: np.ndarray, g: Geometry, shape) -> SourceMap:

@@ -37,7 +37,7 @@ from wb.data.dtypes import FLOATS, convert, dtype_info
 from wb.data.spec import CheckpointSpec
 from wb.errors import SpecError
 
-__all__ = ["FORMATS", "BlockScaled", "FP8Blocks", "quantize_blocks", "quantize_tensor"]
+__all__ = ["FORMATS", "BlockScaled", "FP8Blocks", "block_amax", "quantize_blocks", "quantize_tensor"]
 
 #: Block-scaled formats wb quantises to: format -> the largest magnitude it holds (the divisor of
 #: ``amax``).
@@ -180,8 +180,15 @@ class BlockScaled(NamedTuple):
         return out
 
 
-def quantize_blocks(x: np.ndarray, fmt: str = "float8_e4m3fn") -> tuple[np.ndarray, np.ndarray]:
+def quantize_blocks(x: np.ndarray, fmt: str = "float8_e4m3fn", *,
+                    amax: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantises ``(n, bh, bw)`` blocks (padding must be 0) by the module's rule.
+
+    Args:
+        x: the blocks.
+        fmt: the format.
+        amax: ``(n,)`` each block's ``amax`` when ``x`` holds only a part of it (the largest
+            :func:`block_amax` of its parts); default: ``x``'s own.
 
     Returns:
         ``(q, scale)``: ``(n, bh, bw)`` in ``fmt`` and ``(n,) float32``.
@@ -189,7 +196,7 @@ def quantize_blocks(x: np.ndarray, fmt: str = "float8_e4m3fn") -> tuple[np.ndarr
     x32 = np.empty(x.shape, np.float32)
     convert(x32, x)
     with np.errstate(all="ignore"):  # IEEE results (0 / 0, subnormals, inf) are the rule
-        amax = np.abs(x32).max(axis=(1, 2)) if x32.size else np.zeros(x32.shape[0], np.float32)
+        amax = block_amax(x32) if amax is None else np.asarray(amax).astype(np.float32)
         scale = (amax / np.float32(FORMATS[fmt])).astype(np.float32)
         s = scale[:, None, None]
         y = np.where(s == 0, np.float32(0), x32 / s).astype(np.float32)
@@ -197,6 +204,14 @@ def quantize_blocks(x: np.ndarray, fmt: str = "float8_e4m3fn") -> tuple[np.ndarr
     q = np.empty(x.shape, dtype_info(fmt).numpy)
     convert(q, y)
     return q, scale
+
+
+def block_amax(x: np.ndarray) -> np.ndarray:
+    """``(n,) float32`` ``max |x|`` of ``(n, bh, bw)`` blocks, each value rounded to float32
+    first, as the rule has it (NaN if a block holds one)."""
+    x32 = np.empty(x.shape, np.float32)
+    convert(x32, x)
+    return np.abs(x32).max(axis=(1, 2)) if x32.size else np.zeros(x32.shape[0], np.float32)
 
 
 def quantize_tensor(x: np.ndarray, block: Sequence[int], fmt: str = "float8_e4m3fn"

@@ -72,8 +72,10 @@ def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
     everyone = gather_layouts(store, world=world, name=name, timeout=timeout)
     trainers = [x for x in everyone if x.worker.role == Role.TRAINER]
     quantize = plan_kwargs.pop("quantize", None)
-    if quantize is not None:  # each trainer rebuilds its own tasks (tasks_for): none travel
-        trainers = list(quantize_layouts(trainers, quantize).trainers)
+    if quantize is not None:  # each trainer rebuilds its own tasks (tasks_for): none travel,
+        q = quantize_layouts(trainers, quantize)  # only who exchanges blocks' amax with whom
+        store.set(f"{name}/fp8peers", json.dumps({str(r): p for r, p in q.peers.items()}).encode())
+        trainers = list(q.trainers)
     return make_plan(trainers, [x for x in everyone if x.worker.role == Role.ROLLOUT],
                      **plan_kwargs)
 

@@ -8,12 +8,15 @@ and the next ``push`` first waits for that send. The way is chosen once, at set-
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, wait
 from typing import Any, NamedTuple, Protocol
 
-from wb.algorithms.blockplan import Quantized, tasks_for
+import numpy as np
+
+from wb.algorithms.blockplan import Quantized, combine_amax, tasks_for
 from wb.data.blockscale import BlockScaled
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
@@ -22,6 +25,7 @@ from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
 from wb.runtime.quant import Quantiser
+from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES, abort
 
@@ -160,7 +164,7 @@ class Sender:
                  quantize: Quantized | BlockScaled | None = None):
         if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
             layout = layout.get(rank)
-        self._quant = None
+        self._quant, self._peers = None, ()
         if quantize is not None:
             if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts
                 if layout is None:
@@ -174,6 +178,8 @@ class Sender:
             self._quant = Quantiser(quantize, rank,
                                     {n: as_array(n, a, rank=rank) for n, a in buffers.items()})
             buffers = {**buffers, **self._quant.buffers}
+            if self._quant.parts:  # blocks held in part: who else holds parts of them
+                self._peers = _amax_peers(quantize, rank, store, name, wait_timeout)
         self._end = Endpoint(plan, rank, buffers, role=Role.TRAINER, transport=transport,
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout)
@@ -221,12 +227,30 @@ class Sender:
             raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
                                 f"was already pushed; versions must increase")
         if self._quant is not None:
-            self._quant.run(self._live)
+            self._quant.run(self._live, exchange=lambda keys, amax: self._exchange(v, keys, amax))
         self._path.stage(self._live)
         self._end.announce(v)
         self.version = v
         self._path.send(v, self._live, t0)
         return v
+
+    def _exchange(self, v: int, keys: np.ndarray, amax: np.ndarray) -> tuple:
+        """Publishes the ``amax`` of this worker's parts of blocks for version ``v`` and returns
+        ``(keys, amax)`` over the whole blocks, with the parts its peers published."""
+        end = self._end
+        set_large(end.store, end.key("amax", v, self.rank),
+                  np.int64(keys.size).tobytes() + keys.astype("<i8").tobytes()
+                  + amax.astype("<f8").tobytes())
+        keys_of = {r: end.key("amax", v, r) for r in self._peers}
+        end.await_keys(keys_of, lambda r: f"rank {self.rank}: trainer {r} did not publish the "
+                                          f"amax of its FP8 block parts for version {v} within "
+                                          f"{end.wait_timeout:.0f} s")
+        parts = [(keys, amax)]
+        for key in keys_of.values():
+            b = get_large(end.store, key, end.wait_timeout)
+            n = int(np.frombuffer(b, "<i8", 1)[0])
+            parts.append((np.frombuffer(b, "<i8", n, 8), np.frombuffer(b, "<f8", n, 8 + 8 * n)))
+        return combine_amax(parts)
 
     def wait(self) -> None:
         """Blocks until the last pushed version is sent (staging); raises if it failed. This wait
@@ -263,3 +287,17 @@ class Sender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _amax_peers(quantize, rank: int, store, name: str, timeout: float) -> tuple[int, ...]:
+    """The trainers that hold parts of the blocks ``rank`` holds parts of: from the
+    :class:`wb.Quantized` given, or as :func:`wb.agree_parts` published them."""
+    if getattr(quantize, "peers", None) is not None:
+        return tuple(quantize.peers.get(rank, ()))
+    try:
+        peers = json.loads(store.get(f"{name}/fp8peers", timeout))
+    except TransferError as e:
+        raise TransferError(f"rank {rank} holds FP8 blocks in part, and no record of who else "
+                            f"does (`{name}/fp8peers`, written by wb.agree_parts(..., "
+                            f"quantize=)): {e}") from e
+    return tuple(peers.get(str(rank), ()))
