@@ -1,7 +1,7 @@
 """Where an update's time went: reads a ``trace_rR.json`` (or ``.json.gz``) written by
 ``python -m wb bench ... --out DIR --trace`` and prints, per rank, when its messages were ready,
 posted and done, and per stage when the receives landed. Times are ms after the run's start (every
-rank starts at one instant; see ``wb.cli.bench.workers._barrier``).
+rank starts at one instant; see ``wb.cli.bench.workers.barrier``).
 
     python bench/trace_summary.py bench/results/h200x2_bench/session5/trace_r1.json.gz
 """

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wb.cli.bench.workers import barrier
 from wb.cli.bench.weights import (buffers_for, buffers_of, fp8_expected, mapped_for, version_bits,
                                   weight_bits)
 
@@ -106,10 +107,26 @@ class _FaultyTransport:
 
 
 def _barrier(store, plan, rank: int, name: str, options: dict) -> None:
-    """Every rank of ``plan`` has reached ``name``."""
-    store.set(f"{name}/{rank}", b"1")
-    for r in plan.ranks:
-        store.get(f"{name}/{r}", options.get("timeout", 60.0))
+    """Every rank of ``plan`` has reached ``name``; they leave it at one instant
+    (:func:`wb.cli.bench.workers.barrier`: a plain store barrier would let them go as each
+    notices the last key, up to the store's polling interval apart, and that skew would count
+    in every time measured from the earliest start)."""
+    barrier(store, name, plan.ranks, rank, options.get("timeout", 60.0), start=True)
+
+
+def _amax_exchange(store, rank: int, peers):
+    """``exchange(name)``: the amax exchange of a trainer holding FP8 blocks in part (as a
+    Sender's, through the run's store, under ``name``)."""
+    from wb.algorithms.blockplan import combine_amax
+    from wb.runtime.quant import amax_bytes, amax_from_bytes
+
+    def exchange(name):
+        def run(keys, amax):
+            store.set(f"amax/{name}/{rank}", amax_bytes(keys, amax))
+            return combine_amax([(keys, amax)] + [amax_from_bytes(store.get(f"amax/{name}/{r}", 60))
+                                                  for r in peers])
+        return run
+    return exchange
 
 
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
@@ -148,11 +165,13 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             bufs = buffers_of(fp8["own"][rank], fill=True, xp=xp)
             live = {n: (xp, a) for n, a in bufs.items()}
             qz = Quantiser(fp8["quantized"], rank, live)
-            qz.run(live)  # once to compile its kernels; the second is timed
+            exchange = _amax_exchange(DirectoryStore(store_dir), rank,
+                                      fp8["quantized"].peers.get(rank, ()))
+            qz.run(live, exchange("compile"))  # once to compile its kernels; the second is timed
             if xp is not np:
                 xp.cuda.runtime.deviceSynchronize()
             tq = time.perf_counter()
-            qz.run(live)
+            qz.run(live, exchange("timed"))
             if xp is not np:
                 xp.cuda.runtime.deviceSynchronize()
             result["quantize_s"] = time.perf_counter() - tq
@@ -281,9 +300,7 @@ def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, re
     warm = (t.send if rank % 2 == 0 else t.recv)(peer, buf[:4096], 1 << 40)
     while not warm.done():
         time.sleep(1e-4)
-    store.set(f"go/{rank}", b"1")
-    for r in range(2 * pairs):
-        store.get(f"go/{r}", 60)
+    barrier(store, "go", range(2 * pairs), rank, 60.0, start=True)
     t0 = time.time()
     post = t.send if rank % 2 == 0 else t.recv
     pending = []

@@ -27,7 +27,7 @@ from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
 from wb.runtime.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
 
-__all__ = ["Quantiser", "kernel_source"]
+__all__ = ["Quantiser", "amax_bytes", "amax_from_bytes", "kernel_source"]
 
 
 class Quantiser:
@@ -150,6 +150,19 @@ class Quantiser:
              win[lo:hi], np.int64(hi - lo), np.int32(bh), np.int32(bw), np.int64(scaled.rows[t]),
              np.int64(scaled.cols[t]), np.int64(scaled.grid_cols[t]), np.int32(mode),
              amax[lo:hi], q.view(np.uint8), scales.view(np.uint32)))
+
+
+def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
+    """``(keys, amax)`` of block parts (:func:`wb.algorithms.blockplan.partial_amax`) as bytes
+    for the store: their count, the int64 keys, the float64 amax (little-endian)."""
+    return (np.int64(keys.size).astype("<i8").tobytes() + keys.astype("<i8").tobytes()
+            + amax.astype("<f8").tobytes())
+
+
+def amax_from_bytes(b: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`amax_bytes`."""
+    n = int(np.frombuffer(b, "<i8", 1)[0])
+    return np.frombuffer(b, "<i8", n, 8), np.frombuffer(b, "<f8", n, 8 + 8 * n)
 
 
 #: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.

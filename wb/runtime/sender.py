@@ -24,7 +24,7 @@ from wb.data.rankplan import RankPlan
 from wb.errors import PlanError, TransferError
 from wb.runtime.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread
-from wb.runtime.quant import Quantiser
+from wb.runtime.quant import Quantiser, amax_bytes, amax_from_bytes
 from wb.runtime.rendezvous import get_large, set_large
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES, abort
@@ -238,18 +238,14 @@ class Sender:
         """Publishes the ``amax`` of this worker's parts of blocks for version ``v`` and returns
         ``(keys, amax)`` over the whole blocks, with the parts its peers published."""
         end = self._end
-        set_large(end.store, end.key("amax", v, self.rank),
-                  np.int64(keys.size).tobytes() + keys.astype("<i8").tobytes()
-                  + amax.astype("<f8").tobytes())
+        set_large(end.store, end.key("amax", v, self.rank), amax_bytes(keys, amax))
         keys_of = {r: end.key("amax", v, r) for r in self._peers}
         end.await_keys(keys_of, lambda r: f"rank {self.rank}: trainer {r} did not publish the "
                                           f"amax of its FP8 block parts for version {v} within "
                                           f"{end.wait_timeout:.0f} s")
         parts = [(keys, amax)]
-        for key in keys_of.values():
-            b = get_large(end.store, key, end.wait_timeout)
-            n = int(np.frombuffer(b, "<i8", 1)[0])
-            parts.append((np.frombuffer(b, "<i8", n, 8), np.frombuffer(b, "<f8", n, 8 + 8 * n)))
+        parts += [amax_from_bytes(get_large(end.store, key, end.wait_timeout))
+                  for key in keys_of.values()]
         return combine_amax(parts)
 
     def wait(self) -> None:

@@ -335,7 +335,7 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
     verified = True
     failed = []
     for (method, rep), rs in sorted(runs.items()):
-        # every rank starts at one instant (bench_workers._barrier), t0; min() in any case
+        # every rank starts at one instant (bench_workers.barrier), t0; min() in any case
         ewtt.setdefault(method, []).append(max(r["end"] for r in rs) - min(r["t0"] for r in rs))
         verified &= all(r["ok"] is not False for r in rs)
         failed += [f"{method} run {rep}" for r in rs if r["ok"] is False][:1]

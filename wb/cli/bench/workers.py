@@ -26,7 +26,7 @@ __all__ = ["bench_main"]
 START_AFTER_S = 0.025
 
 
-def _barrier(store, key: str, ranks, rank: int, timeout: float, *,
+def barrier(store, key: str, ranks, rank: int, timeout: float, *,
              start: bool = False) -> float:
     """Waits until every rank of ``ranks`` reached ``key``; returns the time. With ``start``,
     every rank then waits for one common instant, ``START_AFTER_S`` after the last arrival (the
@@ -68,7 +68,7 @@ class _Ctx:
             self.xp = cupy
 
     def barrier(self, key: str, *, start: bool = False) -> float:
-        return _barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout,
+        return barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout,
                         start=start)
 
     def transport(self, session: str, plan):
@@ -283,7 +283,7 @@ def _probe(c: _Ctx, kind: str, a: int, b: int, everyone: list[int], phase: str) 
         while not r.done():  # warm-up, untimed: first use of each buffer (CUDA IPC handles)
             time.sleep(1e-5)
     _sync(xp)
-    t0 = _barrier(c.store, f"probe/{phase}/go", everyone, c.rank, c.timeout, start=True)
+    t0 = barrier(c.store, f"probe/{phase}/go", everyone, c.rank, c.timeout, start=True)
     pending = []
     for i in range(reps):
         if len(pending) == 4:
