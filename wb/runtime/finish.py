@@ -61,8 +61,11 @@ log = logging.getLogger(__name__)
 ATTEMPT_BITS = 27
 #: How many ranks after the highest it knows a leader asks for join requests at each version.
 JOIN_RANGE = 16
-_POLL_S = 0.01  # how often the store is read for records and done keys
+_POLL_S = 0.004  # how often the store is read for records and done keys
 _ASK_S = 0.25  # how often heartbeats are read (a peer is dead only after seconds anyway)
+#: A worker silent this long (a third of the liveness grace) is suspected: the leader plans the
+#: repair for its death ahead, so that calling it dead only has to publish the record.
+SUSPECT_AFTER = 1 / 3
 _PEEK_S = 0.001  # a store lookup that does not wait
 
 
@@ -124,6 +127,7 @@ class Finisher:
         self.joined: dict[int, str] = {}  # rank -> the join request admitted (leader)
         self.deaths: list[dict] = []  # the leader's: whom it called dead, in which version, when
         self._watched: set[int] = set()  # workers whose incarnation the watch knows
+        self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
 
     def _read_roster(self) -> None:
         """The leader of a job set up by :func:`wb.agree_parts` (under this session's name):
@@ -276,6 +280,8 @@ class Finisher:
                 done |= {r for r in missing if self._beats_done(v, a, r)}
                 missing = [r for r in workers if r not in done]
                 silent = end.watch.silent([r for r in missing if r != end.rank])
+                if missing and not silent:  # plan ahead for those that look dead
+                    self._plan_ahead(v, a, need, missing)
             if not missing:
                 self._finish(v, set())
                 return None
@@ -309,19 +315,52 @@ class Finisher:
                    f"with wb.agree_parts under this session's name (without quantize=)")
             store.set(self._key(v, "attempt", a + 1), json.dumps({"failed": msg}).encode())
             raise TransferError(f"version {v} failed: {msg}")
+        ahead = self._ahead == (v, a + 1, tuple(dead_all), tuple(left))
+        if not ahead:
+            self._publish_repair(v, a + 1, left)
+        rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
+               "planned_s": time.time() - detected, "planned_ahead": ahead}
+        store.set(self._key(v, "attempt", a + 1), json.dumps(rec).encode())
+        log.warning("version %d: rollouts %s stopped beating; attempt %d sends again to %s",
+                    v, sorted(dead), a + 1, left)
+        return rec
+
+    def _publish_repair(self, v: int, a: int, left: list[int]) -> None:
+        """Plans attempt ``a`` of version ``v`` (the trainers -> ``left`` transfer) and publishes
+        each worker's part (read only once the attempt's record is written)."""
         repair = make_plan([self.layouts[t] for t in self.trainers],
                            [self.layouts[r] for r in left], self.cluster,
                            chunk_bytes=self.chunk_bytes)
         if repair.messages.stage.size >= 1 << ATTEMPT_BITS:
             raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
                             f"2**{ATTEMPT_BITS} fit a tag")
-        publish_parts(store, repair, name=self._key(v, "part", a + 1))
-        rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
-               "planned_s": time.time() - detected}
-        store.set(self._key(v, "attempt", a + 1), json.dumps(rec).encode())
-        log.warning("version %d: rollouts %s stopped beating; attempt %d sends again to %s",
-                    v, sorted(dead), a + 1, left)
-        return rec
+        publish_parts(self.end.store, repair, name=self._key(v, "part", a))
+
+    def _plan_ahead(self, v: int, a: int, need: list[int], missing: list[int]) -> None:
+        """While workers of attempt ``a`` are missing, before the liveness grace calls any dead:
+        the repair for the death of those silent for :data:`SUSPECT_AFTER` of the grace, planned
+        and its parts published now (no record: nobody reads them until one is written). Calling
+        them dead later then only writes the record, if the dead and the rollouts left are the
+        same; otherwise the repair is planned again then."""
+        if not self.can_plan:
+            return
+        end = self.end
+        suspects = end.watch.silent([r for r in missing if r != end.rank],
+                                    grace=end.watch.grace * SUSPECT_AFTER)
+        if not suspects or any(r in self.trainers for r in suspects):
+            return
+        done = {r for r in need if r not in missing}
+        dead_all = tuple(sorted(set(suspects) | self._dead_in(v)))
+        left = tuple(r for r in need if r not in done and r not in suspects)
+        key = (v, a + 1, dead_all, left)
+        if not left or key == self._ahead:
+            return
+        try:
+            self._publish_repair(v, a + 1, list(left))
+        except PlanError as e:  # planned again when called dead, and raised then
+            log.debug("version %d: planning ahead failed: %s", v, e)
+            return
+        self._ahead = key
 
     def _finish(self, v: int, dead: set[int]) -> None:
         """The final record of version ``v``. With dead rollouts or rollouts asking to join, the

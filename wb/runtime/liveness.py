@@ -92,11 +92,13 @@ class Watch:
         self._incarnation: dict[int, bytes] = {}  # rank -> the incarnation first seen beating
         self._restarted: dict[int, float] = {}  # rank -> when another incarnation was seen
 
-    def silent(self, peers: Iterable[int]) -> dict[int, float]:
+    def silent(self, peers: Iterable[int], grace: float | None = None) -> dict[int, float]:
         """``{peer: seconds since its beat last changed}`` for the peers silent longer than the
-        grace (a peer never seen counts from the first time it was asked about). A peer that
-        beats as another incarnation than the one first seen (it died and was restarted under
-        the same rank) is silent from then on, until :meth:`reset`."""
+        grace (``grace``: another threshold for this call, e.g. to suspect a peer early; a peer
+        never seen counts from the first time it was asked about). A peer that beats as another
+        incarnation than the one first seen (it died and was restarted under the same rank) is
+        silent from then on, until :meth:`reset`."""
+        grace = self.grace if grace is None else float(grace)
         now = time.monotonic()
         out = {}
         for p in peers:
@@ -113,7 +115,7 @@ class Watch:
             self._seen[p] = (last, since)
             if p in self._restarted:
                 out[p] = self.grace + now - self._restarted[p]
-            elif now - since > self.grace:
+            elif now - since > grace:
                 out[p] = now - since
         return out
 

@@ -99,9 +99,10 @@ class DirectoryStore:
             try:
                 return f.read_bytes()
             except FileNotFoundError:
-                if time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise _timeout(key, timeout) from None
-                time.sleep(self.poll_s)
+                time.sleep(min(self.poll_s, left))  # a short timeout is a short look
 
 
 class TorchStore:
