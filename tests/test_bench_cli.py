@@ -153,7 +153,7 @@ def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
     import threading
     import time
 
-    from wb.cli.bench.workers import START_AFTER_S, _barrier
+    from wb.cli.bench.workers import START_AFTER_S, barrier
     from wb.runtime.rendezvous import DirectoryStore
 
     store = DirectoryStore(tmp_path)
@@ -162,7 +162,7 @@ def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
     def rank(r):
         time.sleep(0.01 * r)  # arrive 10 ms apart
         arrived[r] = time.time()
-        got[r] = _barrier(store, "k", range(4), r, 10.0, start=True)
+        got[r] = barrier(store, "k", range(4), r, 10.0, start=True)
         left[r] = time.time()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]

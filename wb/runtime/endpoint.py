@@ -102,7 +102,7 @@ class Endpoint:
         wait_timeout: seconds to wait for peers to join (or trainers to announce) a version.
         layout: the worker's layout as it probed it; refused if the plan's differs.
         joined: ``(first version, epoch, incarnation)`` of a rollout that joined a running job
-            (:func:`wb.runtime.finish.request_join`); ``plan`` is then its part.
+            (:func:`wb.runtime.joining.request_join`); ``plan`` is then its part.
         stage_receives: see :class:`~wb.runtime.program.Program`.
 
     Raises:

@@ -22,7 +22,7 @@ is done, and a rollout reads the intent after marking its own done, so one of th
 the other. A trainer that dies fails the version for everyone, as before: rollouts keep the
 previous version.
 
-Membership is by version: a rollout that asks to join (:func:`request_join`, a new replica or a
+Membership is by version: a rollout that asks to join (:func:`wb.runtime.joining.request_join`, a new replica or a
 restarted one) is admitted by the leader when a version finishes, and receives the next version
 whole; the others are not disturbed and never wait for a joiner.
 
@@ -37,22 +37,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from wb.algorithms.planner import plan as make_plan
-from wb.data.layout import Cluster, Layout, layouts_from_bytes, layouts_to_bytes
+from wb.data.layout import Cluster, layouts_from_bytes
 from wb.data.plan import Plan
-from wb.data.rankplan import RankPlan
 from wb.errors import PlanError, TransferError
-from wb.runtime.liveness import new_incarnation
 from wb.runtime.program import Program
 from wb.runtime.records import fetch_part, gather_layouts, publish_parts
-from wb.runtime.rendezvous import get_large, set_large
+from wb.runtime.rendezvous import get_large
 from wb.runtime.update import ExecStats, PeersLost
 
-__all__ = ["Finisher", "request_join", "request_joins", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
+__all__ = ["Finisher", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +388,7 @@ class Finisher:
         return {r for rec in self.repairs if rec.get("version") == v for r in rec["dead"]}
 
     def _join_requests(self, dead: set[int]) -> dict[int, str]:
-        """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
+        """Rollouts asking to join (:func:`wb.runtime.joining.request_join`) not admitted yet: ``{rank: token}``,
         their layouts read into :attr:`layouts`. Asked of the ranks the job has lost and of the
         :data:`JOIN_RANGE` ranks after the highest it knows (new replicas number their ranks
         on from there)."""
@@ -456,63 +452,3 @@ class Finisher:
         end.adopt(part)
         log.warning("rank %d: from version %d on, rollouts %s (without %s)", end.rank, v + 1,
                     self.rollouts, sorted(gone))
-
-
-def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0,
-                 meanwhile: Callable[[], Any] | None = None) -> tuple[RankPlan, int, int, str]:
-    """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
-    replica's worker, or a restarted one. Publishes the layout and a join request, calls
-    ``meanwhile()`` (set-up that should be done by admission: starting the transport), then waits
-    until the trainers' leader admits it at the end of a version.
-
-    Returns:
-        ``(part, version, epoch, incarnation)``: this rank's part of the plan from then on, the
-        first version it receives (whole), the membership epoch it joins, and the incarnation
-        its heartbeat must carry.
-
-    Raises:
-        TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
-    """
-    return request_joins(store, [layout], name=name, timeout=timeout,
-                         meanwhile=meanwhile)[layout.worker.rank]
-
-
-def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
-                  meanwhile: Callable[[], Any] | None = None
-                  ) -> dict[int, tuple[RankPlan, int, int, str]]:
-    """:func:`request_join` for several ranks of one process at once: the leader admits them at
-    the same version end, all or none (a process's ranks must start together: one of them
-    admitted a version before the others would hold that version up until they are).
-
-    Returns:
-        ``{rank: (part, version, epoch, incarnation)}``, as :func:`request_join`.
-    """
-    lays = {int(lay.worker.rank): lay for lay in layouts}
-    token = new_incarnation()
-    if len(lays) > 1:  # the leader admits none of them until it sees every one's request
-        store.set(f"{name}/joingroup/{token}", json.dumps(sorted(lays)).encode())
-    for rank, layout in lays.items():
-        # beat as this incarnation from now on: the leader takes it for the member it admits
-        store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
-        set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
-        store.set(f"{name}/joinreq/{rank}", token.encode())
-    deadline = time.monotonic() + timeout
-    if meanwhile is not None:
-        meanwhile()
-    recs = {}
-    for rank in lays:
-        while True:
-            try:
-                rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
-                if rec["token"] == token:
-                    recs[rank] = rec
-                    break
-            except TransferError:
-                pass
-            if time.monotonic() > deadline:
-                raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
-                                    f"{timeout:.0f} s; the trainers' leader admits joiners when "
-                                    f"a version finishes: is the job pushing versions?")
-            time.sleep(0.05)
-    return {rank: (fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout),
-                   int(rec["version"]), int(rec["epoch"]), token) for rank, rec in recs.items()}

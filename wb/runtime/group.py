@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlans
 from wb.errors import TransferError
-from wb.runtime.finish import request_joins
+from wb.runtime.joining import request_joins
 from wb.runtime.receiver import Receiver
 from wb.runtime.sender import Sender
 from wb.runtime.stats import UpdateStats
@@ -258,7 +258,7 @@ class ReceiverGroup:
     def join(cls, params: Any, layouts, ranks: Any = None, *, transports, store,
              name: str = "wb", join_timeout: float = 600.0, **options):
         """A rollout process joining a running job (restarted, or a new replica's): its ranks ask
-        to be taken in together (:func:`wb.runtime.finish.request_joins`: the leader admits them
+        to be taken in together (:func:`wb.runtime.joining.request_joins`: the leader admits them
         at one version end, all or none), start their transports while they wait, and the group
         is made from their parts of the plan.
 

@@ -32,7 +32,7 @@ from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread, worker_layout
-from wb.runtime.finish import request_join
+from wb.runtime.joining import request_join
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES
 
@@ -309,7 +309,7 @@ class Receiver:
     def join(cls, store, layout: Layout, buffers: Mapping[str, Any] | None, *, transport,
              name: str = "wb", join_timeout: float = 600.0, **kw) -> Receiver:
         """A rollout joining a running job (a new replica's worker, or a restarted one): asks
-        the trainers' leader to take ``layout`` in (:func:`wb.runtime.finish.request_join`),
+        the trainers' leader to take ``layout`` in (:func:`wb.runtime.joining.request_join`),
         waits until it is admitted at the end of a version, and receives from the next version
         on, whole. The others are not disturbed. Other arguments as for :class:`Receiver`.
 
