@@ -45,6 +45,20 @@ def test_a_peer_that_never_beat_is_silent_a_grace_after_first_asked():
     assert set(watch.silent([7])) == {7}
 
 
+def test_a_shorter_grace_for_one_call_suspects_a_peer_early_and_changes_nothing_else():
+    s = MemoryStore()
+    s.set("alive/1", b"x:1:")
+    watch = Watch(s, lambda r: f"alive/{r}", grace=0.6)
+    assert watch.silent([1]) == {}
+    time.sleep(0.25)
+    assert list(watch.silent([1], grace=0.2)) == [1]  # suspected (the leader plans ahead)
+    assert watch.silent([1]) == {}  # not dead by the watch's own grace
+    s.set("alive/1", b"x:2:")  # it beats again: neither
+    assert watch.silent([1], grace=0.2) == {} and watch.silent([1]) == {}
+    time.sleep(0.65)
+    assert list(watch.silent([1])) == [1]
+
+
 def test_a_stalled_update_names_the_silent_peer_before_its_timeout():
     """Rank 1 receives from rank 0, which never runs and never beats: with a 60 s inactivity
     timeout, the update fails after ASK_AFTER_S plus the grace, naming rank 0."""

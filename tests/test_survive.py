@@ -79,6 +79,8 @@ def test_survivors_finish_a_version_whose_forwarding_rollout_died(plan_file, tmp
         pytest.skip("the stopped rank left nothing to repair in this run")
     assert len(repairs) == 1 and repairs[0]["dead"] == [victim], repairs
     assert victim not in repairs[0]["need"]
+    # silent for the grace (3 s), suspected after a third of it: the repair was ready by then
+    assert repairs[0]["planned_ahead"], repairs
     detect = repairs[0]["detected_s"] - gone
     assert 0 < detect < 10, detect  # the heartbeat's grace (3 s) and the stall check, not 60 s
     assert time.time() - t0 < 120
