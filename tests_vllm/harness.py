@@ -2,10 +2,14 @@
 a trainer (PyTorch or JAX) and vLLM's four control calls relayed through the store.
 
 Each vLLM worker builds its model as vLLM does (``initialize_model`` under the engine config,
-``load_format="dummy"``), makes the ``weightbridge`` engine vLLM's factory returns, and serves the
-control calls the trainer's client writes to the store (what vLLM's RPC does in a real engine).
-After each update it checks every parameter against the model's own ``load_weights`` of the same
-checkpoint.
+``load_format="dummy"``), loads the trainer's version 0 and post-processes it
+(``process_weights_after_loading``, as vLLM's loader does), makes the ``weightbridge`` engine
+vLLM's factory returns, and serves the control calls the trainer's client writes to the store
+(what vLLM's RPC does in a real engine). After each update it checks every parameter against
+what vLLM's own in-place reload (load_weights, then post-processing) makes of the same checkpoint.
+
+The CPU build cannot post-process MoE experts (``_C.prepack_moe_weight`` is missing), so the
+workers stand a GPU backend in for it (:data:`MOE_PWAL`); everything else is vLLM's own.
 """
 
 from __future__ import annotations
@@ -31,8 +35,16 @@ CFGS = {
                     "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
                     "tie_word_embeddings": False, "dtype": "bfloat16"},
+    # dense Qwen3 (vLLM's Qwen3ForCausalLM): wb's qwen3_moe spec with every layer dense
+    "qwen3": {"name": "tiny-qwen3", "architecture": "qwen3_moe", "vocab_size": 100,
+              "hidden_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 2,
+              "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8, "tie_word_embeddings": False, "dtype": "bfloat16"},
 }
 CFG = CFGS["qwen3_moe"]
+#: The vLLM class each kind builds.
+ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM"}
 
 
 def write_hf_config(path: str, kind: str = "qwen3_moe") -> str:
@@ -52,6 +64,16 @@ def write_hf_config(path: str, kind: str = "qwen3_moe") -> str:
                        mlp_only_layers=list(range(c["first_k_dense_replace"])),
                        tie_word_embeddings=False, torch_dtype="bfloat16",
                        architectures=["Qwen3MoeForCausalLM"]).save_pretrained(path)
+    elif kind == "qwen3":
+        from transformers import Qwen3Config
+
+        Qwen3Config(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                    intermediate_size=c["intermediate_size"],
+                    num_hidden_layers=c["num_hidden_layers"],
+                    num_attention_heads=c["num_attention_heads"],
+                    num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                    tie_word_embeddings=False, torch_dtype="bfloat16",
+                    architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
     else:
         from transformers import DeepseekV3Config
 
@@ -72,6 +94,19 @@ def write_hf_config(path: str, kind: str = "qwen3_moe") -> str:
                          topk_method="noaux_tc",  # as DeepSeek-V3's own config: the router bias
                          architectures=["DeepseekV3ForCausalLM"]).save_pretrained(path)
     return path
+
+
+def _swap_gate_up(self, layer) -> None:
+    """FlashInfer-CUTLASS's post-processing of unquantized experts (vLLM 0.33,
+    ``convert_to_unquantized_kernel_format``): ``w13_weight``'s gate and up halves swapped."""
+    from vllm.model_executor.layers.quantization.utils.flashinfer_utils import swap_w13_to_w31
+    from vllm.model_executor.layers.quantization.utils.layer_utils import replace_parameter
+
+    replace_parameter(layer, "w13_weight", swap_w13_to_w31(layer.w13_weight))
+
+
+#: Stand-ins for ``UnquantizedFusedMoEMethod.process_weights_after_loading`` on CPU.
+MOE_PWAL = {"flashinfer_cutlass": _swap_gate_up}
 
 
 def checkpoint(version: int, kind: str = "qwen3_moe") -> dict[str, np.ndarray]:
@@ -116,10 +151,13 @@ class StoreClient:
 
 
 def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, result_dir: str,
-                calls: int, kind: str = "qwen3_moe", ep: bool = False) -> None:
-    """One vLLM worker (spawned): builds the model, serves ``calls`` control calls."""
+                calls: int, kind: str = "qwen3_moe", ep: bool = False,
+                moe_pwal: str = "flashinfer_cutlass") -> None:
+    """One vLLM worker (spawned): builds the model, serves ``calls`` control calls. Its MoE
+    experts are post-processed by ``MOE_PWAL[moe_pwal]``."""
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-    result: dict = {"rank": rank, "checks": [], "same_storage": [], "cache_hits": 0}
+    result: dict = {"rank": rank, "checks": [], "same_storage": [], "cache_hits": 0,
+                    "pwal_calls": 0}
     import logging
 
     class Hits(logging.Handler):  # wb.probe says when it read the maps from the cache
@@ -136,12 +174,25 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.model_loader.utils import (
+            initialize_model,
+            process_weights_after_loading,
+        )
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         import wb
         import wb_vllm
 
+        UnquantizedFusedMoEMethod.process_weights_after_loading = MOE_PWAL[moe_pwal]
+        for cls in (UnquantizedFusedMoEMethod, UnquantizedLinearMethod):  # count the calls
+            def counted(self, layer, _pwal=cls.process_weights_after_loading):
+                result["pwal_calls"] += 1
+                return _pwal(self, layer)
+            cls.process_weights_after_loading = counted
         wb_vllm.register()
         vc = EngineArgs(model=cfg_dir, skip_tokenizer_init=True, enforce_eager=True,
                         load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
@@ -160,6 +211,9 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
 
             model.load_weights((n, wb_torch.from_numpy(a))
                                for n, a in checkpoint(0, kind).items())
+            process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+            # the oracle (vLLM's in-place reload) makes of version 0 what the start-up made
+            result["reload_is_load"] = _check(vc, model, 0, kind)
             result["model"] = type(model).__name__
             engine = WeightTransferEngineFactory.create_engine(
                 WeightTransferConfig(backend="weightbridge"), vc, torch.device("cpu"), model)
@@ -170,10 +224,12 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
                 method, arg = json.loads(store.get(f"rpc/{n}", 600))
                 try:
                     if method == "init_weight_transfer_engine":
+                        before = result["pwal_calls"]
                         engine.init_transfer_engine(engine.parse_init_info(arg))
+                        result["pwal_at_init"] = result["pwal_calls"] - before
                     elif method == "update_weights":
                         engine.update_weights(arg)
-                        bad = _check(model, arg["version"], kind)
+                        bad = _check(vc, model, arg["version"], kind)
                         result["checks"].append(not bad)
                         result.setdefault("mismatched", []).append(bad[:5])
                         result["same_storage"].append(all(
@@ -207,17 +263,23 @@ def _generator_differs(model, kind: str, tp: int, ep: bool, rank: int) -> list[s
         n for n in set(probed) & set(made) if probed[n] != made[n])
 
 
-def _check(model, version: int, kind: str) -> list[str]:
-    """The parameters that differ from what the model's own load_weights makes of the
-    checkpoint (none, when the update is right)."""
+def _check(vc, model, version: int, kind: str) -> list[str]:
+    """The parameters that differ from what vLLM's own in-place reload (the model's
+    ``load_weights``, then each layer's ``process_weights_after_loading``, copied into the
+    served storage) makes of the checkpoint: none, when the update is right."""
     import torch
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     import wb_torch
 
     got = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.load_weights((n, wb_torch.from_numpy(a)) for n, a in checkpoint(version, kind).items())
-    bad = [n for n, p in model.named_parameters()
-           if not torch.equal(got[n].view(torch.uint8), p.detach().view(torch.uint8))]
+    reload_weights(vc, model, ((n, wb_torch.from_numpy(a))
+                               for n, a in checkpoint(version, kind).items()), None, True)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit for bit
+
+    def same(a, b):  # a same-size view works on MLA's transposed W_UV / W_UK_T too
+        return torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()]))
+    bad = [n for n, p in model.named_parameters() if not same(got[n], p.detach())]
     with torch.no_grad():  # leave the received weights in place
         for n, p in model.named_parameters():
             p.copy_(got[n])
@@ -226,7 +288,7 @@ def _check(model, version: int, kind: str) -> list[str]:
 
 def torch_trainer(store_dir: str, result_dir: str, world: int, workers: int, versions: int,
                   kind: str = "qwen3_moe", cache: str | None = None,
-                  trainer_rank: int = 0) -> None:
+                  post_process: bool = True, trainer_rank: int = 0) -> None:
     """A PyTorch trainer holding the whole checkpoint as tensors named like it (spawned)."""
     result: dict = {"rank": trainer_rank}
     try:
@@ -249,7 +311,8 @@ def torch_trainer(store_dir: str, result_dir: str, world: int, workers: int, ver
 
         info = WeightBridgeTrainerInitInfo(
             rank=trainer_rank, store=url, world=world, layouts=layouts, make_sender=make_sender,
-            rollouts={"spec": spec.to_json(), "first_rank": 1, "cache": cache})
+            rollouts={"spec": spec.to_json(), "first_rank": 1, "cache": cache,
+                      "post_process": post_process})
         eng = WeightBridgeTrainer.trainer_init(info, client=StoreClient(store, workers))
         for v in range(1, versions + 1):
             for n, a in checkpoint(v, kind).items():
@@ -269,7 +332,8 @@ def wait_for(paths, timeout: float) -> None:
 
 
 def jax_trainer(store_dir: str, result_dir: str, world: int, workers: int, versions: int,
-                kind: str = "qwen3_moe", cache: str | None = None) -> None:
+                kind: str = "qwen3_moe", cache: str | None = None,
+                post_process: bool = True) -> None:
     """A JAX trainer (the reference trainer's load function, one CPU device), in a venv without
     vLLM: it drives vLLM's calls with :class:`wb_vllm.trainer.Trainer`."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -305,7 +369,8 @@ def jax_trainer(store_dir: str, result_dir: str, world: int, workers: int, versi
 
         setup = TrainerSetup(store=f"dir:{store_dir}", world=world, layouts=layouts,
                              make_sender=make_sender,
-                             rollouts={"spec": spec.to_json(), "first_rank": 1, "cache": cache})
+                             rollouts={"spec": spec.to_json(), "first_rank": 1, "cache": cache,
+                                       "post_process": post_process})
         eng = Trainer.trainer_init(setup, client=StoreClient(store, workers))
         for v in range(1, versions + 1):
             result.setdefault("sent", []).append(eng.send_weights(load(checkpoint(v, kind))))

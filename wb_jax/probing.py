@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ class DeviceArrays:
         self._pending: dict = {}  # step -> Future of its compile, started by begin()
         self._firsts: tuple | None = None  # (spec, base, {name: device int64 of its first id})
         self._pass_args: dict = {}  # pass index (-1: the check pass) -> device int64
+        self._j = _steps(self.device.platform)  # the jitted steps
 
     # --- compiling ahead ------------------------------------------------------------------------
     # Each step compiles once per shape (0.1-0.5 s each on a GPU). begin() compiles them all, ahead
@@ -108,19 +110,19 @@ class DeviceArrays:
         if step[0] == "feed":
             _, shape, dtype, bits = step
             with _x64():
-                _feed.lower(i64, i64, shape=tuple(shape), dtype=dtype, bits=bits).compile()
+                self._j.feed.lower(i64, i64, shape=tuple(shape), dtype=dtype, bits=bits).compile()
         else:
             _, shape, dtype, base, passes = step
             n = math.prod(shape)
             w = sds((n,), np.bool_)
             d = sds((n,), probe_algo.digit_dtype(base))
-            _read.lower(sds(shape, dtype), base=base).compile()
-            _same.lower(w, w).compile()
+            self._j.read.lower(sds(shape, dtype), base=base).compile()
+            self._j.same.lower(w, w).compile()
             cols = shape[-1] if shape else 1
             size, cap = self._chunk(n, cols)
             with _x64():
                 host = jax.ShapeDtypeStruct((), np.int64)  # numpy scalars at the call
-                _runs_chunk.lower(w, [d] * (passes + 1), host, host, host, size=size, cols=cols,
+                self._j.runs_chunk.lower(w, [d] * (passes + 1), host, host, host, size=size, cols=cols,
                                   base=base, cap=cap).compile()
         self._done.add(step)
 
@@ -141,12 +143,12 @@ class DeviceArrays:
         self._done.update(steps)
 
     def _warm_read(self, a, base, passes):
-        w, d, ok = _read(jnp.asarray(a), base=base)
-        _same(w, w)
+        w, d, ok = self._j.read(jnp.asarray(a), base=base)
+        self._j.same(w, w)
         cols = a.shape[-1] if a.ndim else 1
         size, cap = self._chunk(int(w.size), cols)
         with _x64():
-            jax.block_until_ready(_runs_chunk(
+            jax.block_until_ready(self._j.runs_chunk(
                 w, [d] * (passes + 1), np.int64(0), np.int64(0), np.int64(1),
                 size=size, cols=cols, base=base, cap=cap))
 
@@ -168,7 +170,7 @@ class DeviceArrays:
             kd = self._pass_args.get(k)
             if kd is None:
                 kd = self._pass_args[k] = jax.device_put(np.int64(k), self.device)
-            return _feed(first, kd, shape=shape, dtype=dtype, bits=bits)
+            return self._j.feed(first, kd, shape=shape, dtype=dtype, bits=bits)
 
     # --- reading --------------------------------------------------------------------------------
     def buffer(self, name, arr):
@@ -180,13 +182,13 @@ class DeviceArrays:
         return wb.dtypes.known_dtype(a.dtype)
 
     def read(self, a, base):
-        return _read(jnp.asarray(a), base=base)
+        return self._j.read(jnp.asarray(a), base=base)
 
     def first_bad(self, a, base):  # an error path: on the host
         return probe_algo.HostArrays().first_bad(np.asarray(a), base)
 
     def same(self, a, b):
-        return _same(a, b)
+        return self._j.same(a, b)
 
     def first_difference(self, a, b):
         return int(np.argmax(np.asarray(a) != np.asarray(b)))
@@ -211,7 +213,7 @@ class DeviceArrays:
         parts = []
         with _x64():
             def launch(start, keep, cap):
-                return _runs_chunk(written, digits, np.int64(start), np.int64(keep),
+                return self._j.runs_chunk(written, digits, np.int64(start), np.int64(keep),
                                    np.int64(numel), size=size, cols=cols, base=base, cap=cap)
 
             starts = [min(lo, n - size) for lo, _ in spans]
@@ -234,6 +236,24 @@ class DeviceArrays:
         return Runs.concat(parts), None, False
 
 
+#: XLA options of the probe's programs on GPUs: no autotuning. They are elementwise passes,
+#: reductions and a binary search with nothing to tune, and autotuning them took most of their
+#: compile time (H200, the first probe of a TP=8 rank of qwen3-235b dims: 5.3 s -> 4.2 s).
+GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def _steps(platform: str) -> types.SimpleNamespace:
+    """The probe's jitted steps for devices of ``platform`` (each compiled once per shape)."""
+    opts = dict(GPU_COMPILER_OPTIONS) if platform in ("gpu", "cuda", "rocm") else None
+
+    def jit(fn, *static):
+        return jax.jit(fn, static_argnames=static, compiler_options=opts)
+    return types.SimpleNamespace(
+        feed=jit(_feed, "shape", "dtype", "bits"), read=jit(_read, "base"), same=jit(_same),
+        runs_chunk=jit(_runs_chunk, "size", "cols", "base", "cap"))
+
+
 def _parallel(fn, items) -> None:
     """``fn`` of every item, from a few threads; the first error is raised."""
     if len(items) <= 1:
@@ -245,7 +265,6 @@ def _parallel(fn, items) -> None:
             f.result()
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "bits"))
 def _feed(first, k, *, shape, dtype, bits):
     """Pass ``k``'s values (``k < 0``: the check pass) of a checkpoint tensor whose first id is
     ``first``; traced with 64-bit integers (both arguments are device int64 scalars)."""
@@ -275,7 +294,6 @@ def _feed(first, k, *, shape, dtype, bits):
     return (d + 1).astype(jnp.float32).astype(dtype).reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("base",))
 def _read(a, *, base):
     flat = a.reshape(-1)
     if wb.dtypes.canonical_dtype(flat.dtype).startswith("float8"):
@@ -289,12 +307,10 @@ def _read(a, *, base):
     return d != 0, (d - 1).astype(digit), ok.all()
 
 
-@jax.jit
 def _same(a, b):
     return (a == b).all()
 
 
-@functools.partial(jax.jit, static_argnames=("size", "cols", "base", "cap"))
 def _runs_chunk(written, digits, start, keep_from, numel, *, size, cols, base, cap):
     """Decodes ``size`` elements from ``start`` (whole rows) and finds their run marks, kept from
     ``keep_from`` on: ``(counts, cand, forced, v_at, v_next, last)``, each list padded to

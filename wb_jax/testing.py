@@ -307,14 +307,27 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
     vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
     h, nh, kv, hd = d.hidden, d.heads, d.kv_heads, d.head_dim
 
+    # the vocabulary rows built: a TP rank's own only (embed and lm_head split them over "tp")
+    rows = range(vp) if tp_rank is None else range(tp_rank * vp // tp, (tp_rank + 1) * vp // tp)
+
     def padded_rows(name: str) -> np.ndarray:
-        out = np.full((vp, h), -1, dtype=np.int64)
-        out[: d.vocab] = spec.ids(name)
+        out = np.full((len(rows), h), -1, dtype=np.int64)
+        real = range(rows.start, min(rows.stop, d.vocab))
+        if len(real):
+            out[: len(real)] = (spec.offset(name) + np.arange(real.start * h, real.stop * h,
+                                                               dtype=np.int64)).reshape(-1, h)
         return out
 
     def heads_in(ids: np.ndarray, n: int) -> np.ndarray:
         # [n*hd, h] (row n_*hd + d_ is head n_, dim d_) -> [h, n, hd]
         return ids.reshape(n, hd, h).transpose(2, 0, 1)
+
+    # the experts whose ids are built: a TP rank's own only (the MoE leaves split the experts
+    # over "tp"), so a rank's oracle never holds every expert's ids at once
+    experts = range(d.experts)
+    if tp_rank is not None:
+        k = d.experts // tp
+        experts = range(tp_rank * k, (tp_rank + 1) * k)
 
     def leaves(i: int) -> dict[str, Callable[[], np.ndarray]]:
         """Layer ``i``'s leaves: ``{key: a function giving its ids}`` (built when asked)."""
@@ -341,10 +354,10 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
             out[f"{key}['mlp']['router']"] = lambda: np.swapaxes(ids(m + "gate.weight"), 0, 1)
             # [2, E, mi, h] of PyTorch weights, then [in, out] kernels by swapping the last axes
             out[f"{key}['mlp']['gate_up']"] = lambda: np.swapaxes(np.array(
-                [[ids(m + f"experts.{e}.{w}_proj.weight") for e in range(d.experts)]
+                [[ids(m + f"experts.{e}.{w}_proj.weight") for e in experts]
                  for w in ("gate", "up")]), -1, -2)
             out[f"{key}['mlp']['down']"] = lambda: np.swapaxes(np.array(
-                [ids(m + f"experts.{e}.down_proj.weight") for e in range(d.experts)]), -1, -2)
+                [ids(m + f"experts.{e}.down_proj.weight") for e in experts]), -1, -2)
         return out
 
     todo: dict[str, Callable[[], np.ndarray]] = {
@@ -366,6 +379,8 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
             ax = axis.get(leaf)
             if key[:key.rfind("[")] in dense:  # dense MLP: gate_up (None, dp, tp), down (tp, None)
                 ax = {"['gate_up']": 2, "['down']": 0}[leaf]
+            elif leaf in ("['gate_up']", "['down']", "['embed']", "['lm_head']"):
+                ax = None  # MoE experts and vocabulary rows: built with the rank's own only
             if ax is None:
                 return f
 
