@@ -155,3 +155,70 @@ def test_closed_workers_free_their_staging_without_the_garbage_collector(mode):
     assert (dst == src).all()
     assert left < src.nbytes // 4, f"{left:,} bytes still held after close (a staging copy is " \
                                     f"{src.nbytes:,})"
+
+
+def _padded_plan():
+    """1 trainer -> 1 rollout whose buffer has a padding row (-1: no checkpoint id)."""
+    ids = np.full((5, 6), -1, np.int64)
+    ids[:4] = np.arange(24).reshape(4, 6)
+    trainer = wb.Layout(wb.Worker(0, "t", "trainer", 0), {"w": wb.BufferSpec(
+        wb.SourceMap.from_indices(np.arange(24).reshape(4, 6)), "float32")})
+    rollout = wb.Layout(wb.Worker(1, "r", "rollout", 0), {"w": wb.BufferSpec(
+        wb.SourceMap.from_indices(ids), "float32")})
+    return wb.plan([trainer], [rollout])
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_recycled_receives_reuse_a_set_once_its_arrays_are_freed_and_never_write_held_ones(
+        staging):
+    """``recycle=True``: versions land in wb's own buffers, handed over as DLPack exports that
+    the consumer makes arrays of without a copy (np.from_dlpack here; jax.dlpack.from_dlpack on a
+    GPU). A set is written again only once every array made of it is gone; arrays the caller
+    keeps are never written, whatever comes after; padding keeps the template's values."""
+    from wb.runtime.buffers import address
+
+    p = _padded_plan()
+    hub, store = LocalHub(), MemoryStore()
+    live = {"w": _weights(1)}
+    template = np.full((5, 6), -7.0, np.float32)  # its padding row must survive every version
+    tx, rx = _make_all(
+        lambda: wb.Sender(p, 0, live, transport=LocalTransport(0, hub), store=store,
+                          staging=staging),
+        lambda: wb.Receiver(p, 1, {"w": template}, transport=LocalTransport(1, hub),
+                            store=store, staging=staging, handoff=True, recycle=True,
+                            timeout=20))
+    assert type(rx._target).__name__ == "_Recycled"
+
+    def update(v):
+        live["w"][...] = _weights(v)
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(tx.push), pool.submit(rx.apply)]
+            assert [f.result(timeout=30) for f in futs] == [v, v]
+        tx.wait()
+        (exp,) = rx.buffers.values()
+        assert isinstance(exp, wb.runtime.dlpack.Export)
+        got = np.from_dlpack(exp)
+        assert address(got) == address(exp)  # the consumer's array is wb's memory: no copy
+        assert (got[:4] == _weights(v)).all() and (got[4] == -7.0).all()
+        return got
+
+    def sets():
+        return [address(s.arrays["w"]) for s in rx._target.sets]
+
+    with tx, rx:
+        a1 = update(1)
+        a2 = update(2)
+        assert address(a1) != address(a2) and len(sets()) == 2
+        where1 = address(a1)
+        del a1  # version 1's array freed: its set may be written again
+        a3 = update(3)
+        assert address(a3) == where1 and len(sets()) == 2  # reused, not a new set
+        kept = a2  # the caller keeps version 2's array...
+        del a2, a3
+        a4 = update(4)
+        a5 = update(5)
+        # ... so its set was never written again: versions 4 and 5 went elsewhere
+        assert address(kept) not in {address(a4), address(a5)}
+        assert (kept[:4] == _weights(2)).all() and (kept[4] == -7.0).all()
+        assert len(sets()) == 3
+    assert (template == -7.0).all()  # the template itself was never written

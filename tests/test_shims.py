@@ -111,3 +111,57 @@ def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, stag
         for n, a in ck.items():
             want = (a * np.asarray(-2, a.dtype)).astype(a.dtype)
             assert shim[r_kind].to_numpy(got[n]).tobytes() == want.tobytes(), n
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_a_jax_receiver_over_recycled_memory_is_zero_copy_and_never_writes_kept_arrays(
+        monkeypatch, staging):
+    """The JAX adapter's GPU path (``recycles``), run on JAX's first CPU device: each version's
+    arrays are made of wb's memory by ``jax.dlpack.from_dlpack`` (same address), a set JAX has
+    freed is written again, and arrays the caller keeps are never written."""
+    monkeypatch.setattr(wb_jax._Arrays, "recycles", lambda self, rank: True)
+    ck = _ckpt(0)
+    dev = jax.devices()[0]
+    torch_params = {n: wb_torch.from_numpy(a.copy()) for n, a in ck.items()}
+    tl = wb_torch.checkpoint_layouts(torch_params, SPEC, 0, node="t", role="trainer")
+    zeros = {n: wb_jax.from_numpy(np.zeros_like(a), dev) for n, a in ck.items()}
+    rl = wb_jax.checkpoint_layouts(zeros, SPEC, 1, node="r", role="rollout")
+    plan = wb.plan(tl, rl)
+    hub, store = wb.LocalHub(), wb.MemoryStore()
+    kw = dict(store=store, staging=staging, timeout=30, wait_timeout=30)
+    tx, rx = together(
+        lambda: wb_torch.Sender(torch_params, plan, 0,
+                                transports=wb.LocalTransport(0, hub, timeout=30), **kw),
+        lambda: wb_jax.Receiver(zeros, plan, 1,
+                                transports=wb.LocalTransport(1, hub, timeout=30), **kw))
+    (worker,) = rx.workers.values()
+    assert type(worker._target).__name__ == "_Recycled"
+
+    def version(v):
+        return {n: (a.astype(np.float32) * (-2.0) ** v).astype(a.dtype) for n, a in ck.items()}
+
+    def update(v):
+        with torch.no_grad():
+            for n, t in torch_params.items():
+                t.copy_(wb_torch.from_numpy(version(v)[n]))
+        got = together(tx.push, rx.apply)[1]
+        for n in ck:
+            assert wb_jax.to_numpy(got[n]).tobytes() == version(v)[n].tobytes(), (v, n)
+            # the array JAX hands back is wb's memory
+            assert got[n].unsafe_buffer_pointer() == wb.runtime.buffers.address(
+                worker.buffers[f"['{n}']"])
+        return got
+
+    with tx, rx:
+        p1 = update(1)
+        p2 = update(2)
+        first = p1["w"].unsafe_buffer_pointer()
+        del p1
+        p3 = update(3)
+        assert p3["w"].unsafe_buffer_pointer() == first  # freed, so written again
+        kept = p2
+        del p2, p3
+        update(4)
+        update(5)
+        for n in ck:  # kept arrays stay version 2's, whatever came after
+            assert wb_jax.to_numpy(kept[n]).tobytes() == version(2)[n].tobytes(), n

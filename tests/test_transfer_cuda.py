@@ -35,21 +35,8 @@ def test_cuda_buffers_end_to_end_bit_identical(tmp_path):
 @pytest.mark.parametrize("staging", [True, False])
 def test_torch_sender_receiver_on_cuda_tensors(tmp_path, staging):
     pytest.importorskip("torch")
-    import json
-    import multiprocessing as mp
+    from harness.cuda import cuda_sender_receiver_child, run_pair
 
-    from harness.cuda import cuda_sender_receiver_child
-
-    ctx = mp.get_context("spawn")
-    (tmp_path / "res").mkdir()
-    ps = [ctx.Process(target=cuda_sender_receiver_child, args=(r, str(tmp_path / "store"),
-                                                     str(tmp_path / "res"),
-                                                     {"staging": staging, "versions": 3}))
-          for r in range(2)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join(240)
-    res = [json.loads((tmp_path / "res" / f"{r}.json").read_text()) for r in range(2)]
+    res = run_pair(cuda_sender_receiver_child, tmp_path, {"staging": staging, "versions": 3})
     assert all(r["ok"] for r in res), res
     assert res[1]["checks"] == [True] * 3 and res[1]["same_ptr"] == [True] * 3

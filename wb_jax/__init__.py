@@ -31,6 +31,7 @@ import numpy as np
 
 import wb
 import wb.algorithms.probe as probe_algo
+from wb.runtime import dlpack
 from wb_jax.probing import DeviceArrays
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,17 @@ def _host_or_device(a):
     return a
 
 
+def _described(a):
+    """A device shard as wb reads it every update: its address, shape, dtype and device
+    (:class:`wb.runtime.dlpack.Export`, the array kept alive), without ``__dlpack__`` (~0.3 ms
+    per array on a GPU, and a trainer's arrays are new every step). wb reads them only while a
+    push runs, after :meth:`_Arrays.settle`; host arrays (numpy views) are as they are."""
+    if not isinstance(a, jax.Array):
+        return a
+    return dlpack.Export(a.unsafe_buffer_pointer(), a.shape, wb.dtypes.canonical_dtype(a.dtype),
+                         a.__dlpack_device__(), a)
+
+
 def buffers(params: Any, ranks: Ranks) -> dict[int, dict[str, Any]]:
     """Each device's shard of every leaf, per rank, as :mod:`wb` takes them (no copy where the
     backend allows: numpy views on the CPU backend, the device arrays on GPUs).
@@ -368,32 +380,47 @@ class _Arrays:
         self.plan, self.ranks = plan, _devices(params, ranks)
 
     def buffers(self, params: Any) -> dict[int, dict[str, Any]]:
-        return {r: {k: v for k, v in b.items() if k in self.plan.layout_of(r).buffers}
+        return {r: {k: _described(v) for k, v in b.items() if k in self.plan.layout_of(r).buffers}
                 for r, b in buffers(params, self.ranks).items()}
 
     def settle(self, params: Any) -> None:
         for leaf in leaves(params).values():
             leaf.block_until_ready()
 
+    def recycles(self, rank: int) -> bool:
+        """On a GPU a rank's versions land in a few sets of memory wb owns, which
+        :meth:`received` makes arrays of (``jax.dlpack.from_dlpack``, no copy), reused once JAX
+        has freed every array made of a set (UCX maps each set once). On the CPU backend every
+        version gets new host arrays, which ``jax.device_put`` aliases on any CPU device."""
+        dev = next((d for d, r in self.ranks.items() if r == rank), None)
+        return dev is not None and dev.platform != "cpu"
+
     def allocator(self, rank: int) -> Callable | None:
-        """How a rank's new buffers are made: arrays of its own accelerator (wb unpacks each
-        version into their memory, read through DLPack, from staging UCX has mapped already;
-        :meth:`received` hands them over as they are), or ``None`` on the CPU backend (64-byte
-        aligned host arrays, which ``jax.device_put`` aliases)."""
+        """How a rank's sets of receive buffers are made: CUDA memory of its own GPU (CuPy's,
+        which UCX maps once per set), or ``None`` on the CPU backend (64-byte aligned host
+        arrays). Either way :meth:`received` makes JAX arrays of that memory, without a copy."""
         dev = next((d for d, r in self.ranks.items() if r == rank), None)
         if dev is None or dev.platform == "cpu":
             return None
+        if dev.platform != "gpu":
+            raise wb.TransferError(f"rank {rank}: JAX device {dev} is a {dev.platform}; wb "
+                                   f"receives into host and CUDA memory")
 
-        def allocate(shape: tuple[int, ...], dtype: str) -> jax.Array:
-            a = jax.numpy.zeros(shape, dtype=wb.dtypes.dtype_info(dtype).numpy, device=dev)
-            return a.block_until_ready()  # written by wb from other streams next
+        def allocate(shape: tuple[int, ...], dtype: str) -> Any:
+            import cupy  # wb moves CUDA memory with CuPy (see wb.runtime.buffers)
+
+            with cupy.cuda.Device(dev.local_hardware_id):
+                a = cupy.zeros(shape, dlpack.cuda_dtype(dtype))
+                cupy.cuda.get_current_stream().synchronize()  # written by wb's streams next
+            return a
 
         return allocate
 
     def received(self, params: Any, bufs: dict[int, dict[str, Any]]) -> Any:
-        """A new pytree with ``params``' shardings over the received buffers, without a copy: on
-        an accelerator they are arrays of its own (see :meth:`allocator`); on the CPU backend
-        ``jax.device_put`` aliases the 64-byte aligned host buffers."""
+        """A new pytree with ``params``' shardings over the received buffers, without a copy:
+        each is a DLPack export of wb's memory (see :meth:`allocator`), made a ``jax.Array`` of
+        the same memory by ``jax.dlpack.from_dlpack``; other arrays are placed with
+        ``jax.device_put`` (which aliases 64-byte aligned host memory on the CPU backend)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         out = []
         for path, leaf in flat:
@@ -406,6 +433,8 @@ class _Arrays:
                     shards.append(shard.data)
                 elif isinstance(buf, jax.Array) and buf.devices() == {shard.device}:
                     shards.append(buf)
+                elif isinstance(buf, dlpack.Export):
+                    shards.append(jax.dlpack.from_dlpack(buf, device=shard.device, copy=False))
                 else:
                     shards.append(jax.device_put(buf, shard.device))
             out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
@@ -434,10 +463,14 @@ class Receiver(wb.ReceiverGroup):
     params.
 
     A :class:`wb.ReceiverGroup` over a pytree of ``jax.Array``. JAX arrays are immutable, so every
-    version lands in new buffers (:class:`wb.Receiver`'s ``handoff``): arrays of each device's
-    own (on a GPU, each version is unpacked into their memory from staging), 64-byte aligned host
-    arrays on the CPU backend; ``apply()`` returns a new pytree made from them without a copy
-    (the previous version's arrays are never written again).
+    version lands in buffers no live array refers to (:class:`wb.Receiver`'s ``handoff``) and
+    ``apply()`` returns a new pytree made of them without a copy. On a GPU they are a few sets
+    of CUDA memory wb owns, which UCX maps once and each version is received straight into
+    (``recycle``); JAX's arrays are that memory (``jax.dlpack.from_dlpack``), and a set is
+    written again only once JAX has freed every array made of it and the GPU has finished the
+    work queued on them: arrays you keep are never written, but each older version you keep
+    costs a set of memory. On the CPU backend every version gets new 64-byte aligned host
+    arrays, which ``jax.device_put`` aliases.
 
     Args:
         params: a template pytree with the target shardings (its values are kept only for

@@ -51,7 +51,10 @@ class ParamsAdapter(Protocol):
     #: the framework's arrays are immutable: a receiver lands every version in new buffers
     #: (:class:`wb.Receiver`'s ``handoff``), which :meth:`received` wraps. An adapter may then
     #: also have ``allocator(rank)``: the ``allocate(shape, dtype name)`` that makes the rank's
-    #: new buffers (on its device), or None for host arrays.
+    #: new buffers (on its device), or None for host arrays; and ``recycles(rank)``, True
+    #: where :meth:`received` makes its arrays of DLPack exports without copying and frees them
+    #: when they die (the receiver then reuses a few sets of buffers: :class:`wb.Receiver`'s
+    #: ``recycle``).
     handoff: bool
 
 
@@ -142,7 +145,9 @@ def _receiver_options(adapter: ParamsAdapter, rank: int) -> dict:
     """``handoff`` from the adapter, and ``allocate`` where it makes a rank's new buffers itself
     (on that rank's device: JAX on a GPU)."""
     allocate = getattr(adapter, "allocator", lambda r: None)(rank)
-    return {"handoff": adapter.handoff, **({"allocate": allocate} if allocate else {})}
+    return {"handoff": adapter.handoff,
+            "recycle": getattr(adapter, "recycles", lambda r: False)(rank),
+            **({"allocate": allocate} if allocate else {})}
 
 
 def _group_of(worker: type, worker_options: Callable[[ParamsAdapter, int], dict] = _no_options

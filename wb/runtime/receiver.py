@@ -16,10 +16,14 @@ What it arrives in (``handoff``):
   written into them, directly or by one copy from staging.
 - :class:`_Handoff`: every version lands in new buffers, handed over and never written again
   (JAX wraps such host buffers as arrays without copying).
+- :class:`_Recycled`: every version lands in one of a few sets of wb's own buffers, handed over
+  as DLPack exports (the framework's arrays are that memory); a set is written again once every
+  array made of it has been freed (JAX on a GPU: UCX maps each set once, receives land in it).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,13 +34,16 @@ from wb.data.layout import Layout, Role
 from wb.data.plan import Plan
 from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
-from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of
+from wb.runtime import dlpack
+from wb.runtime.buffers import aligned_empty, as_array, copy, copy_of, settle
 from wb.runtime.endpoint import Endpoint, Transferred, in_thread, worker_layout
 from wb.runtime.joining import request_join
 from wb.runtime.stats import UpdateStats
 from wb.runtime.update import DEFAULT_STAGING_BYTES
 
 __all__ = ["Receiver"]
+
+log = logging.getLogger(__name__)
 
 Live = dict[str, tuple[Any, Any]]  # name -> (array module, array) of the live weights
 
@@ -55,8 +62,9 @@ class _Target(Protocol):
     def spare(self) -> dict[str, Any]:
         """New staging, holding the live values (a transfer writes only mapped elements)."""
 
-    def install(self, staged: dict[str, Any]) -> dict[str, Any]:
-        """Makes the version in ``staged`` live; returns staging for the next version."""
+    def install(self, staged: dict[str, Any]) -> dict[str, Any] | None:
+        """Makes the version in ``staged`` live; returns staging for the next version (None:
+        :meth:`spare` when the next version starts to land)."""
 
 
 class _InPlace:
@@ -110,6 +118,66 @@ class _Handoff:
     def install(self, staged: dict[str, Any]) -> dict[str, Any]:
         self.adopt(staged)  # the staging buffers become the live ones; new staging next time
         return self.spare()
+
+
+class _Set:
+    """One set of a :class:`_Recycled` target's buffers and the capsules exported of them."""
+
+    def __init__(self, arrays: dict[str, Any], rank: int):
+        self.arrays = arrays
+        self.views: Live = {n: as_array(n, a, rank=rank) for n, a in arrays.items()}
+        self.holds = dlpack.Holds()
+
+
+class _Recycled:
+    """Every version lands in one of a few sets of wb's own buffers (made by ``allocate``, which
+    UCX maps once: receives go straight into them), handed over as :func:`wb.runtime.dlpack.
+    export` s: the framework's arrays are that memory, no copy. A set is written again only once
+    no capsule exported of it is held (the framework freed every array made of it) and its
+    device has finished the work queued before; while the caller keeps older versions' arrays,
+    new sets are made (logged). Elements no transfer writes (padding) keep the values the set
+    got when it was made, from the live version then: the same in every version."""
+
+    def __init__(self, given: dict[str, Any], layout: Layout, allocate: Callable, rank: int):
+        self.layout, self.allocate, self.rank = layout, allocate, rank
+        self.given = {n: given[n] for n in layout.buffers}  # handed over: exports after adopt
+        self.live: Live = {n: as_array(n, a, rank=rank) for n, a in self.given.items()}
+        self.sets: list[_Set] = []
+        self.current: _Set | None = None  # the live version's set (None: the given buffers)
+        self.lock = threading.Lock()  # spare() runs in the background receive's thread
+
+    def arrays(self) -> dict[str, Any]:
+        return dict(self.given)
+
+    def landing(self) -> dict[str, Any]:
+        return self.spare()
+
+    def adopt(self, arrays: dict[str, Any]) -> None:
+        with self.lock:
+            s = next(x for x in self.sets if x.arrays is arrays)
+            self.current, self.live = s, s.views
+            self.given = {n: dlpack.export(a, self.layout.buffers[n].dtype, s.holds)
+                          for n, (_, a) in s.views.items()}
+
+    def spare(self) -> dict[str, Any]:
+        with self.lock:
+            for s in self.sets:
+                if s is not self.current and s.holds.count == 0:
+                    settle(s.views)  # work queued on the freed arrays has finished
+                    return s.arrays
+            s = _Set(_allocated(self.layout, self.allocate, self.live, rank=self.rank),
+                     self.rank)
+            self.sets.append(s)
+        if len(self.sets) > 2:
+            log.info("rank %d: a new set of receive buffers (%d now): the arrays of %d older "
+                     "versions are still referenced", self.rank, len(self.sets),
+                     len(self.sets) - 2)
+        return s.arrays
+
+    def install(self, staged: dict[str, Any]) -> None:
+        self.adopt(staged)
+        return None  # the next set is taken when the next version starts to land: by then the
+        #              caller has usually let go of this version's predecessor
 
 
 def _allocated(layout: Layout, allocate: Callable, live: Live | None, *,
@@ -204,6 +272,8 @@ class _BackgroundReceive:
     def _receive(self, v: int) -> Transferred:
         self.end.await_announced(v, cancel=self.cancel)
         joined = self.end.join(v, cancel=self.cancel)
+        if self.staging is None:  # a recycled set, taken once the version is about to land
+            self.staging = self.target.spare()
         self.moving.set()
         return Transferred(joined, self.end.run(v, self.staging))
 
@@ -252,11 +322,18 @@ class Receiver:
             every version lands in new buffers made by ``allocate(shape, dtype name)`` (default:
             64-byte aligned host arrays, which JAX wraps without copying), and after ``apply()``
             :attr:`buffers` are the newest version's, handed over, never written again.
-        allocate: see ``handoff``. With an ``allocate`` of your own (device memory: JAX on a
-            GPU), every message lands in staging first and is unpacked into the new buffers on
-            the device: memory UCX has not seen before costs it a new mapping at every version
-            otherwise (hundreds of milliseconds per version on an H200; staging memory is
-            reused).
+        allocate: see ``handoff``. With an ``allocate`` of your own (device memory) and no
+            ``recycle``, every message lands in staging first and is unpacked into the new
+            buffers on the device: memory UCX has not seen before costs it a new mapping at
+            every version otherwise (hundreds of milliseconds per version on an H200; staging
+            memory is reused).
+        recycle: with ``handoff``, for frameworks that take memory through DLPack without
+            copying and release it when their arrays die (JAX): versions land straight in a
+            few sets of buffers made by ``allocate``, reused once nothing refers to them, and
+            :attr:`buffers` are DLPack exports of the newest one (``jax.dlpack.from_dlpack``
+            makes arrays of that memory). Zero-copy, and UCX maps each set once. A set is
+            written again only when every array made of it has been freed: keeping older
+            versions' arrays costs a set of memory each (logged).
 
     Raises:
         TransferError: ``rank`` is not a rollout of ``plan``, wrong or missing buffers, or a peer
@@ -278,9 +355,11 @@ class Receiver:
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
                  handoff: bool = False, allocate: Callable | None = None,
-                 _joined: tuple[int, int, str] | None = None):
+                 recycle: bool = False, _joined: tuple[int, int, str] | None = None):
         self.staging, self.handoff = bool(staging), bool(handoff)
-        fresh = self.handoff and allocate is not None  # new device memory every version
+        recycle = self.handoff and recycle
+        # new device memory every version: received through staging (see allocate)
+        fresh = self.handoff and allocate is not None and not recycle
         allocate = allocate or aligned_empty
         if buffers is None:
             if not self.handoff:
@@ -296,7 +375,8 @@ class Receiver:
         self.stats: list[UpdateStats] = self._end.stats  # one record per version applied
         lay = self._end.layout
         self._target: _Target = (
-            _Handoff(buffers, lay, allocate, self.rank) if self.handoff
+            _Recycled(buffers, lay, allocate, self.rank) if recycle
+            else _Handoff(buffers, lay, allocate, self.rank) if self.handoff
             else _InPlace({n: as_array(n, buffers[n], rank=self.rank) for n in lay.buffers}))
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))
