@@ -15,8 +15,8 @@ Reported (``--json``): versions sent; per replica, versions applied and verified
 version applied whose bytes are not all that version's: must be 0); the longest stall a surviving
 rollout saw (``apply`` blocked); each death's detection time (the trainers' leader called it dead)
 and each restart's rejoin time and how many versions behind the current one it came back; EWTT of
-the versions during which a process died against the others. Exits non-zero when a check fails or
-the run hangs.
+the versions during which a process died against the clean ones (no death, and no joiner's first
+version). Exits non-zero when a check fails or the run hangs.
 
     python bench/chaos.py [--replicas 4] [--faults 20] [--seed 0] [--step 0.3] [--rows 256 --cols 192]
         [--json] [--out FILE]
@@ -275,11 +275,22 @@ def _report(out: Path, kills, restarts, replicas, hung, wall_s, seed, faults) ->
                  if set(k["ranks"]) & set(d["ranks"]) and d["detected_s"] >= k["t"]]
         detect.append(min(after) if after else None)
     rejoin = []
+    pushes = [(x["t"], x["v"]) for x in t0 if x["event"] == "pushed"]
+
+    def current(t: float) -> int:  # the newest version pushed at time t
+        return max((v for tp, v in pushes if tp <= t), default=0)
     for r in restarts:
         rows = _rows(out / f"rollout{r['rank']}.log")
         adm = [x for x in rows if x["event"] == "admitted" and x["t"] >= r["t"]]
-        rejoin.append({"rank": r["rank"], "rejoin_s": adm[0]["t"] - r["t"] if adm else None,
-                       "versions_behind": (adm[0]["first"] - r["current_version"]) if adm else None})
+        asked = [x for x in rows if x["event"] == "asked" and x["t"] >= r["t"]]
+        rejoin.append({
+            "rank": r["rank"], "rejoin_s": adm[0]["t"] - r["t"] if adm else None,
+            "versions_behind": (adm[0]["first"] - r["current_version"]) if adm else None,
+            # from the moment the restarted process calls wb.Receiver.join (its interpreter,
+            # imports and set-up before that are the process's, not the join's)
+            "start_s": asked[0]["t"] - r["t"] if asked else None,
+            "versions_behind_from_join": (adm[0]["first"] - current(asked[0]["t"])
+                                          if adm and asked else None)})
     # EWTT per version over the processes that applied it; versions with a death against the rest
     by_v: dict[int, list] = {}
     for rows in applied.values():
@@ -292,7 +303,11 @@ def _report(out: Path, kills, restarts, replicas, hung, wall_s, seed, faults) ->
                  if set(k["ranks"]) & set(x["ranks"]) and x["detected_s"] >= k["t"]]
         if found and d is not None:
             faulty[min(found)] = faulty.get(min(found), 0.0) + d
-    clean = [e for v, e in ewtt.items() if v not in faulty]
+    # an update without faults: no death, and no joiner's first version (a joiner starts it
+    # late, fed apart: the version's span is the joiner's, not an update's)
+    firsts = {x["first"] for f in out.glob("rollout*.log") for x in _rows(f)
+              if x["event"] == "admitted"}
+    clean = [e for v, e in ewtt.items() if v not in faulty and v not in firsts]
     hit = [e for v, e in ewtt.items() if v in faulty]
     stall = max((x["stall"] for rows in applied.values() for x in rows), default=0.0)
     det = [d for d in detect if d is not None]
@@ -305,6 +320,9 @@ def _report(out: Path, kills, restarts, replicas, hung, wall_s, seed, faults) ->
         "longest_stall_s": stall, "detection_s": detect,
         "detection_max_s": max(det) if det else None, "rejoins": rejoin,
         "ewtt_clean_median_s": clean_med, "ewtt_with_death_max_s": max(hit) if hit else None,
+        "ewtt_no_death_median_s": statistics.median(
+            [e for v, e in ewtt.items() if v not in faulty] or [0.0]),
+        "joiner_first_versions": sorted(firsts),
         # per version with a death: its EWTT against 2x the clean median plus its detections
         "with_death_over_bound": ({str(v): round(ewtt[v] / (2 * clean_med + t), 3)
                                    for v, t in sorted(faulty.items()) if v in ewtt}

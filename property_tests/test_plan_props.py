@@ -2,6 +2,7 @@
 
 import numpy as np
 from hypothesis import given
+from hypothesis import strategies as st
 
 import wb
 from wb.testing import strategies as wbst
@@ -86,3 +87,31 @@ def test_save_load_round_trips_plans_and_layouts(case, cluster):
     again = layouts_from_bytes(layouts_to_bytes(lays))
     assert [list(x.buffers.items()) for x in lays] == [list(y.buffers.items()) for y in again]
     assert [x.worker for x in lays] == [y.worker for y in again]
+
+
+@given(wbst.layouts(), wbst.clusters(), st.data())
+def test_rollouts_fed_apart_get_everything_from_trainers_and_nobody_waits_for_them(
+        case, cluster, data):
+    """``apart=``: any subset of the rollouts (a version's joiners) receives every element it
+    needs exactly, from trainers only, and sends nothing; the other rollouts exchange nothing
+    with them; bytes into every node (each apart rank a node of its own) stay at the bound."""
+    ranks = [lay.worker.rank for lay in case.rollouts]
+    apart = set(data.draw(st.lists(st.sampled_from(ranks), unique=True, max_size=len(ranks))))
+    p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64, apart=apart)
+    p.verify()
+    out = wb.run_local(p, _buffers(case.trainers, None), _buffers(p.rollouts, np.nan))
+    for lay in p.rollouts:
+        for name, b in lay.buffers.items():
+            ids = b.sourcemap.to_indices()
+            got = out[lay.worker.rank][name]
+            assert np.array_equal(got[ids >= 0], _value(ids[ids >= 0]))
+            assert np.isnan(got[ids < 0]).all()
+    M = p.messages
+    trainers = {lay.worker.rank for lay in case.trainers}
+    for r in apart:
+        assert set(M.src_rank[M.dst_rank == r].tolist()) <= trainers | {r}
+        assert set(M.dst_rank[M.src_rank == r].tolist()) <= {r}
+    t, lb = p.traffic(), wb.lower_bound(p.trainers, p.rollouts)
+    assert {k: v for k, v in t.node_in.items() if v} == lb.node_in
+    if not apart:  # nothing fed apart: the plan of old
+        assert t.trainer_total == lb.trainer_total

@@ -38,6 +38,28 @@ def test_a_beating_worker_is_never_silent_and_a_stopped_one_is_after_its_grace(s
     assert answers[silent_at][0] > 0.4 and time.monotonic() - stopped >= 0.4
 
 
+def test_a_watch_that_looked_away_times_silence_from_the_last_beat_not_its_next_look():
+    """The leader looks during versions only. A peer seen beating, then killed while nobody
+    looked: at the first look after the pause its last beat is placed on the watcher's clock by
+    the peer's own clock, so it is silent at once (the pause was longer than the grace), not a
+    whole grace after that look; a peer that goes on beating is never silent."""
+    s = MemoryStore()
+    dead, alive = Heartbeat(s, "alive/0", interval=0.05), Heartbeat(s, "alive/1", interval=0.05)
+    watch = Watch(s, lambda r: f"alive/{r}", grace=0.4)
+    try:
+        for _ in range(5):  # a version: the watch looks at both a few times
+            assert watch.silent([0, 1]) == {}
+            time.sleep(0.03)
+        dead.stop()
+        gone = time.monotonic()
+        time.sleep(0.6)  # between versions: nobody looks
+        first_look = watch.silent([0, 1])
+        assert set(first_look) == {0}, first_look
+        assert 0.4 < first_look[0] <= time.monotonic() - gone + 0.1, first_look
+    finally:
+        alive.stop()
+
+
 def test_a_peer_that_never_beat_is_silent_a_grace_after_first_asked():
     watch = Watch(MemoryStore(), lambda r: f"alive/{r}", grace=0.3)
     assert watch.silent([7]) == {}
@@ -47,13 +69,13 @@ def test_a_peer_that_never_beat_is_silent_a_grace_after_first_asked():
 
 def test_a_shorter_grace_for_one_call_suspects_a_peer_early_and_changes_nothing_else():
     s = MemoryStore()
-    s.set("alive/1", b"x:1:")
+    s.set("alive/1", b"x:1:0.0:")
     watch = Watch(s, lambda r: f"alive/{r}", grace=0.6)
     assert watch.silent([1]) == {}
     time.sleep(0.25)
     assert list(watch.silent([1], grace=0.2)) == [1]  # suspected (the leader plans ahead)
     assert watch.silent([1]) == {}  # not dead by the watch's own grace
-    s.set("alive/1", b"x:2:")  # it beats again: neither
+    s.set("alive/1", f"x:2:{time.monotonic():.3f}:".encode())  # it beats again: neither
     assert watch.silent([1], grace=0.2) == {} and watch.silent([1]) == {}
     time.sleep(0.65)
     assert list(watch.silent([1])) == [1]

@@ -336,6 +336,28 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
     return {"pairs": pairs, "per_pair_Bps": per_pair, "aggregate_Bps": pairs * nbytes * reps / (end - start)}
 
 
+def _await_version(store_dir: str, v: int | None) -> int:
+    """Waits until trainer 0 has announced version ``v`` (a job running); returns the newest
+    version it has announced then (0: none, or ``v`` is None)."""
+    from wb.runtime.rendezvous import DirectoryStore
+
+    store = DirectoryStore(store_dir)
+
+    def announced(k: int) -> bool:
+        try:
+            store.get(f"wb/version/{k}/0", 0.001)
+            return True
+        except Exception:  # noqa: BLE001 - not there yet
+            return False
+    if v is not None:
+        while not announced(v):
+            time.sleep(0.02)
+    newest = 0
+    while announced(newest + 1):
+        newest += 1
+    return newest
+
+
 def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict,
                  join: dict) -> None:
     """A rollout that joins a running job after ``after_s`` seconds, with the layout of rollout
@@ -353,6 +375,7 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
     result: dict = {"rank": rank, "applied": [], "checks": []}
     try:
         time.sleep(join.get("after_s", 0.0))
+        result["asked_after_version"] = _await_version(store_dir, join.get("after_version"))
         like = Plan.load(plan_path).layout_of(join["like"])
         lay = wb.Layout(wb.Worker(rank, join.get("node", like.worker.node), "rollout",
                                   like.worker.local_rank),
@@ -396,6 +419,7 @@ def _group_joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: st
     result: dict = {"rank": rank, "applied": [], "checks": []}
     try:
         time.sleep(join.get("after_s", 0.0))
+        result["asked_after_version"] = _await_version(store_dir, join.get("after_version"))
         plan = Plan.load(plan_path)
         lays, base, mapped, bufs = [], {}, {}, {}
         for r, like_rank in join["group"]:

@@ -23,7 +23,8 @@ piece lands; pieces are packed into messages per pair of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -57,7 +58,7 @@ class Routes(NamedTuple):
 
 
 def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluster | None = None,
-         *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+         *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, apart: Collection[int] = ()) -> Plan:
     """Plans the transfer of every id the rollouts need, at the traffic lower bound.
 
     Args:
@@ -66,14 +67,21 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
             and a rollout with the same node and ``local_rank`` share a GPU.
         cluster: bandwidths (default :class:`wb.Cluster`): used to balance and to simulate.
         chunk_bytes: largest piece, in bytes.
+        apart: rollout ranks *fed apart*: each receives everything it needs from the trainers
+            (stage 1) and forwards nothing, and the others' routes are planned as if it were not
+            there, so nobody waits for it (a rollout's first version after joining a running
+            job). In the plan each is a node of its own (``"<node>~apart<rank>"``), as
+            ``traffic()`` and ``verify()`` count it: bytes into every node stay at the bound,
+            and the trainers send what the ranks fed apart need once more (above ``M``).
 
     Returns:
         A :class:`wb.Plan` whose ``traffic()`` equals :func:`lower_bound` (trainer bytes = M,
         bytes into each node = M_v).
 
     Raises:
-        PlanError: an id needed by a rollout is held by no trainer, dtypes disagree, or the
-            rollouts need no id at all (no rollouts, no buffers, or maps that are all ``-1``).
+        PlanError: an id needed by a rollout is held by no trainer, dtypes disagree, the
+            rollouts need no id at all (no rollouts, no buffers, or maps that are all ``-1``),
+            or ``apart`` names a rank that is no rollout.
 
     Examples:
         >>> import numpy as np, wb
@@ -88,6 +96,8 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     cluster = cluster or Cluster()
     trainers, rollouts = tuple(trainers), tuple(rollouts)
+    if apart:
+        rollouts = _fed_apart(rollouts, apart)
     corr = correspond(trainers, rollouts)
     tab, nodes = slot_table(corr.slots, trainers, rollouts)
     if not (tab.role[corr.inc_slot] == 1).any():
@@ -99,7 +109,8 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
         raise PlanError(f"the rollouts need no checkpoint id ({why}), so there is nothing to "
                         f"plan; probe the rollout model with the checkpoint's spec and pass its "
                         f"layouts as `rollouts`")
-    routes = _route(corr, tab, nodes, cluster, chunk_bytes)
+    routed = ([i for i, n in enumerate(nodes) if APART in n] if apart else [])
+    routes = _route(corr, tab, nodes, cluster, chunk_bytes, apart_nodes=routed)
     return plan_from_routes(trainers, rollouts, routes, corr=corr, table=tab, cluster=cluster,
                             chunk_bytes=chunk_bytes)
 
@@ -151,16 +162,82 @@ def _key_in(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
     return t[pos] == keys
 
 
-def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, chunk_bytes: int
-           ) -> Routes:
-    """The three-stage routes of every needed cell (the module docstring's L, W and V cases)."""
+#: What marks the node of a rollout fed apart (see :func:`plan`'s ``apart``).
+APART = "~apart"
+
+
+def _fed_apart(rollouts: tuple[Layout, ...], apart: Collection[int]) -> tuple[Layout, ...]:
+    """``rollouts`` with each rank of ``apart`` on a node of its own."""
+    ranks = {int(r) for r in apart}
+    known = {lay.worker.rank for lay in rollouts}
+    if ranks - known:
+        raise PlanError(f"apart={sorted(ranks - known)} are not rollout ranks of this plan "
+                        f"(rollouts: {sorted(known)[:8]}...)")
+    return tuple(
+        Layout(replace(lay.worker, node=f"{lay.worker.node}{APART}{lay.worker.rank}"),
+               lay.buffers) if lay.worker.rank in ranks else lay for lay in rollouts)
+
+
+def _route(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, chunk_bytes: int, *,
+           apart_nodes: Sequence[int] = ()) -> Routes:
+    """The routes of every needed cell: three stages for the needs of every node but
+    ``apart_nodes``, whose needs each come from a trainer (stage 1), forwarded to nobody."""
+    N = np.flatnonzero(tab.role[corr.inc_slot] == 1)
+    fed = np.isin(tab.node[corr.inc_slot[N]], np.asarray(apart_nodes, np.int64))
+    parts = []
+    if (~fed).any():
+        parts.append(_three_stages(corr, tab, nodes, cluster, chunk_bytes, N[~fed]))
+    if fed.any():
+        first = parts[0].cell.size if parts else 0  # its routes' ids follow the others'
+        parts.append(_from_trainers(corr, tab, nodes, cluster, N[fed], first))
+    return Routes(*(np.concatenate([getattr(p, k) for p in parts]) for k in Routes._fields))
+
+
+def _holders(corr: Correspondence, tab):
+    """Holder incidences and their cells, GPUs and nodes, sorted by (cell, GPU)."""
+    H = np.flatnonzero(tab.role[corr.inc_slot] == 0)
+    h_cell, h_gpu, h_node = corr.inc_cell[H], tab.gpu[corr.inc_slot[H]], tab.node[corr.inc_slot[H]]
+    order = np.lexsort((h_gpu, h_cell))
+    return H[order], h_cell[order], h_gpu[order], h_node[order]
+
+
+def _from_trainers(corr: Correspondence, tab, nodes: list[str], cluster: Cluster, N: np.ndarray,
+                   first: int) -> Routes:
+    """Routes of need incidences ``N`` on nodes fed apart (route ids from ``first``): per cell
+    and node, one stage-1 route from a holder (the least-loaded trainer NIC, largest cells
+    first) to one of its needs, then stage 3 from that one to the others (several buffers of a
+    rank needing the same cell); nothing leaves the node."""
+    n_gpus = int(tab.gpu.max(initial=-1)) + 1
+    cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
+    H, h_cell, h_gpu, _ = _holders(corr, tab)
+    cell, node = corr.inc_cell[N], tab.node[corr.inc_slot[N]]
+    order = np.lexsort((node, cell))
+    N, cell, node = N[order].astype(np.int64), cell[order].astype(np.int64), node[order]
+    head = np.r_[True, (cell[1:] != cell[:-1]) | (node[1:] != node[:-1])]
+    h = np.flatnonzero(head)
+    src = _pick_holders(cell[h], cell_bytes, H, h_cell, h_gpu, tab, nodes, cluster, n_gpus)
+    group = np.cumsum(head) - 1  # each need's (cell, node) group: its head's index in h
+    rest = np.flatnonzero(~head)
+    n_h = h.size
+    return Routes(
+        np.r_[cell[h], cell[rest]],
+        np.r_[np.ones(n_h, np.int64), np.full(rest.size, 3, np.int64)],
+        np.r_[src.astype(np.int64), N[h][group[rest]]],
+        np.r_[N[h], N[rest]],
+        np.r_[np.full(n_h, -1, np.int64), first + group[rest]],
+        np.r_[np.zeros(n_h, np.int64), np.ones(rest.size, np.int64)])
+
+
+def _three_stages(corr: Correspondence, tab, nodes: list[str], cluster: Cluster,
+                  chunk_bytes: int, N: np.ndarray) -> Routes:
+    """The three-stage routes of the cells of need incidences ``N`` (the module docstring's L,
+    W and V cases)."""
     role = tab.role[corr.inc_slot]
     n_cells = corr.cell_id0.size
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
     n_nodes = len(nodes)
     cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
     H = np.flatnonzero(role == 0)
-    N = np.flatnonzero(role == 1)
     h_cell, h_gpu, h_node = corr.inc_cell[H], tab.gpu[corr.inc_slot[H]], tab.node[corr.inc_slot[H]]
     n_cell, n_gpu, n_node = corr.inc_cell[N], tab.gpu[corr.inc_slot[N]], tab.node[corr.inc_slot[N]]
     local = _key_in(n_cell * n_gpus + n_gpu, h_cell * n_gpus + h_gpu)

@@ -157,9 +157,12 @@ class Endpoint:
 
     def await_keys(self, keys: Mapping[int, str], late: Callable[[int], str], *,
                    cancel: threading.Event | None = None,
-                   skip: Callable[[int], bool] | None = None) -> None:
+                   skip: Callable[[int], bool] | None = None,
+                   gone: Callable[[int], bool] | None = None) -> None:
         """Waits (up to ``wait_timeout`` in all) until every ``keys[rank]`` is in the store; a
-        rank that stopped beating meanwhile fails the wait at once.
+        rank that stopped beating meanwhile fails the wait at once (or, where ``skip(rank)``,
+        is not waited for), and so is a rank for which ``gone(rank)`` says so (asked about
+        every poll: another worker called it dead first).
 
         Raises:
             CancelledError: ``cancel`` was set (the endpoint is closing).
@@ -170,11 +173,15 @@ class Endpoint:
         for r, key in keys.items():
             while True:
                 try:
-                    self.store.get(key, 0.2)
+                    self.store.get(key, 0.05)
                     break
                 except TransferError:
                     if cancel is not None and cancel.is_set():
                         raise CancelledError() from None
+                    if gone is not None and gone(r):
+                        log.warning("rank %d: peer %d was called dead before `%s`; going on "
+                                    "without it", self.rank, r, key)
+                        break
                     silent = self.watch.silent([r]) if r != self.rank else {}
                     if silent and skip is not None and skip(r):
                         log.warning("rank %d: peer %d stopped beating before `%s`; going on "
@@ -195,17 +202,21 @@ class Endpoint:
                                   f"within {self.wait_timeout:.0f} s", cancel=cancel)
 
     def join(self, v: int, *, cancel: threading.Event | None = None) -> float:
-        """Joins version ``v`` and waits for every peer to join it; returns the join time."""
-        self.finisher.before_join()  # the membership the last version left
+        """Joins version ``v`` and waits for every peer to join it (but rollouts fed apart in
+        it: nobody waits for a joiner); returns the join time."""
+        self.finisher.before_join(v)  # the membership the last version left, and v's joiners
         joined = time.time()
         self.store.set(self.key("join", v, self.rank), b"1")
         trainers = set(self.trainers)
-        self.await_keys({p: self.key("join", v, p) for p in self.peers}, lambda p: (
+        waited = [p for p in self.peers if p not in self.finisher.apart]
+        self.await_keys({p: self.key("join", v, p) for p in waited}, lambda p: (
             f"rank {self.rank}: peer {p} did not join version {v} within "
             f"{self.wait_timeout:.0f} s (wait_timeout); is its "
             f"{'push' if p in trainers else 'apply'} being called?"), cancel=cancel,
-            # a dead rollout: the version goes on without it (wb.runtime.finish)
-            skip=lambda p: p not in trainers)
+            # a dead rollout: the version goes on without it (wb.runtime.finish), as soon as
+            # this rank's watch finds it silent or the leader has called it dead
+            skip=lambda p: p not in trainers,
+            gone=lambda p: p not in trainers and p in self.finisher.called_dead(v))
         return joined
 
     # --- the transfer ----------------------------------------------------------------------------

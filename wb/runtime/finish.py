@@ -22,9 +22,13 @@ is done, and a rollout reads the intent after marking its own done, so one of th
 the other. A trainer that dies fails the version for everyone, as before: rollouts keep the
 previous version.
 
-Membership is by version: a rollout that asks to join (:func:`wb.runtime.joining.request_join`, a new replica or a
-restarted one) is admitted by the leader when a version finishes, and receives the next version
-whole; the others are not disturbed and never wait for a joiner.
+Membership is by version: a rollout that asks to join (:func:`wb.runtime.joining.request_join`,
+a new replica or a restarted one) is admitted by the leader when it pushes the next version
+(:meth:`Finisher.admit`, before announcing it: a *start* record names the epoch that version
+runs), and receives that version whole. In it the joiner is *fed apart*: it gets everything it
+needs from the trainers and forwards nothing, the others' routes are planned as if it were not
+there, and nobody waits for it to join; from the version after, a plan with everyone (at the
+bound) takes over. So the others are not disturbed and never wait for a joiner.
 
 Planning again needs the layouts: the leader must have the whole plan (a
 :class:`~wb.data.plan.Plan`); a leader with only its part fails the version when a rollout dies,
@@ -40,23 +44,21 @@ import time
 from dataclasses import replace
 
 from wb.algorithms.planner import plan as make_plan
-from wb.data.layout import Cluster, layouts_from_bytes
+from wb.data.layout import Cluster
 from wb.data.plan import Plan
 from wb.errors import PlanError, TransferError
+from wb.runtime.joining import Admissions
 from wb.runtime.program import Program
 from wb.runtime.records import fetch_part, gather_layouts, publish_parts
-from wb.runtime.rendezvous import get_large
 from wb.runtime.update import ExecStats, PeersLost
 
-__all__ = ["Finisher", "tag_base", "ATTEMPT_BITS", "JOIN_RANGE"]
+__all__ = ["Finisher", "tag_base", "ATTEMPT_BITS"]
 
 log = logging.getLogger(__name__)
 
 #: Bits of a tag for the message index within an attempt; the attempt sits above them and the
 #: version above ``32``.
 ATTEMPT_BITS = 27
-#: How many ranks after the highest it knows a leader asks for join requests at each version.
-JOIN_RANGE = 16
 _POLL_S = 0.004  # how often the store is read for records and done keys
 _ASK_S = 0.25  # how often heartbeats are read (a peer is dead only after seconds anyway)
 #: A worker silent this long (a third of the liveness grace) is suspected: the leader plans the
@@ -120,10 +122,11 @@ class Finisher:
         self.epoch = epoch
         self.pending_final: int | None = None  # a version whose final record is not read yet
         self.repairs: list[dict] = []  # the attempt records this worker ran or saw
-        self.joined: dict[int, str] = {}  # rank -> the join request admitted (leader)
+        self.admissions = Admissions(self, peek=self._has)  # the leader's side of joining
         self.deaths: list[dict] = []  # the leader's: whom it called dead, in which version, when
         self._watched: set[int] = set()  # workers whose incarnation the watch knows
         self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
+        self.apart: set[int] = set()  # this epoch's rollouts fed apart (its joiners)
 
     def _read_roster(self) -> None:
         """The leader of a job set up by :func:`wb.agree_parts` (under this session's name):
@@ -359,15 +362,14 @@ class Finisher:
         self._ahead = key
 
     def _finish(self, v: int, dead: set[int]) -> None:
-        """The final record of version ``v``. With dead rollouts or rollouts asking to join, the
-        plan for the next version's members first (their parts under the new epoch), and the
-        joiners' admissions."""
+        """The final record of version ``v``. With dead rollouts, or joiners fed apart in it,
+        the plan for the next version's members first (their parts under the new epoch: the
+        dead left out, the joiners planned with the others)."""
         dead |= self._dead_in(v)
-        joiners = self._join_requests(dead) if self.can_plan else {}
-        rollouts = sorted({r for r in self.rollouts if r not in dead} | set(joiners))
+        rollouts = sorted(r for r in self.rollouts if r not in dead)
         rec: dict = {"dead": sorted(dead), "rollouts": rollouts, "epoch": self.epoch,
-                     "joined": sorted(joiners)}
-        if dead & set(self.rollouts) or joiners:
+                     "joined": []}
+        if (dead & set(self.rollouts) or self.apart) and self.can_plan:
             if not rollouts:
                 raise TransferError(f"version {v}: every rollout died")
             t0 = time.time()
@@ -377,56 +379,60 @@ class Finisher:
             rec["epoch"] = self.epoch + 1
             rec["planned_s"] = time.time() - t0
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))
-            for r, token in joiners.items():
-                self.joined[r] = token
-                self.end.store.set(self.end.key("admitted", r), json.dumps(
-                    {"token": token, "epoch": rec["epoch"], "version": v + 1}).encode())
         self.end.store.set(self._key(v, "final"), json.dumps(rec).encode())
+
+    def admit(self, v: int) -> None:
+        """The leader, pushing version ``v`` before it announces it, admits the rollouts that
+        asked to join into ``v`` (:meth:`wb.runtime.joining.Admissions.admit`); everyone takes
+        the new epoch up when joining ``v`` (:meth:`before_join`)."""
+        if self.end.rank == self.leader and self.can_plan:
+            self.admissions.admit(v)
+
+    def called_dead(self, v: int) -> set[int]:
+        """The rollouts the leader has called dead in version ``v`` so far, by its attempt
+        records in the store (what a worker still waiting to join ``v`` for them reads)."""
+        out: set[int] = set()
+        a = 1
+        while (raw := self._has(self._key(v, "attempt", a))) is not None:
+            out |= set(json.loads(raw).get("dead", ()))
+            a += 1
+        return out
 
     def _dead_in(self, v: int) -> set[int]:
         """The rollouts called dead in version ``v``'s attempts so far."""
         return {r for rec in self.repairs if rec.get("version") == v for r in rec["dead"]}
 
-    def _join_requests(self, dead: set[int]) -> dict[int, str]:
-        """Rollouts asking to join (:func:`wb.runtime.joining.request_join`) not admitted yet: ``{rank: token}``,
-        their layouts read into :attr:`layouts`. Asked of the ranks the job has lost and of the
-        :data:`JOIN_RANGE` ranks after the highest it knows (new replicas number their ranks
-        on from there)."""
-        known = set(self.layouts) | set(self.joined)
-        lost = (set(self.layouts) - set(self.trainers) - set(self.rollouts)) | dead
-        top = max(known)
-        out = {}
-        for r in sorted(lost | set(range(top + 1, top + 1 + JOIN_RANGE))):
-            raw = self._has(self.end.key("joinreq", r))
-            if raw is None or raw.decode() == self.joined.get(r):
-                continue
-            try:
-                lay = layouts_from_bytes(get_large(self.end.store, self.end.key("member", r),
-                                                   self.end.wait_timeout))[0]
-            except TransferError as e:
-                log.warning("rank %d asked to join without its layout: %s", r, e)
-                continue
-            if lay.worker.rank != r or lay.worker.role.value != "rollout":
-                log.warning("a join request for rank %d came with the layout of rank %d (%s)",
-                            r, lay.worker.rank, lay.worker.role.value)
-                continue
-            self.layouts[r] = lay
-            out[r] = raw.decode()
-        for token in set(out.values()):  # a process's ranks: all of them, or none this time
-            group = self._has(self.end.key("joingroup", token))
-            ranks = json.loads(group) if group is not None else []
-            if any(out.get(q) != token for q in ranks):
-                log.info("join request %s: waiting for all of ranks %s", token, ranks)
-                out = {q: t for q, t in out.items() if t != token}
-        return out
-
     # --- between versions -------------------------------------------------------------------------
-    def before_join(self) -> None:
+    def before_join(self, v: int | None = None) -> None:
         """Takes up the membership the last version's final record set (a rollout that returned
-        before it was written waits for it here)."""
+        before it was written waits for it here), then, joining version ``v``, the one its
+        start record sets (joiners admitted: :meth:`admit`). The leader writes that record
+        before it announces ``v``: rollouts have waited for the announcement already, other
+        trainers wait for it here."""
+        end = self.end
         if self.pending_final is not None:
-            v, self.pending_final = self.pending_final, None
-            self._take_final(v, wait=True)
+            last, self.pending_final = self.pending_final, None
+            self._take_final(last, wait=True)
+        if v is None:
+            return
+        if self.is_trainer and end.rank != self.leader:
+            end.await_keys({self.leader: end.key("version", v, self.leader)},
+                           lambda r: f"rank {end.rank}: the trainers' leader (rank {r}) did not "
+                                     f"push version {v} within {end.wait_timeout:.0f} s")
+        raw = self._has(self._key(v, "start"))
+        if raw is None:
+            return
+        rec = json.loads(raw)
+        if rec["epoch"] <= self.epoch:
+            return
+        self.rollouts, self.epoch, self.apart = list(rec["rollouts"]), rec["epoch"], set(rec["apart"])
+        joined = set(rec["joined"])
+        end.watch.reset(joined)  # their new incarnations are the members
+        self._watched -= joined
+        part = fetch_part(end.store, end.rank, name=end.key("epoch", self.epoch),
+                          timeout=self._patience)
+        _call(end.transport, "add_peers", part.peers)
+        end.adopt(part)
 
     def _take_final(self, v: int, *, wait: bool = False) -> None:
         end = self.end
@@ -438,7 +444,7 @@ class Finisher:
         if rec["epoch"] == self.epoch:
             return
         gone = set(self.rollouts) - set(rec["rollouts"])
-        self.rollouts, self.epoch = list(rec["rollouts"]), rec["epoch"]
+        self.rollouts, self.epoch, self.apart = list(rec["rollouts"]), rec["epoch"], set()
         back = set(rec["dead"]) | set(rec["joined"])  # their new incarnations are the members
         end.watch.reset(back)
         self._watched -= back

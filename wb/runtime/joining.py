@@ -1,6 +1,7 @@
-"""A rollout's side of joining a running job (:mod:`wb.runtime.finish` has the leader's): its
-layout and join request published, then admission awaited; the leader admits joiners when a
-version finishes, and a process's ranks all together.
+"""Joining a running job, both sides: a rollout's (:func:`request_join`: its layout and join
+request published, then admission awaited) and the trainers' leader's (:class:`Admissions`:
+it admits joiners into the version it pushes next, a process's ranks all together, fed apart in
+that version; :mod:`wb.runtime.finish` takes the new membership up from there).
 """
 
 from __future__ import annotations
@@ -10,22 +11,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from wb.data.layout import Layout, layouts_to_bytes
+import logging
+
+from wb.algorithms.planner import plan as make_plan
+from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.rankplan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.liveness import new_incarnation
-from wb.runtime.records import fetch_part
-from wb.runtime.rendezvous import set_large
+from wb.runtime.records import fetch_part, publish_parts
+from wb.runtime.rendezvous import get_large, set_large
 
-__all__ = ["request_join", "request_joins"]
+__all__ = ["request_join", "request_joins", "Admissions", "JOIN_RANGE"]
+
+log = logging.getLogger(__name__)
+
+#: How many ranks after the highest it knows a leader asks for join requests.
+JOIN_RANGE = 16
 
 
 def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0,
                  meanwhile: Callable[[], Any] | None = None) -> tuple[RankPlan, int, int, str]:
     """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
-    replica's worker, or a restarted one. Publishes the layout and a join request, calls
-    ``meanwhile()`` (set-up that should be done by admission: starting the transport), then waits
-    until the trainers' leader admits it at the end of a version.
+    replica's worker, or a restarted one. Publishes the layout, calls ``meanwhile()`` (set-up that
+    must be done by admission: starting the transport, which publishes its address), publishes
+    the join request, then waits until the trainers' leader admits it, when it pushes the next
+    version.
 
     Returns:
         ``(part, version, epoch, incarnation)``: this rank's part of the plan from then on, the
@@ -42,8 +52,8 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
 def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
                   meanwhile: Callable[[], Any] | None = None
                   ) -> dict[int, tuple[RankPlan, int, int, str]]:
-    """:func:`request_join` for several ranks of one process at once: the leader admits them at
-    the same version end, all or none (a process's ranks must start together: one of them
+    """:func:`request_join` for several ranks of one process at once: the leader admits them
+    into the same version, all or none (a process's ranks must start together: one of them
     admitted a version before the others would hold that version up until they are).
 
     Returns:
@@ -57,10 +67,16 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
         # beat as this incarnation from now on: the leader takes it for the member it admits
         store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
         set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
-        store.set(f"{name}/joinreq/{rank}", token.encode())
     deadline = time.monotonic() + timeout
+    # before the request: the leader may admit it into the version it pushes next, and the
+    # trainers then reach this rank at once, at the address its transport publishes (a
+    # restarted rank's old one is still in the store until then)
     if meanwhile is not None:
         meanwhile()
+    for rank in lays:
+        store.set(f"{name}/joinreq/{rank}", token.encode())
+    # one key the leader reads at every push: it looks for requests only when it changed
+    store.set(f"{name}/joins", f"{token}:{time.time()}".encode())
     recs = {}
     for rank in lays:
         while True:
@@ -74,7 +90,97 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
                                     f"{timeout:.0f} s; the trainers' leader admits joiners when "
-                                    f"a version finishes: is the job pushing versions?")
+                                    f"it pushes a version: is the job pushing versions?")
             time.sleep(0.05)
     return {rank: (fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}", timeout=timeout),
                    int(rec["version"]), int(rec["epoch"]), token) for rank, rec in recs.items()}
+
+
+class Admissions:
+    """The trainers' leader's side of joining: the join requests in the store, and their
+    admission into the version it pushes next.
+
+    Args:
+        fin: the leader's :class:`wb.runtime.finish.Finisher` (its layouts, members, epoch,
+            cluster and endpoint).
+        peek: a store lookup that does not wait (``None`` when the key is missing).
+    """
+
+    def __init__(self, fin, *, peek: Callable[[str], bytes | None]):
+        self.fin, self.peek = fin, peek
+        self.joined: dict[int, str] = {}  # rank -> the join request admitted
+        self._asked: bytes | None = None  # the join marker last read
+        self._rescan = False  # requests were left waiting: read them again at the next push
+
+    def admit(self, v: int) -> None:
+        """Admits the rollouts that asked to join (all ranks of a process or none) into version
+        ``v``, before the leader announces it. They run ``v`` fed apart (:func:`wb.plan`'s
+        ``apart``) under a new epoch, whose parts and *start* record are in the store before
+        ``v`` is announced. Reads one key when nobody asked since the last look."""
+        fin = self.fin
+        end = fin.end
+        asked = self.peek(end.key("joins"))
+        if asked is None or (asked == self._asked and not self._rescan):
+            return
+        self._asked = asked
+        joiners = self.requests(set())
+        if not joiners:
+            return
+        store, epoch = end.store, fin.epoch + 1
+        rollouts = sorted(set(fin.rollouts) | set(joiners))
+        t0 = time.time()
+        nxt = make_plan([fin.layouts[t] for t in fin.trainers],
+                        [fin.layouts[r] for r in rollouts], fin.cluster,
+                        chunk_bytes=fin.chunk_bytes, apart=sorted(joiners))
+        publish_parts(store, nxt, name=end.key("epoch", epoch))
+        for r, token in joiners.items():
+            self.joined[r] = token
+            store.set(end.key("admitted", r), json.dumps(
+                {"token": token, "epoch": epoch, "version": v}).encode())
+        store.set(end.key("v", v, "start"), json.dumps(
+            {"epoch": epoch, "rollouts": rollouts, "joined": sorted(joiners),
+             "apart": sorted(joiners), "planned_s": time.time() - t0}).encode())
+        log.warning("version %d: rollouts %s admitted (fed apart in this version)", v,
+                    sorted(joiners))
+
+    def requests(self, dead: set[int]) -> dict[int, str]:
+        """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
+        their layouts read into the finisher's ``layouts``. Asked of the ranks the job has lost
+        and of the :data:`JOIN_RANGE` ranks after the highest it knows (new replicas number
+        their ranks on from there)."""
+        fin, end = self.fin, self.fin.end
+        self._rescan = False
+        known = set(fin.layouts) | set(self.joined)
+        lost = (set(fin.layouts) - set(fin.trainers) - set(fin.rollouts)) | dead
+        # a member asking to join again was restarted: its old incarnation is not called dead
+        # yet, and until it is the request waits (read again at every push)
+        if any((raw := self.peek(end.key("joinreq", r))) is not None
+               and raw.decode() != self.joined.get(r) for r in set(fin.rollouts) - dead):
+            self._rescan = True
+        top = max(known)
+        out = {}
+        for r in sorted(lost | set(range(top + 1, top + 1 + JOIN_RANGE))):
+            raw = self.peek(end.key("joinreq", r))
+            if raw is None or raw.decode() == self.joined.get(r):
+                continue
+            try:
+                lay = layouts_from_bytes(get_large(end.store, end.key("member", r),
+                                                   end.wait_timeout))[0]
+            except TransferError as e:
+                log.warning("rank %d asked to join without its layout: %s", r, e)
+                self._rescan = True
+                continue
+            if lay.worker.rank != r or lay.worker.role.value != "rollout":
+                log.warning("a join request for rank %d came with the layout of rank %d (%s)",
+                            r, lay.worker.rank, lay.worker.role.value)
+                continue
+            fin.layouts[r] = lay
+            out[r] = raw.decode()
+        for token in set(out.values()):  # a process's ranks: all of them, or none this time
+            group = self.peek(end.key("joingroup", token))
+            ranks = json.loads(group) if group is not None else []
+            if any(out.get(q) != token for q in ranks):
+                log.info("join request %s: waiting for all of ranks %s", token, ranks)
+                out = {q: t for q, t in out.items() if t != token}
+                self._rescan = True
+        return out

@@ -4,9 +4,17 @@ A :class:`Heartbeat` thread writes a counter to the store every ``interval`` sec
 worker is doing (a long transfer of a healthy peer keeps beating: the thread needs the GIL only
 for a moment, and UCX and numpy release it). A :class:`Watch` reads the peers' counters and
 calls a peer dead or hung once its counter has not changed for ``grace`` seconds of the watcher's
-own clock (no clocks are compared across machines). An update that makes no progress asks the
-watch about the peers it still waits for, so a killed or stopped peer is named within about
-``grace`` seconds, not after the inactivity timeout.
+own clock. An update that makes no progress asks the watch about the peers it still waits for,
+so a killed or stopped peer is named within about ``grace`` seconds, not after the inactivity
+timeout.
+
+A watch that looks now and then (the trainers' leader looks during versions, not between them)
+does not count a peer's silence from its own first look after a pause: each beat carries the
+peer's monotonic clock, and the watch, having seen earlier beats of the same peer, places the
+newest one on its own clock by the peer's elapsed time since them. Only differences of one
+peer's clock are used (never one machine's time against another's), over the last few beats
+seen, so clock drift cannot add up; the estimate is never earlier than the beat was written
+(a beat seen is credited at least as recent as it can have been).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from wb.errors import TransferError
@@ -62,7 +71,9 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self.key, f"{self.incarnation}:{self._beats}:{self.status}".encode())
+        # incarnation:count:this process's monotonic clock:status
+        self.store.set(self.key, f"{self.incarnation}:{self._beats}:{time.monotonic():.3f}:"
+                                 f"{self.status}".encode())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -88,9 +99,13 @@ class Watch:
 
     def __init__(self, store, key_of: Callable[[int], str], grace: float = GRACE_S):
         self.store, self.key_of, self.grace = store, key_of, float(grace)
-        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last beat, when seen)
+        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (last beat, when
+        #                                                         written, on this clock)
         self._incarnation: dict[int, bytes] = {}  # rank -> the incarnation first seen beating
         self._restarted: dict[int, float] = {}  # rank -> when another incarnation was seen
+        # rank -> (when seen on this clock - the peer's clock in it) of its last few new beats:
+        # the smallest is the tightest bound on where the peer's clock sits on this one
+        self._offsets: dict[int, deque] = {}
 
     def silent(self, peers: Iterable[int], grace: float | None = None) -> dict[int, float]:
         """``{peer: seconds since its beat last changed}`` for the peers silent longer than the
@@ -109,9 +124,13 @@ class Watch:
             last, since = self._seen.get(p, (None, now))
             if beat is not None and beat != last:
                 last, since = beat, now
-                who = beat.split(b":", 1)[0]
+                who, clock = _parse(beat)
                 if self._incarnation.setdefault(p, who) != who:
                     self._restarted.setdefault(p, now)
+                elif clock is not None:  # when it was written, on this clock
+                    offsets = self._offsets.setdefault(p, deque(maxlen=8))
+                    offsets.append(now - clock)
+                    since = min(now, min(offsets) + clock)
             self._seen[p] = (last, since)
             if p in self._restarted:
                 out[p] = self.grace + now - self._restarted[p]
@@ -125,11 +144,21 @@ class Watch:
             beat = self.store.get(self.key_of(peer), 0.001)
         except TransferError:
             return ""
-        parts = beat.decode(errors="replace").split(":", 2)
-        return parts[2] if len(parts) == 3 else ""
+        parts = beat.decode(errors="replace").split(":", 3)
+        return parts[3] if len(parts) == 4 else ""
 
     def reset(self, peers: Iterable[int]) -> None:
         """Accepts the incarnation ``peers`` beat as now (restarted workers taken back in)."""
         for p in peers:
-            for book in (self._seen, self._incarnation, self._restarted):
+            for book in (self._seen, self._incarnation, self._restarted, self._offsets):
                 book.pop(p, None)
+
+
+def _parse(beat: bytes) -> tuple[bytes, float | None]:
+    """``(incarnation, the beater's monotonic clock or None)`` of a beat (a join request's
+    first beat carries no clock)."""
+    parts = beat.split(b":", 3)
+    try:
+        return parts[0], float(parts[2]) if len(parts) == 4 else None
+    except ValueError:
+        return parts[0], None

@@ -229,6 +229,7 @@ class Sender:
         if self._quant is not None:
             self._quant.run(self._live, exchange=lambda keys, amax: self._exchange(v, keys, amax))
         self._path.stage(self._live)
+        self._end.finisher.admit(v)  # the leader takes in joiners before announcing v
         self._end.announce(v)
         self.version = v
         self._path.send(v, self._live, t0)

@@ -178,8 +178,11 @@ def abort(transport) -> None:
         log.exception("closing the transport after a failure")
 
 
-#: Seconds without progress before a stalled update asks the liveness watch about its peers.
-ASK_AFTER_S = 1.0
+#: Seconds without progress before a stalled update asks the liveness watch about its peers
+#: (then twice a second): a store lookup per peer waited for. Soon, since the watch places a
+#: peer's last beat by the peer's own clock: a peer that died before this update started is
+#: named at once, not a grace after the first question.
+ASK_AFTER_S = 0.1
 #: Seconds without progress before (and between) asking ``interrupt`` (one store lookup): a
 #: version that went on without this attempt is joined within this much of its record.
 INTERRUPT_EVERY_S = 0.01
@@ -219,7 +222,8 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
     """
     u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
                 traced=trace is not None)
-    last = asked = polled = time.monotonic()
+    last = polled = time.monotonic()
+    asked = last - 1.0  # the first question comes ASK_AFTER_S into a stall, the next 0.5 s later
     idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
     turns = 0
     can_cancel = hasattr(transport, "cancel")
