@@ -468,3 +468,24 @@ def test_replicas_quantise_whole_tensors():
             owner.setdefault(t.tensor, set()).add(r)
     assert all(len(rs) == 1 for rs in owner.values()), owner
     assert sorted(len([t for t, rs in owner.items() if r in rs]) for r in (0, 1)) == [3, 3]
+
+
+@settings(max_examples=40, deadline=None)
+@given(fp8_deployments())
+def test_the_benchs_fp8_check_equals_the_per_element_oracle(case):
+    """``wb.cli.bench.weights.fp8_expected`` (what every FP8 rollout of a bench or UCX test is
+    checked against, built one source-map block at a time) equals the oracle here: the
+    reference-quantised checkpoint of the same weights, read element by element."""
+    from wb.cli.bench.weights import fp8_expected, weight_bits
+
+    spec, sc, _, rollouts, _ = case
+    held = spec.dtype("t0")
+    hd = dtype_info(held).numpy
+    vals = {n: weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n)) for n in spec}
+    with np.errstate(under="ignore"):  # the bench's float32 weights reach subnormal scales
+        flat = fp8_checkpoint(sc, vals)
+    for r in rollouts:
+        got, want = fp8_expected(r, sc, held), expected(r, flat)
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (r.worker.rank, k)

@@ -79,45 +79,92 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
     """What a rollout of the FP8 checkpoint holds: the trainers' weights (:func:`weight_bits`
     of ids, as ``held``) quantised block by block (:func:`wb.data.blockscale.quantize_tensor`,
     one declared tensor at a time, made on the host), their scales, and the other tensors
-    converted to each buffer's dtype."""
+    converted to each buffer's dtype.
+
+    Built one source-map block at a time (a block's ids are one affine rectangle, gathered from
+    the tensor they fall in): no id per element of a whole buffer is ever made, so multi-GB
+    rollouts are checked in seconds (equal to the per-element construction: test_fp8)."""
     from wb.data.blockscale import quantize_tensor
 
     spec, fspec = scaled.trainer_spec, scaled.spec
     hd = dtype_info(held).numpy
-    # (start, tensor, 0: the FP8 values, 1: the scales) of every FP8 checkpoint tensor; a tensor
-    # is quantised only when this layout needs part of it (a rank holds a small share)
+    # every FP8 checkpoint tensor: (start id, numel, tensor, 0: the FP8 values, 1: the scales);
+    # a tensor is quantised only when this layout needs part of it (a rank holds a small share)
     names = [(n, t, 0) for t, n in enumerate(scaled.names)] + [
         (scaled.scale_name(t), t, 1) for t in range(len(scaled.names))]
-    rows = sorted((fspec.offset(n), t, which, int(np.prod(fspec.shape(n))))
+    rows = sorted((fspec.offset(n), int(np.prod(fspec.shape(n))), t, which)
                   for n, t, which in names)
     starts = np.array([r[0] for r in rows], np.int64)
     done_q: dict[int, tuple] = {}
 
-    def part(k: int) -> np.ndarray:
-        _, t, which, _ = rows[k]
+    def quantised(k: int) -> np.ndarray:
+        _, _, t, which = rows[k]
         if t not in done_q:
             n = scaled.names[t]
             x = weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n))
             done_q[t] = quantize_tensor(x, scaled.decl.block, scaled.decl.format)
         return np.asarray(done_q[t][which]).reshape(-1)
 
+    numel = np.array([r[1] for r in rows], np.int64)
+
+    def inside(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The FP8 tensor (index into ``rows``) of each id, and whether it is in one."""
+        k = np.searchsorted(starts, ids, side="right") - 1
+        kk = np.maximum(k, 0)
+        return kk, (k >= 0) & (ids - starts[kk] < numel[kk])
+
+    def values(ids: np.ndarray) -> np.ndarray:
+        """float64 of what the FP8 checkpoint holds at ``ids`` (a block: 2-D, affine, >= 0).
+        A row of a block lies in one tensor but where a tensor ends inside it: rows are sorted
+        out by their end ids, and only rows that straddle tensors are read element by
+        element."""
+        vals = np.empty(ids.shape, np.float64)
+        ends = np.stack([ids[:, 0], ids[:, -1]])
+        lo, hi = ends.min(0), ends.max(0)
+        (k_lo, in_lo), (k_hi, in_hi) = inside(lo), inside(hi)
+        # one tensor holds the whole row: both ends in it (ids between them are too), or both
+        # ends outside every FP8 tensor with none between them (an undeclared tensor)
+        whole = in_lo & in_hi & (k_lo == k_hi)
+        outside = ~in_lo & ~in_hi & (np.searchsorted(starts, lo, side="right")
+                                     == np.searchsorted(starts, hi, side="right"))
+        for k in np.unique(k_lo[whole]).tolist():
+            r = np.flatnonzero(whole & (k_lo == k))
+            vals[r] = quantised(k)[ids[r] - starts[k]].astype(np.float64)
+        r = np.flatnonzero(outside)  # undeclared tensors: the weights as held
+        vals[r] = weight_bits(ids[r], hd).view(hd).astype(np.float64)
+        for i in np.flatnonzero(~whole & ~outside).tolist():  # a row across tensors
+            k, ok = inside(ids[i])
+            for kk in np.unique(k[ok]).tolist():
+                sel = ok & (k == kk)
+                vals[i, sel] = quantised(kk)[ids[i, sel] - starts[kk]].astype(np.float64)
+            vals[i, ~ok] = weight_bits(ids[i, ~ok], hd).view(hd).astype(np.float64)
+        return vals
+
     out = {}
     for name, b in lay.buffers.items():
         dt = dtype_info(b.dtype).numpy
-        ids = b.sourcemap.to_indices().reshape(-1)
-        vals = np.zeros(ids.size, np.float64)
-        t = np.searchsorted(starts, ids, side="right") - 1
-        done = np.zeros(ids.size, bool)
-        for k in np.unique(t[(t >= 0) & (ids >= 0)]).tolist():
-            sel = (t == k) & (ids >= 0) & (ids - starts[k] < rows[k][3])
-            if sel.any():
-                vals[sel] = part(k)[ids[sel] - starts[k]].astype(np.float64)
-            done |= sel
-        rest = (ids >= 0) & ~done  # undeclared tensors: the weights as held, converted
-        vals[rest] = weight_bits(ids[rest], hd).view(hd).astype(np.float64)
-        want = np.zeros(ids.size, dt)
-        convert(want, vals)
-        raw = want.view(f"u{dt.itemsize}").reshape(b.shape)
+        want = np.zeros(b.shape, dt)
+        v = want.reshape(b.sourcemap.view2d)
+        bl = b.sourcemap.blocks
+        for k in range(bl.count):
+            nr, nc = int(bl.nr[k]), int(bl.nc[k])
+            ids = (int(bl.id0[k]) + np.arange(nr, dtype=np.int64)[:, None] * int(bl.sr[k])
+                   + np.arange(nc, dtype=np.int64)[None, :] * int(bl.sc[k]))
+            r0, c0 = int(bl.r0[k]), int(bl.c0[k])
+            dst = v[r0:r0 + nr, c0:c0 + nc]
+            corners = ids[[0, 0, -1, -1], [0, -1, 0, -1]]
+            (k_lo, in_lo), (k_hi, in_hi) = inside(corners.min(keepdims=True)), inside(
+                corners.max(keepdims=True))
+            if in_lo[0] and in_hi[0] and k_lo[0] == k_hi[0]:  # the block in one FP8 tensor
+                src = quantised(int(k_lo[0]))[ids - starts[k_lo[0]]]
+            elif not in_lo[0] and not in_hi[0] and np.searchsorted(
+                    starts, corners.min(), side="right") == np.searchsorted(
+                    starts, corners.max(), side="right"):  # in an undeclared tensor
+                src = weight_bits(ids, hd).view(hd)
+            else:
+                src = values(ids)
+            convert(dst, src)  # a copy where the dtypes are the same
+        raw = want.view(f"u{dt.itemsize}")
         arr = xp.asarray(raw)
         out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
     return out
