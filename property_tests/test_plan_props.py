@@ -23,18 +23,23 @@ def _buffers(layouts, fill):
     return out
 
 
-@given(wbst.layouts(), wbst.clusters())
-def test_plan_verifies_delivers_exactly_and_meets_the_bound(case, cluster):
-    p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64)
-    p.verify()
-    # run_local reproduces every needed element exactly and touches nothing else
-    out = wb.run_local(p, _buffers(case.trainers, None), _buffers(case.rollouts, np.nan))
-    for lay in case.rollouts:
+def _assert_delivered(p):
+    """run_local of plan ``p`` reproduces every needed element exactly and touches nothing
+    else."""
+    out = wb.run_local(p, _buffers(p.trainers, None), _buffers(p.rollouts, np.nan))
+    for lay in p.rollouts:
         for name, b in lay.buffers.items():
             ids = b.sourcemap.to_indices()
             got = out[lay.worker.rank][name]
             assert np.array_equal(got[ids >= 0], _value(ids[ids >= 0]))
             assert np.isnan(got[ids < 0]).all()
+
+
+@given(wbst.layouts(), wbst.clusters())
+def test_plan_verifies_delivers_exactly_and_meets_the_bound(case, cluster):
+    p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64)
+    p.verify()
+    _assert_delivered(p)
     # traffic equals the lower bound: trainer bytes == M, node_in[v] == M_v
     t, lb = p.traffic(), wb.lower_bound(case.trainers, case.rollouts)
     assert t.trainer_total == lb.trainer_total
@@ -99,13 +104,7 @@ def test_rollouts_fed_apart_get_everything_from_trainers_and_nobody_waits_for_th
     apart = set(data.draw(st.lists(st.sampled_from(ranks), unique=True, max_size=len(ranks))))
     p = wb.plan(case.trainers, case.rollouts, cluster, chunk_bytes=64, apart=apart)
     p.verify()
-    out = wb.run_local(p, _buffers(case.trainers, None), _buffers(p.rollouts, np.nan))
-    for lay in p.rollouts:
-        for name, b in lay.buffers.items():
-            ids = b.sourcemap.to_indices()
-            got = out[lay.worker.rank][name]
-            assert np.array_equal(got[ids >= 0], _value(ids[ids >= 0]))
-            assert np.isnan(got[ids < 0]).all()
+    _assert_delivered(p)
     M = p.messages
     trainers = {lay.worker.rank for lay in case.trainers}
     for r in apart:

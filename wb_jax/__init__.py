@@ -387,19 +387,23 @@ class _Arrays:
         for leaf in leaves(params).values():
             leaf.block_until_ready()
 
+    def _device(self, rank: int):
+        """The device of ``rank`` in this process (None: not one of its ranks)."""
+        return next((d for d, r in self.ranks.items() if r == rank), None)
+
     def recycles(self, rank: int) -> bool:
         """On a GPU a rank's versions land in a few sets of memory wb owns, which
         :meth:`received` makes arrays of (``jax.dlpack.from_dlpack``, no copy), reused once JAX
         has freed every array made of a set (UCX maps each set once). On the CPU backend every
         version gets new host arrays, which ``jax.device_put`` aliases on any CPU device."""
-        dev = next((d for d, r in self.ranks.items() if r == rank), None)
+        dev = self._device(rank)
         return dev is not None and dev.platform != "cpu"
 
     def allocator(self, rank: int) -> Callable | None:
         """How a rank's sets of receive buffers are made: CUDA memory of its own GPU (CuPy's,
         which UCX maps once per set), or ``None`` on the CPU backend (64-byte aligned host
         arrays). Either way :meth:`received` makes JAX arrays of that memory, without a copy."""
-        dev = next((d for d, r in self.ranks.items() if r == rank), None)
+        dev = self._device(rank)
         if dev is None or dev.platform == "cpu":
             return None
         if dev.platform != "gpu":

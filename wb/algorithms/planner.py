@@ -232,13 +232,11 @@ def _three_stages(corr: Correspondence, tab, nodes: list[str], cluster: Cluster,
                   chunk_bytes: int, N: np.ndarray) -> Routes:
     """The three-stage routes of the cells of need incidences ``N`` (the module docstring's L,
     W and V cases)."""
-    role = tab.role[corr.inc_slot]
     n_cells = corr.cell_id0.size
     n_gpus = int(tab.gpu.max(initial=-1)) + 1
     n_nodes = len(nodes)
     cell_bytes = corr.cell_numel * _cell_itemsize(corr, tab)
-    H = np.flatnonzero(role == 0)
-    h_cell, h_gpu, h_node = corr.inc_cell[H], tab.gpu[corr.inc_slot[H]], tab.node[corr.inc_slot[H]]
+    H, h_cell, h_gpu, h_node = _holders(corr, tab)  # sorted by (cell, GPU), for lookups
     n_cell, n_gpu, n_node = corr.inc_cell[N], tab.gpu[corr.inc_slot[N]], tab.node[corr.inc_slot[N]]
     local = _key_in(n_cell * n_gpus + n_gpu, h_cell * n_gpus + h_gpu)
     held_on_node = _key_in(n_cell * n_nodes + n_node, h_cell * n_nodes + h_node)
@@ -266,9 +264,6 @@ def _three_stages(corr: Correspondence, tab, nodes: list[str], cluster: Cluster,
         rid[0] += n
         return ids
 
-    # Holder incidences sorted by (cell, gpu) for lookups.
-    h_order = np.lexsort((h_gpu, h_cell))
-    H, h_cell, h_gpu, h_node = H[h_order], h_cell[h_order], h_gpu[h_order], h_node[h_order]
     hkey_gpu = h_cell * n_gpus + h_gpu
 
     # Receiving need incidence of each group, and how it got the cell (route id).

@@ -425,11 +425,16 @@ class Finisher:
         rec = json.loads(raw)
         if rec["epoch"] <= self.epoch:
             return
-        self.rollouts, self.epoch, self.apart = list(rec["rollouts"]), rec["epoch"], set(rec["apart"])
-        joined = set(rec["joined"])
-        end.watch.reset(joined)  # their new incarnations are the members
-        self._watched -= joined
-        part = fetch_part(end.store, end.rank, name=end.key("epoch", self.epoch),
+        self._take_up(rec["epoch"], rec["rollouts"], set(rec["apart"]), set(rec["joined"]))
+
+    def _take_up(self, epoch: int, rollouts, apart: set[int], back: set[int]) -> None:
+        """Runs epoch ``epoch`` from now on: its rollouts (``apart``: those fed apart in it;
+        ``back``: new incarnations of ranks, the members from now), this rank's part of it."""
+        end = self.end
+        self.rollouts, self.epoch, self.apart = list(rollouts), epoch, apart
+        end.watch.reset(back)
+        self._watched -= back
+        part = fetch_part(end.store, end.rank, name=end.key("epoch", epoch),
                           timeout=self._patience)
         _call(end.transport, "add_peers", part.peers)
         end.adopt(part)
@@ -444,17 +449,11 @@ class Finisher:
         if rec["epoch"] == self.epoch:
             return
         gone = set(self.rollouts) - set(rec["rollouts"])
-        self.rollouts, self.epoch, self.apart = list(rec["rollouts"]), rec["epoch"], set()
-        back = set(rec["dead"]) | set(rec["joined"])  # their new incarnations are the members
-        end.watch.reset(back)
-        self._watched -= back
         # the dead's connections are dropped, a restarted one's too: it is reached anew
         _call(end.transport, "forget", (gone | set(rec["dead"])) - {end.rank})
         if end.rank in gone:
             raise TransferError(f"rank {end.rank} was called dead during version {v}")
-        part = fetch_part(end.store, end.rank, name=end.key("epoch", self.epoch),
-                          timeout=self._patience)
-        _call(end.transport, "add_peers", part.peers)
-        end.adopt(part)
+        # the dead's (and joiners') new incarnations are the members from now
+        self._take_up(rec["epoch"], rec["rollouts"], set(), set(rec["dead"]) | set(rec["joined"]))
         log.warning("rank %d: from version %d on, rollouts %s (without %s)", end.rank, v + 1,
                     self.rollouts, sorted(gone))

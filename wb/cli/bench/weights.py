@@ -63,16 +63,21 @@ def _filled(b, dt: np.dtype, xp):
     """Raw bits of buffer ``b``'s weights as ``dt``: every mapped element
     :func:`weight_bits` of its id, the others 0."""
     arr = xp.full(b.shape, 0, dtype=np.dtype(f"u{dt.itemsize}"))
-    rows, cols = b.sourcemap.view2d
-    v = arr.reshape(rows, cols)
-    bl = b.sourcemap.blocks
-    for k in range(bl.count):
-        i = xp.arange(int(bl.nr[k]), dtype=xp.int64)[:, None]
-        j = xp.arange(int(bl.nc[k]), dtype=xp.int64)[None, :]
-        ids = int(bl.id0[k]) + i * int(bl.sr[k]) + j * int(bl.sc[k])
-        r0, c0 = int(bl.r0[k]), int(bl.c0[k])
-        v[r0:r0 + int(bl.nr[k]), c0:c0 + int(bl.nc[k])] = weight_bits(ids, dt, xp)
+    v = arr.reshape(b.sourcemap.view2d)
+    for where, ids in _blocks(b.sourcemap, xp):
+        v[where] = weight_bits(ids, dt, xp)
     return arr
+
+
+def _blocks(sourcemap, xp=np):
+    """``(where, ids)`` of each block of a source map: the slice of its 2-D view the block
+    covers, and the block's ids there (made one block at a time, on ``xp``'s side)."""
+    bl = sourcemap.blocks
+    for k in range(bl.count):
+        nr, nc, r0, c0 = int(bl.nr[k]), int(bl.nc[k]), int(bl.r0[k]), int(bl.c0[k])
+        ids = (int(bl.id0[k]) + xp.arange(nr, dtype=xp.int64)[:, None] * int(bl.sr[k])
+               + xp.arange(nc, dtype=xp.int64)[None, :] * int(bl.sc[k]))
+        yield (slice(r0, r0 + nr), slice(c0, c0 + nc)), ids
 
 
 def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
@@ -113,6 +118,15 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         kk = np.maximum(k, 0)
         return kk, (k >= 0) & (ids - starts[kk] < numel[kk])
 
+    def spans(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For id ranges ``[lo, hi]``: the FP8 tensor of each, whether one FP8 tensor holds
+        the whole range (both ends in it: the ids between too), and whether it lies outside
+        every FP8 tensor (both ends outside, no tensor starting between: undeclared)."""
+        (k_lo, in_lo), (k_hi, in_hi) = inside(lo), inside(hi)
+        outside = ~in_lo & ~in_hi & (np.searchsorted(starts, lo, side="right")
+                                     == np.searchsorted(starts, hi, side="right"))
+        return k_lo, in_lo & in_hi & (k_lo == k_hi), outside
+
     def values(ids: np.ndarray) -> np.ndarray:
         """float64 of what the FP8 checkpoint holds at ``ids`` (a block: 2-D, affine, >= 0).
         A row of a block lies in one tensor but where a tensor ends inside it: rows are sorted
@@ -120,15 +134,9 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         element."""
         vals = np.empty(ids.shape, np.float64)
         ends = np.stack([ids[:, 0], ids[:, -1]])
-        lo, hi = ends.min(0), ends.max(0)
-        (k_lo, in_lo), (k_hi, in_hi) = inside(lo), inside(hi)
-        # one tensor holds the whole row: both ends in it (ids between them are too), or both
-        # ends outside every FP8 tensor with none between them (an undeclared tensor)
-        whole = in_lo & in_hi & (k_lo == k_hi)
-        outside = ~in_lo & ~in_hi & (np.searchsorted(starts, lo, side="right")
-                                     == np.searchsorted(starts, hi, side="right"))
-        for k in np.unique(k_lo[whole]).tolist():
-            r = np.flatnonzero(whole & (k_lo == k))
+        k_row, whole, outside = spans(ends.min(0), ends.max(0))
+        for k in np.unique(k_row[whole]).tolist():
+            r = np.flatnonzero(whole & (k_row == k))
             vals[r] = quantised(k)[ids[r] - starts[k]].astype(np.float64)
         r = np.flatnonzero(outside)  # undeclared tensors: the weights as held
         vals[r] = weight_bits(ids[r], hd).view(hd).astype(np.float64)
@@ -145,25 +153,17 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         dt = dtype_info(b.dtype).numpy
         want = np.zeros(b.shape, dt)
         v = want.reshape(b.sourcemap.view2d)
-        bl = b.sourcemap.blocks
-        for k in range(bl.count):
-            nr, nc = int(bl.nr[k]), int(bl.nc[k])
-            ids = (int(bl.id0[k]) + np.arange(nr, dtype=np.int64)[:, None] * int(bl.sr[k])
-                   + np.arange(nc, dtype=np.int64)[None, :] * int(bl.sc[k]))
-            r0, c0 = int(bl.r0[k]), int(bl.c0[k])
-            dst = v[r0:r0 + nr, c0:c0 + nc]
+        for where, ids in _blocks(b.sourcemap):
             corners = ids[[0, 0, -1, -1], [0, -1, 0, -1]]
-            (k_lo, in_lo), (k_hi, in_hi) = inside(corners.min(keepdims=True)), inside(
-                corners.max(keepdims=True))
-            if in_lo[0] and in_hi[0] and k_lo[0] == k_hi[0]:  # the block in one FP8 tensor
-                src = quantised(int(k_lo[0]))[ids - starts[k_lo[0]]]
-            elif not in_lo[0] and not in_hi[0] and np.searchsorted(
-                    starts, corners.min(), side="right") == np.searchsorted(
-                    starts, corners.max(), side="right"):  # in an undeclared tensor
+            (k,), (whole,), (outside,) = spans(corners.min(keepdims=True),
+                                               corners.max(keepdims=True))
+            if whole:  # the block in one FP8 tensor
+                src = quantised(int(k))[ids - starts[k]]
+            elif outside:  # in an undeclared tensor
                 src = weight_bits(ids, hd).view(hd)
             else:
                 src = values(ids)
-            convert(dst, src)  # a copy where the dtypes are the same
+            convert(v[where], src)  # a copy where the dtypes are the same
         raw = want.view(f"u{dt.itemsize}")
         arr = xp.asarray(raw)
         out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
