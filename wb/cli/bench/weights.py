@@ -83,32 +83,31 @@ def _blocks(sourcemap, xp=np):
 def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
     """What a rollout of the FP8 checkpoint holds: the trainers' weights (:func:`weight_bits`
     of ids, as ``held``) quantised block by block (:func:`wb.data.blockscale.quantize_tensor`,
-    one declared tensor at a time, made on the host), their scales, and the other tensors
-    converted to each buffer's dtype.
+    made on the host for the blocks this layout reads, :class:`_Quantised`), their scales, and
+    the other tensors converted to each buffer's dtype.
 
     Built one source-map block at a time (a block's ids are one affine rectangle, gathered from
     the tensor they fall in): no id per element of a whole buffer is ever made, so multi-GB
     rollouts are checked in seconds (equal to the per-element construction: test_fp8)."""
-    from wb.data.blockscale import quantize_tensor
-
     spec, fspec = scaled.trainer_spec, scaled.spec
     hd = dtype_info(held).numpy
     # every FP8 checkpoint tensor: (start id, numel, tensor, 0: the FP8 values, 1: the scales);
-    # a tensor is quantised only when this layout needs part of it (a rank holds a small share)
+    # only blocks this layout reads are quantised (a rank holds a small share of a tensor)
     names = [(n, t, 0) for t, n in enumerate(scaled.names)] + [
         (scaled.scale_name(t), t, 1) for t in range(len(scaled.names))]
     rows = sorted((fspec.offset(n), int(np.prod(fspec.shape(n))), t, which)
                   for n, t, which in names)
     starts = np.array([r[0] for r in rows], np.int64)
-    done_q: dict[int, tuple] = {}
+    lazy: dict[int, _Quantised] = {}
 
-    def quantised(k: int) -> np.ndarray:
+    def quantised(k: int, idx: np.ndarray) -> np.ndarray:
+        """The FP8 checkpoint's values (or scales) of FP8 tensor ``rows[k]`` at flat indices
+        ``idx`` into it; only the blocks those cover are quantised (once each)."""
         _, _, t, which = rows[k]
-        if t not in done_q:
+        if t not in lazy:
             n = scaled.names[t]
-            x = weight_bits(spec.ids(n), hd).view(hd).reshape(spec.shape(n))
-            done_q[t] = quantize_tensor(x, scaled.decl.block, scaled.decl.format)
-        return np.asarray(done_q[t][which]).reshape(-1)
+            lazy[t] = _Quantised(spec.offset(n), spec.shape(n), hd, scaled.decl)
+        return lazy[t].at(which, idx)
 
     numel = np.array([r[1] for r in rows], np.int64)
 
@@ -137,14 +136,14 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         k_row, whole, outside = spans(ends.min(0), ends.max(0))
         for k in np.unique(k_row[whole]).tolist():
             r = np.flatnonzero(whole & (k_row == k))
-            vals[r] = quantised(k)[ids[r] - starts[k]].astype(np.float64)
+            vals[r] = quantised(k, ids[r] - starts[k]).astype(np.float64)
         r = np.flatnonzero(outside)  # undeclared tensors: the weights as held
         vals[r] = weight_bits(ids[r], hd).view(hd).astype(np.float64)
         for i in np.flatnonzero(~whole & ~outside).tolist():  # a row across tensors
             k, ok = inside(ids[i])
             for kk in np.unique(k[ok]).tolist():
                 sel = ok & (k == kk)
-                vals[i, sel] = quantised(kk)[ids[i, sel] - starts[kk]].astype(np.float64)
+                vals[i, sel] = quantised(kk, ids[i, sel] - starts[kk]).astype(np.float64)
             vals[i, ~ok] = weight_bits(ids[i, ~ok], hd).view(hd).astype(np.float64)
         return vals
 
@@ -158,7 +157,7 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
             (k,), (whole,), (outside,) = spans(corners.min(keepdims=True),
                                                corners.max(keepdims=True))
             if whole:  # the block in one FP8 tensor
-                src = quantised(int(k))[ids - starts[k]]
+                src = quantised(int(k), ids - starts[k])
             elif outside:  # in an undeclared tensor
                 src = weight_bits(ids, hd).view(hd)
             else:
@@ -168,6 +167,53 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
         arr = xp.asarray(raw)
         out[name] = arr.view(dt) if (xp is np or dt.kind != "V") else arr
     return out
+
+
+class _Quantised:
+    """One declared tensor of the trainers' weights (:func:`weight_bits` of its ids, as ``hd``)
+    quantised by :func:`wb.data.blockscale.quantize_tensor` a block-aligned rectangle at a time,
+    as reads need them: a block's quantisation depends on its own elements only, so a rectangle
+    of whole blocks (cut at the tensor's edges as the whole tensor is) quantises to the same
+    bits as those blocks of the whole tensor."""
+
+    def __init__(self, start: int, shape, hd: np.dtype, decl):
+        from wb.data.dtypes import dtype_info as info
+
+        self.start, (self.r, self.c), self.hd, self.decl = start, shape, hd, decl
+        self.bh, self.bw = decl.block
+        self.gr, self.gc = -(-self.r // self.bh), -(-self.c // self.bw)
+        self.q = np.empty(self.r * self.c, info(decl.format).numpy)  # pages touched as filled
+        self.s = np.empty(self.gr * self.gc, np.float32)
+        self.done = np.zeros((self.gr, self.gc), bool)
+
+    def at(self, which: int, idx: np.ndarray) -> np.ndarray:
+        """Values (``which`` 0: flat indices into the tensor) or scales (1: into the scale
+        grid) at ``idx``."""
+        if which == 0:
+            rows, cols = idx // self.c, idx % self.c
+            self._cover(rows.min() // self.bh, rows.max() // self.bh,
+                        cols.min() // self.bw, cols.max() // self.bw)
+            return self.q[idx]
+        g_r, g_c = idx // self.gc, idx % self.gc
+        self._cover(g_r.min(), g_r.max(), g_c.min(), g_c.max())
+        return self.s[idx]
+
+    def _cover(self, gr0, gr1, gc0, gc1) -> None:
+        """Quantises blocks ``[gr0, gr1] x [gc0, gc1]`` (inclusive) unless done."""
+        from wb.data.blockscale import quantize_tensor
+
+        gr0, gr1, gc0, gc1 = int(gr0), int(gr1) + 1, int(gc0), int(gc1) + 1
+        if self.done[gr0:gr1, gc0:gc1].all():
+            return
+        r0, r1 = gr0 * self.bh, min(gr1 * self.bh, self.r)
+        c0, c1 = gc0 * self.bw, min(gc1 * self.bw, self.c)
+        ids = (self.start + np.arange(r0, r1, dtype=np.int64)[:, None] * self.c
+               + np.arange(c0, c1, dtype=np.int64)[None, :])
+        q, scale = quantize_tensor(weight_bits(ids, self.hd).view(self.hd), (self.bh, self.bw),
+                                   self.decl.format)
+        self.q.reshape(self.r, self.c)[r0:r1, c0:c1] = q
+        self.s.reshape(self.gr, self.gc)[gr0:gr1, gc0:gc1] = scale
+        self.done[gr0:gr1, gc0:gc1] = True
 
 
 def mapped_for(plan, rank: int, xp=np) -> dict:
