@@ -1,7 +1,8 @@
 """Element dtypes by name: numpy dtype, size, and the largest integer each holds exactly.
 
 Names follow PyTorch/JAX spelling (``"bfloat16"``, ``"float8_e4m3fn"``). numpy has no bfloat16 or
-float8, so those come from ``ml_dtypes``, the same package JAX uses.
+float8, so those come from ``ml_dtypes``, the same package JAX uses, imported when one of them is
+first asked for (it takes most of a second: a restarted rollout imports wb before it rejoins).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import types
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from wb.errors import SpecError
@@ -20,9 +20,21 @@ __all__ = ["DType", "dtype_info", "canonical_dtype", "known_dtype", "CODES", "CO
 
 class DType(NamedTuple):
     name: str
-    numpy: np.dtype
     itemsize: int  # bytes per element
     exact_int_max: int  # every integer in [0, exact_int_max] is representable exactly
+
+    @property
+    def numpy(self) -> np.dtype:
+        """The numpy dtype (``ml_dtypes``' for bfloat16 and float8: imported here, at first use)."""
+        return _numpy(self.name)
+
+
+def _numpy(name: str) -> np.dtype:
+    if name not in _NUMPY:
+        import ml_dtypes
+
+        _NUMPY[name] = np.dtype(getattr(ml_dtypes, name))
+    return _NUMPY[name]
 
 
 def _float_exact(mantissa_bits: int) -> int:
@@ -30,22 +42,25 @@ def _float_exact(mantissa_bits: int) -> int:
     return 2 ** (mantissa_bits + 1)
 
 
+_NUMPY: dict[str, np.dtype] = {}
 _TABLE: dict[str, DType] = {}
-for _name, _np, _exact in [
-    ("float64", np.dtype(np.float64), _float_exact(52)),
-    ("float32", np.dtype(np.float32), _float_exact(23)),
-    ("float16", np.dtype(np.float16), _float_exact(10)),
-    ("bfloat16", np.dtype(ml_dtypes.bfloat16), _float_exact(7)),
-    ("float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn), _float_exact(3)),
-    ("float8_e5m2", np.dtype(ml_dtypes.float8_e5m2), _float_exact(2)),
-    ("int64", np.dtype(np.int64), 2**62),
-    ("int32", np.dtype(np.int32), 2**31 - 1),
-    ("int16", np.dtype(np.int16), 2**15 - 1),
-    ("int8", np.dtype(np.int8), 2**7 - 1),
-    ("uint8", np.dtype(np.uint8), 2**8 - 1),
-    ("bool", np.dtype(np.bool_), 1),
+for _name, _size, _exact in [
+    ("float64", 8, _float_exact(52)),
+    ("float32", 4, _float_exact(23)),
+    ("float16", 2, _float_exact(10)),
+    ("bfloat16", 2, _float_exact(7)),  # ml_dtypes'
+    ("float8_e4m3fn", 1, _float_exact(3)),
+    ("float8_e5m2", 1, _float_exact(2)),
+    ("int64", 8, 2**62),
+    ("int32", 4, 2**31 - 1),
+    ("int16", 2, 2**15 - 1),
+    ("int8", 1, 2**7 - 1),
+    ("uint8", 1, 2**8 - 1),
+    ("bool", 1, 1),
 ]:
-    _TABLE[_name] = DType(_name, _np, _np.itemsize, _exact)
+    _TABLE[_name] = DType(_name, _size, _exact)
+    if _name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        _NUMPY[_name] = np.dtype(_name)
 
 #: Every dtype name, in a fixed order: a dtype's code in plans and correspondences is its index.
 CODES: tuple[str, ...] = tuple(_TABLE)
@@ -155,7 +170,7 @@ def convert(dst: np.ndarray, src: np.ndarray) -> None:
     if src.dtype == np.float64 and dst.dtype.itemsize < 4:  # as torch: through float32
         with np.errstate(all="ignore"):
             src = src.astype(np.float32)
-    if dst.dtype == _TABLE["float8_e4m3fn"].numpy:
+    if dst.dtype == dtype_info("float8_e4m3fn").numpy:
         src = np.clip(src, -E4M3_MAX, E4M3_MAX)  # NaN stays NaN
     with np.errstate(all="ignore"):  # overflow and underflow are defined above
         dst[...] = src
