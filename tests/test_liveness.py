@@ -60,6 +60,31 @@ def test_a_watch_that_looked_away_times_silence_from_the_last_beat_not_its_next_
         alive.stop()
 
 
+def test_a_following_watch_times_a_death_from_the_last_beat_though_never_asked_before():
+    """The trainers' leader follows its members between versions: a peer it was never asked
+    about, killed while its owner asked nothing, is silent at the owner's first question (timed
+    from its last beat, within a beat and a look), where a watch that does not follow would
+    count from that question; a peer that goes on beating is never silent."""
+    s = MemoryStore()
+    dead, alive = Heartbeat(s, "alive/0", interval=0.05), Heartbeat(s, "alive/1", interval=0.05)
+    following = Watch(s, lambda r: f"alive/{r}", grace=0.4)
+    plain = Watch(s, lambda r: f"alive/{r}", grace=0.4)
+    following.follow(lambda: [0, 1], every=0.02)
+    try:
+        time.sleep(0.3)
+        dead.stop()
+        gone = time.monotonic()
+        time.sleep(0.6)
+        first = following.silent([0, 1])
+        waited = time.monotonic() - gone
+        assert set(first) == {0}, first
+        assert waited - 0.05 - 0.02 - 0.02 <= first[0] <= waited + 0.05, (first, waited)
+        assert plain.silent([0, 1]) == {}  # never asked before: counts from now
+    finally:
+        following.stop()
+        alive.stop()
+
+
 def test_a_peer_that_never_beat_is_silent_a_grace_after_first_asked():
     watch = Watch(MemoryStore(), lambda r: f"alive/{r}", grace=0.3)
     assert watch.silent([7]) == {}

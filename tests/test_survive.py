@@ -179,6 +179,36 @@ def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tm
 
 
 @pytest.mark.timeout(240)
+def test_a_rollout_restarted_before_it_is_called_dead_replaces_itself_at_the_next_push(
+        plan_file, tmp_path):
+    """The forwarding rollout exits between versions 2 and 3 and is restarted at once, 3 s
+    before version 3 is pushed: its join request proves the old incarnation dead, so the leader
+    admits the new one into version 3 (not a version after it has waited out the grace): no
+    attempt is repaired, the death is recorded as a restart, and everyone applies every
+    version bit-identical."""
+    victim = _forwarder(plan_file)
+    stamp = tmp_path / "stamp"
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 5, "timeout": 60, "step_s": 3.0},
+                    faults={victim: {"exit_before": 3, "stamp": str(stamp),
+                                     "rejoin_after_s": 0.0}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, victim, 5)
+    back = run.results[victim]
+    assert back is not None and back["ok"], back
+    assert back["first_version"] == 3 and back["asked_after_version"] == 2, back
+    assert back["applied"] == [3, 4, 5] and all(back["checks"]), back
+    leader = run.results[0]
+    assert leader["repairs"] == [], leader["repairs"]  # nobody waited on the dead one
+    (death,) = leader["deaths"]
+    assert death["ranks"] == [victim] and death["restarted"] and death["version"] == 3, death
+    print(f"rank {victim} exited after version 2; called dead "
+          f"{death['detected_s'] - float(stamp.read_text()):.1f} s later, at the push of "
+          f"version 3, by its own join request")
+
+
+@pytest.mark.timeout(240)
 def test_survivors_finish_when_every_worker_has_only_its_part(plan_file, tmp_path):
     """Set up with wb.agree_parts under the session's name: each worker holds only its part,
     the leader reads the roster and layouts from the store to plan the repair."""

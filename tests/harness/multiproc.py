@@ -524,6 +524,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 tx.push()
             tx.close()
             result["repairs"] = _repairs(tx)
+            result["deaths"] = list(tx._end.finisher.deaths)  # the leader's calls
         else:
             bufs = {k: np.zeros_like(v) for k, v in base.items()}
             rx = wb.Receiver(plan, rank, bufs, staging=options.get("receiver_staging", True), **kw)

@@ -138,6 +138,7 @@ class Endpoint:
                 transport.add_peers(self.peers)
         except BaseException:
             self.heartbeat.stop()
+            self.watch.stop()
             raise
         # versions finish without rollouts that die during them; rollouts join between them
         self.finisher = Finisher(self, epoch=0 if joined is None else joined[1])
@@ -234,6 +235,7 @@ class Endpoint:
             log.warning("rank %d: closing without the last version's final record: %s",
                         self.rank, e)
         self.heartbeat.stop()
+        self.watch.stop()
 
     def record(self, v: int, stall_s: float, t: Transferred) -> None:
         """Records version ``v``: ``stall_s`` seconds blocked the caller."""

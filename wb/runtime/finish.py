@@ -127,6 +127,8 @@ class Finisher:
         self._watched: set[int] = set()  # workers whose incarnation the watch knows
         self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
         self.apart: set[int] = set()  # this epoch's rollouts fed apart (its joiners)
+        if end.rank == self.leader:  # it calls the dead: its watch times silences all along
+            end.watch.follow(lambda: [r for r in (*self.trainers, *self.rollouts) if r != end.rank])
 
     def _read_roster(self) -> None:
         """The leader of a job set up by :func:`wb.agree_parts` (under this session's name):
@@ -425,6 +427,8 @@ class Finisher:
         rec = json.loads(raw)
         if rec["epoch"] <= self.epoch:
             return
+        # members restarted under their rank: the old incarnation's connection is dropped
+        _call(end.transport, "forget", set(rec.get("replaced", ())) - {end.rank})
         self._take_up(rec["epoch"], rec["rollouts"], set(rec["apart"]), set(rec["joined"]))
 
     def _take_up(self, epoch: int, rollouts, apart: set[int], back: set[int]) -> None:

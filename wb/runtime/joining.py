@@ -127,6 +127,13 @@ class Admissions:
         if not joiners:
             return
         store, epoch = end.store, fin.epoch + 1
+        # members whose rank asked to join again: their process was restarted, so the
+        # incarnation that was a member is dead (called so now, not a grace later) and the new
+        # one is fed apart in v as any joiner; everyone drops the old one's connection
+        replaced = sorted(set(joiners) & set(fin.rollouts))
+        if replaced:
+            fin.deaths.append({"version": v, "ranks": replaced, "detected_s": time.time(),
+                               "restarted": True})
         rollouts = sorted(set(fin.rollouts) | set(joiners))
         t0 = time.time()
         nxt = make_plan([fin.layouts[t] for t in fin.trainers],
@@ -139,9 +146,11 @@ class Admissions:
                 {"token": token, "epoch": epoch, "version": v}).encode())
         store.set(end.key("v", v, "start"), json.dumps(
             {"epoch": epoch, "rollouts": rollouts, "joined": sorted(joiners),
-             "apart": sorted(joiners), "planned_s": time.time() - t0}).encode())
-        log.warning("version %d: rollouts %s admitted (fed apart in this version)", v,
-                    sorted(joiners))
+             "apart": sorted(joiners), "replaced": replaced,
+             "planned_s": time.time() - t0}).encode())
+        log.warning("version %d: rollouts %s admitted (fed apart in this version)%s", v,
+                    sorted(joiners), f"; {replaced} replace their dead incarnations"
+                    if replaced else "")
 
     def requests(self, dead: set[int]) -> dict[int, str]:
         """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
@@ -152,14 +161,13 @@ class Admissions:
         self._rescan = False
         known = set(fin.layouts) | set(self.joined)
         lost = (set(fin.layouts) - set(fin.trainers) - set(fin.rollouts)) | dead
-        # a member asking to join again was restarted: its old incarnation is not called dead
-        # yet, and until it is the request waits (read again at every push)
-        if any((raw := self.peek(end.key("joinreq", r))) is not None
-               and raw.decode() != self.joined.get(r) for r in set(fin.rollouts) - dead):
-            self._rescan = True
+        # a member asking to join again under a new incarnation was restarted (a launcher
+        # restarts a rank once its process ended): the request is read as any other, and the
+        # new incarnation replaces the old one (:meth:`admit`), which is not waited for again
+        members = set(fin.rollouts) - dead
         top = max(known)
         out = {}
-        for r in sorted(lost | set(range(top + 1, top + 1 + JOIN_RANGE))):
+        for r in sorted(lost | members | set(range(top + 1, top + 1 + JOIN_RANGE))):
             raw = self.peek(end.key("joinreq", r))
             if raw is None or raw.decode() == self.joined.get(r):
                 continue

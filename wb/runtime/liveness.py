@@ -8,8 +8,11 @@ own clock. An update that makes no progress asks the watch about the peers it st
 so a killed or stopped peer is named within about ``grace`` seconds, not after the inactivity
 timeout.
 
-A watch that looks now and then (the trainers' leader looks during versions, not between them)
-does not count a peer's silence from its own first look after a pause: each beat carries the
+The trainers' leader, which calls the dead, also keeps its watch looking at every member between
+its own questions (:meth:`Watch.follow`, a daemon thread reading each member's beat every
+:data:`FOLLOW_S`), so a death between versions is timed from the last beat on its own clock. A
+watch that looks only now and then does not count a peer's silence from its own first look after
+a pause either: each beat carries the
 peer's monotonic clock, and the watch, having seen earlier beats of the same peer, places the
 newest one on its own clock by the peer's elapsed time since them. Only differences of one
 peer's clock are used (never one machine's time against another's), over the last few beats
@@ -29,7 +32,7 @@ from collections.abc import Callable, Iterable
 
 from wb.errors import TransferError
 
-__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S", "new_incarnation"]
+__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S", "FOLLOW_S", "new_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5
 #: Seconds without a new beat after which a peer is called dead or hung.
 GRACE_S = 3.0
+#: Seconds between two looks of a following watch (:meth:`Watch.follow`) at each peer.
+FOLLOW_S = BEAT_S / 2
 
 
 def new_incarnation() -> str:
@@ -106,6 +111,30 @@ class Watch:
         # rank -> (when seen on this clock - the peer's clock in it) of its last few new beats:
         # the smallest is the tightest bound on where the peer's clock sits on this one
         self._offsets: dict[int, deque] = {}
+        self._lock = threading.Lock()  # a following thread and the owner's questions
+        self._following: threading.Event | None = None
+
+    def follow(self, peers: Callable[[], Iterable[int]], every: float = FOLLOW_S) -> None:
+        """Looks at the beats of ``peers()`` every ``every`` seconds from a daemon thread, until
+        :meth:`stop`: between the owner's own questions too, so a peer's silence is timed on
+        this clock from within ``every`` of its last beat. Costs one store read per peer per
+        look (the trainers' leader follows its members)."""
+        if self._following is not None:
+            return
+        stop = self._following = threading.Event()
+
+        def run():
+            while not stop.wait(every):
+                try:
+                    self.silent(list(peers()))
+                except Exception:  # noqa: BLE001 - a store hiccup: the owner asks again
+                    log.debug("watch: a look failed", exc_info=True)
+        threading.Thread(target=run, name="wb-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stops following (:meth:`follow`)."""
+        if self._following is not None:
+            self._following.set()
 
     def silent(self, peers: Iterable[int], grace: float | None = None) -> dict[int, float]:
         """``{peer: seconds since its beat last changed}`` for the peers silent longer than the
@@ -114,13 +143,17 @@ class Watch:
         incarnation than the one first seen (it died and was restarted under the same rank) is
         silent from then on, until :meth:`reset`."""
         grace = self.grace if grace is None else float(grace)
-        now = time.monotonic()
+        with self._lock:
+            return self._silent(peers, grace)
+
+    def _silent(self, peers: Iterable[int], grace: float) -> dict[int, float]:
         out = {}
         for p in peers:
             try:
                 beat = self.store.get(self.key_of(p), 0.05)  # 0 means "forever" to some stores
             except TransferError:
                 beat = None
+            now = time.monotonic()  # after the read: a beat seen was written by now
             last, since = self._seen.get(p, (None, now))
             if beat is not None and beat != last:
                 last, since = beat, now
@@ -149,9 +182,10 @@ class Watch:
 
     def reset(self, peers: Iterable[int]) -> None:
         """Accepts the incarnation ``peers`` beat as now (restarted workers taken back in)."""
-        for p in peers:
-            for book in (self._seen, self._incarnation, self._restarted, self._offsets):
-                book.pop(p, None)
+        with self._lock:
+            for p in peers:
+                for book in (self._seen, self._incarnation, self._restarted, self._offsets):
+                    book.pop(p, None)
 
 
 def _parse(beat: bytes) -> tuple[bytes, float | None]:
