@@ -151,6 +151,23 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
 
 
 @pytest.mark.timeout(240)
+def test_a_joiner_the_leader_cannot_plan_is_refused_and_nobody_else_notices(plan_file, tmp_path):
+    """Rank 8 asks to join with int32 buffers for the trainers' float32 weights: the leader's
+    plan for it fails (on its planning thread), the joiner's ``Receiver.join`` raises with the
+    planner's reason, and every member applies every version bit-identical."""
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 6, "timeout": 60, "step_s": 0.4,
+                             "join_as": {"rank": 8, "node": "r2", "after_version": 2,
+                                         "like": 6, "dtype": "int32"}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, None, 6)
+    j = run.results[8]
+    assert j is not None and not j["ok"], j
+    assert "refused" in j["error"] and "int32" in j["error"], j["error"]
+
+
+@pytest.mark.timeout(240)
 def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tmp_path):
     """The forwarding rollout dies mid-version 2 and is restarted 1 s later (the same rank and
     layout, joining): the survivors finish version 2; the restarted one is admitted into the

@@ -377,9 +377,11 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
         time.sleep(join.get("after_s", 0.0))
         result["asked_after_version"] = _await_version(store_dir, join.get("after_version"))
         like = Plan.load(plan_path).layout_of(join["like"])
+        buffers = dict(like.buffers)
+        if join.get("dtype"):  # another dtype than the trainers' (one wb cannot convert to)
+            buffers = {k: wb.BufferSpec(b.sourcemap, join["dtype"]) for k, b in buffers.items()}
         lay = wb.Layout(wb.Worker(rank, join.get("node", like.worker.node), "rollout",
-                                  like.worker.local_rank),
-                        dict(like.buffers))
+                                  like.worker.local_rank), buffers)
         base = buffers_of(lay, fill=True)
         mapped = mapped_for(SimpleNamespace(layout_of=lambda r: lay), rank)
         bufs = {k: np.zeros_like(v) for k, v in base.items()}

@@ -127,6 +127,7 @@ class Finisher:
         self._watched: set[int] = set()  # workers whose incarnation the watch knows
         self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
         self.apart: set[int] = set()  # this epoch's rollouts fed apart (its joiners)
+        self._top_epoch = epoch  # the highest epoch the leader has handed out
         if end.rank == self.leader:  # it calls the dead: its watch times silences all along
             end.watch.follow(lambda: [r for r in (*self.trainers, *self.rollouts) if r != end.rank])
 
@@ -378,10 +379,16 @@ class Finisher:
             nxt = make_plan([self.layouts[t] for t in self.trainers],
                             [self.layouts[r] for r in rollouts], self.cluster,
                             chunk_bytes=self.chunk_bytes)
-            rec["epoch"] = self.epoch + 1
+            rec["epoch"] = self.new_epoch()
             rec["planned_s"] = time.time() - t0
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))
         self.end.store.set(self._key(v, "final"), json.dumps(rec).encode())
+
+    def new_epoch(self) -> int:
+        """A membership epoch never used before (the leader's: epochs it planned and dropped
+        are skipped, so no two plans are published under one name)."""
+        self._top_epoch = max(self._top_epoch, self.epoch) + 1
+        return self._top_epoch
 
     def admit(self, v: int) -> None:
         """The leader, pushing version ``v`` before it announces it, admits the rollouts that

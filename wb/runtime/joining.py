@@ -7,6 +7,7 @@ that version; :mod:`wb.runtime.finish` takes the new membership up from there).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: How many ranks after the highest it knows a leader asks for join requests.
 JOIN_RANGE = 16
+#: Seconds a push waits for the joiners' plan before it goes on without admitting them.
+PLAN_WAIT_S = 0.25
 
 
 def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0,
@@ -82,11 +85,14 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
         while True:
             try:
                 rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
-                if rec["token"] == token:
-                    recs[rank] = rec
-                    break
             except TransferError:
-                pass
+                rec = None
+            if rec is not None and rec["token"] == token:
+                if "refused" in rec:
+                    raise TransferError(f"rank {rank}: the trainers' leader refused to take it "
+                                        f"into session `{name}`: {rec['refused']}")
+                recs[rank] = rec
+                break
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
                                     f"{timeout:.0f} s; the trainers' leader admits joiners when "
@@ -98,7 +104,12 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
 
 class Admissions:
     """The trainers' leader's side of joining: the join requests in the store, and their
-    admission into the version it pushes next.
+    admission into a version it pushes.
+
+    The plan for the new membership is made on a thread (a 1T job's takes seconds): a push
+    waits for it at most :data:`PLAN_WAIT_S`, and one not ready by then admits the joiners at
+    a later push (the trainers' pushes are never held up by a joiner). A plan that the
+    membership changed under meanwhile (a death called) is dropped and made again.
 
     Args:
         fin: the leader's :class:`wb.runtime.finish.Finisher` (its layouts, members, epoch,
@@ -111,22 +122,49 @@ class Admissions:
         self.joined: dict[int, str] = {}  # rank -> the join request admitted
         self._asked: bytes | None = None  # the join marker last read
         self._rescan = False  # requests were left waiting: read them again at the next push
+        self._planning: _Planning | None = None
 
     def admit(self, v: int) -> None:
         """Admits the rollouts that asked to join (all ranks of a process or none) into version
-        ``v``, before the leader announces it. They run ``v`` fed apart (:func:`wb.plan`'s
-        ``apart``) under a new epoch, whose parts and *start* record are in the store before
-        ``v`` is announced. Reads one key when nobody asked since the last look."""
-        fin = self.fin
-        end = fin.end
-        asked = self.peek(end.key("joins"))
-        if asked is None or (asked == self._asked and not self._rescan):
+        ``v``, before the leader announces it, once their plan is made. They run ``v`` fed apart
+        (:func:`wb.plan`'s ``apart``) under a new epoch, whose parts and *start* record are in
+        the store before ``v`` is announced. Reads one key when nobody asked since the last
+        look."""
+        fin, end = self.fin, self.fin.end
+        if self._planning is None:
+            asked = self.peek(end.key("joins"))
+            if asked is None or (asked == self._asked and not self._rescan):
+                return
+            self._asked = asked
+            joiners = self.requests(set())
+            if not joiners:
+                return
+            self._planning = _Planning(fin, joiners)
+        job = self._planning
+        if not job.wait(PLAN_WAIT_S):
+            log.info("version %d: the plan for joiners %s is not made yet; they are admitted "
+                     "at a later push", v, sorted(job.joiners))
             return
-        self._asked = asked
-        joiners = self.requests(set())
-        if not joiners:
+        self._planning = None
+        if job.error is not None:  # the joiners are refused; the job goes on without them
+            log.error("version %d: joiners %s refused: %s", v, sorted(job.joiners), job.error)
+            for r, token in job.joiners.items():
+                self.joined[r] = token  # not asked again until the rank asks anew
+                end.store.set(end.key("admitted", r), json.dumps(
+                    {"token": token, "refused": f"{type(job.error).__name__}: "
+                                                f"{job.error}"}).encode())
             return
-        store, epoch = end.store, fin.epoch + 1
+        if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
+                (raw := self.peek(end.key("joinreq", r))) is None or raw.decode() != token
+                for r, token in job.joiners.items()):
+            self._rescan = True  # the membership (or a request) changed meanwhile: again
+            self.admit(v)
+            return
+        self._admit(v, job)
+
+    def _admit(self, v: int, job: _Planning) -> None:
+        fin, end = self.fin, self.fin.end
+        store, epoch, joiners = end.store, job.epoch, job.joiners
         # members whose rank asked to join again: their process was restarted, so the
         # incarnation that was a member is dead (called so now, not a grace later) and the new
         # one is fed apart in v as any joiner; everyone drops the old one's connection
@@ -134,20 +172,14 @@ class Admissions:
         if replaced:
             fin.deaths.append({"version": v, "ranks": replaced, "detected_s": time.time(),
                                "restarted": True})
-        rollouts = sorted(set(fin.rollouts) | set(joiners))
-        t0 = time.time()
-        nxt = make_plan([fin.layouts[t] for t in fin.trainers],
-                        [fin.layouts[r] for r in rollouts], fin.cluster,
-                        chunk_bytes=fin.chunk_bytes, apart=sorted(joiners))
-        publish_parts(store, nxt, name=end.key("epoch", epoch))
         for r, token in joiners.items():
             self.joined[r] = token
             store.set(end.key("admitted", r), json.dumps(
                 {"token": token, "epoch": epoch, "version": v}).encode())
         store.set(end.key("v", v, "start"), json.dumps(
-            {"epoch": epoch, "rollouts": rollouts, "joined": sorted(joiners),
+            {"epoch": epoch, "rollouts": job.rollouts, "joined": sorted(joiners),
              "apart": sorted(joiners), "replaced": replaced,
-             "planned_s": time.time() - t0}).encode())
+             "planned_s": job.planned_s}).encode())
         log.warning("version %d: rollouts %s admitted (fed apart in this version)%s", v,
                     sorted(joiners), f"; {replaced} replace their dead incarnations"
                     if replaced else "")
@@ -192,3 +224,37 @@ class Admissions:
                 out = {q: t for q, t in out.items() if t != token}
                 self._rescan = True
         return out
+
+
+class _Planning:
+    """The plan of the trainers and the members with ``joiners`` fed apart, made on a thread
+    from the membership of now (``members``: the epoch and rollouts it was made for) and its
+    parts published under a new epoch (skipped, should the plan be dropped)."""
+
+    def __init__(self, fin, joiners: dict[int, str]):
+        self.joiners = dict(joiners)
+        self.members = (fin.epoch, tuple(fin.rollouts))
+        self.rollouts = sorted(set(fin.rollouts) | set(joiners))
+        self.epoch = fin.new_epoch()
+        self.error: BaseException | None = None
+        self.planned_s = 0.0
+        trainers = [fin.layouts[t] for t in fin.trainers]
+        rollouts = [fin.layouts[r] for r in self.rollouts]
+        cluster, chunk, end = fin.cluster, fin.chunk_bytes, fin.end
+
+        def run():
+            t0 = time.time()
+            try:
+                nxt = make_plan(trainers, rollouts, cluster, chunk_bytes=chunk,
+                                apart=sorted(self.joiners))
+                publish_parts(end.store, nxt, name=end.key("epoch", self.epoch))
+            except BaseException as e:  # noqa: BLE001 - the push that takes it up refuses them
+                self.error = e
+            self.planned_s = time.time() - t0
+        self._thread = threading.Thread(target=run, name="wb-plan-joiners", daemon=True)
+        self._thread.start()
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the plan is made (or failed), waiting up to ``seconds``."""
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
