@@ -37,6 +37,9 @@ def main() -> None:
                     help="updates per process before the measured one (default 1: a first "
                          "update also loads kernels and maps memory; first_ewtt_s has it)")
     ap.add_argument("--chunk-mb", type=float, default=8.0, help="plan piece size (MiB)")
+    ap.add_argument("--polling", choices=("auto", "on", "off"), default="auto",
+                    help="UCX progress threads busy-poll (on) or wait on events (off); auto: "
+                         "wb.UcxTransport's default (polling with a CUDA device)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--trace", metavar="DIR",
@@ -45,7 +48,8 @@ def main() -> None:
     a = ap.parse_args()
     kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
               repeat=a.repeat, cuda_device=a.cuda, warmup=a.warmup,
-              chunk=int(a.chunk_mb * 2**20))
+              chunk=int(a.chunk_mb * 2**20),
+              polling={"auto": None, "on": True, "off": False}[a.polling])
     trace = (lambda name: str(Path(a.trace, name))) if a.trace else (lambda name: None)
     bf16 = run(trace_out=trace("bf16"), **kw)
     if a.out:  # a partial report, should the FP8 run not finish

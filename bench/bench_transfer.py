@@ -69,7 +69,7 @@ def retyped(layouts, dtype: str):
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
-        trace_out=None, warmup=0) -> dict:
+        trace_out=None, warmup=0, polling=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
@@ -78,7 +78,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     weights. ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``: per
     rank, :class:`wb.runtime.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
     ``warmup``: updates each process runs before the measured one, over the same connections (as
-    a Sender's later updates run; ``first_ewtt_s`` is the first one's)."""
+    a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
+    progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -127,7 +128,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
                       options={"timeout": 120, "barrier": True, "tls": tls,
                                "staging_bytes": staging, "cuda_device": cuda_device,
                                "held": dtypes[0] if dtypes else None, "fp8": fp8_opt,
-                               "trace": trace_out is not None, "warmup": warmup},
+                               "trace": trace_out is not None, "warmup": warmup,
+                               "polling": polling},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
@@ -172,7 +174,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "ideal_host_s": mid["ideal_host_s"], "ideal_s": mid["ideal_s"],
             "ewtt_over_ideal": mid["ratio"], "runs": rows,
             "shape": shape, "chunk_bytes": chunk, "dtypes": list(dtypes) if dtypes else None, "messages": int(between.sum()),
-            "tls": tls or "default", "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
+            "tls": tls or "default", "polling": polling, "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def main() -> None:

@@ -151,6 +151,30 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
 
 
 @pytest.mark.timeout(240)
+def test_a_join_asked_during_an_update_is_admitted_at_the_next_push_and_holds_nobody_up(
+        plan_file, tmp_path):
+    """Rank 8 asks to join while version 2 is in flight (synchronous rollouts; rollout 7 takes
+    2 s to apply it, so the update lasts that long): version 2 finishes without it (nobody
+    waits for a joiner), it is admitted into version 3, the next push, and applies every later
+    version bit-identical, as every member applies every version."""
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
+                    target=coord_child_main,
+                    options={"versions": 5, "timeout": 60, "step_s": 0.2,
+                             "receiver_staging": False,
+                             "join_as": {"rank": 8, "node": "r2", "after_version": 2,
+                                         "like": 6}},
+                    faults={7: {"pause_before": 2, "pause_s": 2.0}},
+                    join_timeout=150)
+    _survivors_applied_everything(run, None, 5)
+    j, slow = run.results[8], run.results[7]
+    assert j is not None and j["ok"], j
+    v2_done = slow["applied_at"][1]  # the slow rollout's version 2 ends the update
+    assert j["asked_at"] < v2_done, (j["asked_at"], v2_done)  # asked during the update
+    assert j["first_version"] == 3 and j["applied"] == [3, 4, 5] and all(j["checks"]), j
+    print(f"asked {v2_done - j['asked_at']:.1f} s before version 2 ended; admitted into 3")
+
+
+@pytest.mark.timeout(240)
 def test_a_joiner_the_leader_cannot_plan_is_refused_and_nobody_else_notices(plan_file, tmp_path):
     """Rank 8 asks to join with int32 buffers for the trainers' float32 weights: the leader's
     plan for it fails (on its planning thread), the joiner's ``Receiver.join`` raises with the

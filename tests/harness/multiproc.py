@@ -44,6 +44,8 @@ class Fault:
     bad_buffer: str | None = None  # name of a buffer to give the wrong shape
     in_version: int | None = None  # count sends only from this update on (coordinator runs)
     rejoin_after_s: float | None = None  # run_ranks restarts the dead rank, joining, this later
+    pause_before: int | None = None  # a rollout sleeps pause_s before applying this version
+    pause_s: float = 0.0
 
 
 _STAMP_LOCK = threading.Lock()
@@ -181,7 +183,8 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         if fault.bad_buffer:
             bufs[fault.bad_buffer] = np.zeros(3, bufs[fault.bad_buffer].dtype)
         transport = UcxTransport(rank, DirectoryStore(store_dir), tls=options.get("tls"),
-                                 timeout=options.get("timeout", 60.0), cuda_device=cuda)
+                                 timeout=options.get("timeout", 60.0), cuda_device=cuda,
+                                 polling=options.get("polling"))
         if fault.die_after is not None or fault.hang_after is not None:
             transport = _FaultyTransport(transport, fault)
         # as wb.runtime.executor.execute, with `warmup` updates first over the same connections
@@ -535,6 +538,8 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     if fault.stamp:
                         Path(fault.stamp).write_text(repr(time.time()))
                     os._exit(17)
+                if fault.pause_before == k + 1:  # a slow rollout: (sync mode) a long update
+                    time.sleep(fault.pause_s)
                 try:
                     v = rx.apply()
                 except TransferError as e:
@@ -545,6 +550,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                                                 for k in bufs))
                     result["version_after_error"] = rx.version
                     break
+                result.setdefault("applied_at", []).append(time.time())
                 want = version_bits(base, v, mapped)
                 result["applied"].append(v)
                 result["checks"].append(bool(all(
