@@ -18,7 +18,11 @@ and each restart's rejoin time and how many versions behind the current one it c
 the versions during which a process died against the clean ones (no death, and no joiner's first
 version). Exits non-zero when a check fails or the run hangs.
 
-    python bench/chaos.py [--replicas 4] [--faults 20] [--seed 0] [--step 0.3] [--rows 256 --cols 192]
+A training step is 1 s by default (RL steps take seconds to minutes): "back within two versions
+of its restart" counts versions, so a step shorter than a restarted process's own start-up
+(interpreter, imports, UCX: ~0.7 s on a 2-core machine) counts that start-up, not wb.
+
+    python bench/chaos.py [--replicas 4] [--faults 20] [--seed 0] [--step 1.0] [--rows 256 --cols 192]
         [--json] [--out FILE]
 """
 
@@ -149,7 +153,7 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 0.3,
+def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1.0,
         replica_p: float = 0.25, timeout_s: float = 900.0, rows: int = 256,
         cols: int = 192) -> dict:
     import wb
@@ -351,7 +355,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--faults", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step", type=float, default=0.3, help="seconds per training step")
+    ap.add_argument("--step", type=float, default=1.0,
+                    help="seconds per training step (default 1.0; see the module's doc)")
     ap.add_argument("--rows", type=int, default=256, help="rows of the weight (float32)")
     ap.add_argument("--cols", type=int, default=192, help="its columns")
     ap.add_argument("--json", action="store_true")
