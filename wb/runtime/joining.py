@@ -17,7 +17,7 @@ import logging
 from wb.algorithms.planner import plan as make_plan
 from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.rankplan import RankPlan
-from wb.errors import TransferError
+from wb.errors import PlanError, SpecError, TransferError
 from wb.runtime.liveness import new_incarnation
 from wb.runtime.records import fetch_part, publish_parts
 from wb.runtime.rendezvous import get_large, set_large
@@ -109,7 +109,8 @@ class Admissions:
     The plan for the new membership is made on a thread (a 1T job's takes seconds): a push
     waits for it at most :data:`PLAN_WAIT_S`, and one not ready by then admits the joiners at
     a later push (the trainers' pushes are never held up by a joiner). A plan that the
-    membership changed under meanwhile (a death called) is dropped and made again.
+    membership changed under meanwhile (a death called) is dropped and made again at the next
+    push; joiners whose layouts cannot be planned are refused.
 
     Args:
         fin: the leader's :class:`wb.runtime.finish.Finisher` (its layouts, members, epoch,
@@ -146,7 +147,15 @@ class Admissions:
                      "at a later push", v, sorted(job.joiners))
             return
         self._planning = None
-        if job.error is not None:  # the joiners are refused; the job goes on without them
+        # made for another membership (a death was called meanwhile), or a rank asked again
+        # under another token (a missed peek reads None: the request stands): plan again at the
+        # next push
+        if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
+                (raw := self.peek(end.key("joinreq", r))) is not None and raw.decode() != token
+                for r, token in job.joiners.items()):
+            self._rescan = True
+            return
+        if isinstance(job.error, (PlanError, SpecError)):  # the joiners cannot be planned
             log.error("version %d: joiners %s refused: %s", v, sorted(job.joiners), job.error)
             for r, token in job.joiners.items():
                 self.joined[r] = token  # not asked again until the rank asks anew
@@ -154,11 +163,10 @@ class Admissions:
                     {"token": token, "refused": f"{type(job.error).__name__}: "
                                                 f"{job.error}"}).encode())
             return
-        if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
-                (raw := self.peek(end.key("joinreq", r))) is None or raw.decode() != token
-                for r, token in job.joiners.items()):
-            self._rescan = True  # the membership (or a request) changed meanwhile: again
-            self.admit(v)
+        if job.error is not None:  # the store, say: plan again at the next push
+            log.warning("version %d: planning for joiners %s failed (%s); again at the next "
+                        "push", v, sorted(job.joiners), job.error)
+            self._rescan = True
             return
         self._admit(v, job)
 

@@ -112,6 +112,7 @@ class Watch:
         # the smallest is the tightest bound on where the peer's clock sits on this one
         self._offsets: dict[int, deque] = {}
         self._lock = threading.Lock()  # a following thread and the owner's questions
+        self._resets: dict[int, int] = {}  # rank -> how often it was reset (stale reads)
         self._following: threading.Event | None = None
 
     def follow(self, peers: Callable[[], Iterable[int]], every: float = FOLLOW_S) -> None:
@@ -143,17 +144,22 @@ class Watch:
         incarnation than the one first seen (it died and was restarted under the same rank) is
         silent from then on, until :meth:`reset`."""
         grace = self.grace if grace is None else float(grace)
-        with self._lock:
-            return self._silent(peers, grace)
-
-    def _silent(self, peers: Iterable[int], grace: float) -> dict[int, float]:
-        out = {}
+        reads = []  # read without the lock (a following sweep must not hold the owner up)
         for p in peers:
+            gen = self._resets.get(p, 0)
             try:
                 beat = self.store.get(self.key_of(p), 0.05)  # 0 means "forever" to some stores
             except TransferError:
                 beat = None
-            now = time.monotonic()  # after the read: a beat seen was written by now
+            reads.append((p, gen, beat, time.monotonic()))  # after the read: written by then
+        with self._lock:
+            return self._book(reads, grace)
+
+    def _book(self, reads, grace: float) -> dict[int, float]:
+        out = {}
+        for p, gen, beat, now in reads:
+            if self._resets.get(p, 0) != gen:  # read before a reset: an old incarnation's
+                continue
             last, since = self._seen.get(p, (None, now))
             if beat is not None and beat != last:
                 last, since = beat, now
@@ -186,6 +192,7 @@ class Watch:
             for p in peers:
                 for book in (self._seen, self._incarnation, self._restarted, self._offsets):
                     book.pop(p, None)
+                self._resets[p] = self._resets.get(p, 0) + 1
 
 
 def _parse(beat: bytes) -> tuple[bytes, float | None]:

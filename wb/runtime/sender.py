@@ -186,10 +186,15 @@ class Sender:
         self.plan, self.rank = self._end.plan, self._end.rank
         self.stats: list[UpdateStats] = self._end.stats  # one record per version sent, in order
         self.staging = bool(staging)
-        self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
-                            for n in self._end.layout.buffers}
-        self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
-                                 else _DirectSend(self._end))
+        try:
+            self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
+                                for n in self._end.layout.buffers}
+            self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
+                                     else _DirectSend(self._end))
+        except BaseException:  # no beating or watching thread is left behind
+            self._end.heartbeat.stop()
+            self._end.watch.stop()
+            raise
         self.version = 0
         self._closed = False
 
