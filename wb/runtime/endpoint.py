@@ -137,8 +137,7 @@ class Endpoint:
                 self.peers = list(self.program.part.peers)
                 transport.add_peers(self.peers)
         except BaseException:
-            self.heartbeat.stop()
-            self.watch.stop()
+            self.halt()
             raise
         # versions finish without rollouts that die during them; rollouts join between them
         self.finisher = Finisher(self, epoch=0 if joined is None else joined[1])
@@ -234,6 +233,11 @@ class Endpoint:
         except TransferError as e:
             log.warning("rank %d: closing without the last version's final record: %s",
                         self.rank, e)
+        self.halt()
+
+    def halt(self) -> None:
+        """Stops this worker's threads: its heartbeat (peers will call it gone after their
+        grace) and its watch's following."""
         self.heartbeat.stop()
         self.watch.stop()
 

@@ -194,20 +194,18 @@ class Admissions:
 
     def requests(self, dead: set[int]) -> dict[int, str]:
         """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
-        their layouts read into the finisher's ``layouts``. Asked of the ranks the job has lost
-        and of the :data:`JOIN_RANGE` ranks after the highest it knows (new replicas number
-        their ranks on from there)."""
+        their layouts read into the finisher's ``layouts``. Asked of every rollout rank the job
+        knows (lost ones, and members: a member asking under a new incarnation was restarted,
+        a launcher restarts a rank once its process ended, and the new one replaces it in
+        :meth:`admit`), of ``dead``, and of the :data:`JOIN_RANGE` ranks after the highest it
+        knows (new replicas number their ranks on from there)."""
         fin, end = self.fin, self.fin.end
         self._rescan = False
         known = set(fin.layouts) | set(self.joined)
-        lost = (set(fin.layouts) - set(fin.trainers) - set(fin.rollouts)) | dead
-        # a member asking to join again under a new incarnation was restarted (a launcher
-        # restarts a rank once its process ended): the request is read as any other, and the
-        # new incarnation replaces the old one (:meth:`admit`), which is not waited for again
-        members = set(fin.rollouts) - dead
+        ranks = (set(fin.layouts) - set(fin.trainers)) | set(dead)
         top = max(known)
         out = {}
-        for r in sorted(lost | members | set(range(top + 1, top + 1 + JOIN_RANGE))):
+        for r in sorted(ranks | set(range(top + 1, top + 1 + JOIN_RANGE))):
             raw = self.peek(end.key("joinreq", r))
             if raw is None or raw.decode() == self.joined.get(r):
                 continue

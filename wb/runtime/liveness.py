@@ -12,12 +12,12 @@ The trainers' leader, which calls the dead, also keeps its watch looking at ever
 its own questions (:meth:`Watch.follow`, a daemon thread reading each member's beat every
 :data:`FOLLOW_S`), so a death between versions is timed from the last beat on its own clock. A
 watch that looks only now and then does not count a peer's silence from its own first look after
-a pause either: each beat carries the
-peer's monotonic clock, and the watch, having seen earlier beats of the same peer, places the
-newest one on its own clock by the peer's elapsed time since them. Only differences of one
-peer's clock are used (never one machine's time against another's), over the last few beats
-seen, so clock drift cannot add up; the estimate is never earlier than the beat was written
-(a beat seen is credited at least as recent as it can have been).
+a pause either: each beat carries the peer's monotonic clock, and the watch, having seen earlier
+beats of the same peer, places the newest one on its own clock by the peer's elapsed time since
+them. Only differences of one peer's clock are used (never one machine's time against
+another's), over the last few beats seen, so clock drift cannot add up; the estimate is never
+earlier than the beat was written (a beat seen is credited at least as recent as it can have
+been).
 """
 
 from __future__ import annotations

@@ -192,8 +192,7 @@ class Sender:
             self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
                                      else _DirectSend(self._end))
         except BaseException:  # no beating or watching thread is left behind
-            self._end.heartbeat.stop()
-            self._end.watch.stop()
+            self._end.halt()
             raise
         self.version = 0
         self._closed = False
