@@ -20,6 +20,7 @@ import numpy as np
 
 import wb
 from wb.data.sourcemap import Blocks
+from wb.data.correspondence import correspond
 
 
 def _rows(off, A, B, a0, a1):  # rows [a0, a1) of an [A, B] tensor, as an [a1-a0, B] buffer
@@ -67,7 +68,7 @@ def run(n_tensors: int = 64, repeat: int = 5, scales=(1, 100, 10_000)) -> list[d
     for _ in range(repeat):
         for scale, (trainers, rollouts, _) in cases.items():
             t0 = time.perf_counter()
-            corrs[scale] = wb.correspond(trainers, rollouts)
+            corrs[scale] = correspond(trainers, rollouts)
             times[scale].append(time.perf_counter() - t0)
     out = []
     base = statistics.median(times[scales[0]])

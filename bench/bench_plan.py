@@ -7,7 +7,7 @@ seconds, peak RSS, traffic / lower bound, simulated EWTT / ideal, the simulated 
 the broadcast and naive-P2P baselines, and the saved plan's bytes and save/load seconds (the set-up
 of every rank through a store is ``python -m wb plan --preset NAME --setup``).
 
-    python bench/bench_plan.py [--quick] [--json] [--out bench/results/plan_scale_cpu.json]
+    python bench/bench_plan.py [--quick] [--json] [--out bench/results/plan_scale/cpu.json]
 """
 
 from __future__ import annotations

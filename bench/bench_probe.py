@@ -51,9 +51,10 @@ import torch
 
 import wb
 import wb_torch
-from wb.algorithms.probe import digit_base
+from wb.algorithms.probing.idcode import digit_base
 from wb.layouts.presets import load_config, spec_from_config
 from wb_torch.testing import TinyRollout, expected_maps
+from wb.data.dtypes import dtype_info
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "dc0dd51"  # the last commit before issue 13's probe work
@@ -285,7 +286,7 @@ class _Zeros(Mapping):
         import jax.numpy as jnp
 
         return jax.device_put(jnp.zeros(self.spec.shape(name),
-                                        wb.dtypes.dtype_info(self.spec.dtype(name)).numpy),
+                                        dtype_info(self.spec.dtype(name)).numpy),
                               jax.devices()[0])
 
     def __iter__(self):
@@ -298,7 +299,7 @@ class _Zeros(Mapping):
 def _leaf_shapes(load_fn, spec):
     import jax
 
-    abstract = {n: jax.ShapeDtypeStruct(s, wb.dtypes.dtype_info(d).numpy)
+    abstract = {n: jax.ShapeDtypeStruct(s, dtype_info(d).numpy)
                 for n, (s, d) in spec.items()}
     return [x.shape for x in jax.tree_util.tree_leaves(jax.eval_shape(load_fn, abstract))]
 

@@ -3,7 +3,7 @@
 A qwen3_moe-style model scaled to fit (``--hidden``, ``--layers``, ``--experts``) is held by
 Megatron-style trainers (TP2 EP2, 2 DP replicas = 4 processes) and needed by vLLM-style rollouts
 (``--replicas`` nodes x TP2/EP2 = 2 processes each). Every process is spawned on this host and runs
-its part of the plan (``wb.runtime.executor.execute``) over ``UcxTransport``; EWTT is from the common start
+its part of the plan (``wb.runtime.engine.executor.execute``) over ``UcxTransport``; EWTT is from the common start
 (a barrier) to the last rollout buffer complete, median of ``--repeat`` runs. Rollout buffers are
 checked bit for bit after every run.
 
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from wb.algorithms.fp8.tasks import quantize_layouts
 
 
 def model(hidden: int, layers: int, experts: int) -> dict:
@@ -73,10 +74,10 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
-    :func:`wb.layouts.blockscaled.fp8_rollouts`), each trainer quantises its blocks before the
+    :func:`wb.layouts.fp8.fp8_rollouts`), each trainer quantises its blocks before the
     transfer (timed apart: ``quantize_s``), and rollouts are checked against the quantised
     weights. ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``: per
-    rank, :class:`wb.runtime.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
+    rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
     ``warmup``: updates each process runs before the measured one, over the same connections (as
     a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
     progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default)."""
@@ -93,11 +94,11 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     fp8_opt, own = None, trainers
     if fp8 is not None:
         from wb.layouts.presets import spec_from_config
-        from wb.layouts.blockscaled import fp8_rollouts
+        from wb.layouts.fp8 import fp8_rollouts
 
         scaled = fp8.bind(spec_from_config(cfg))
         rollouts = fp8_rollouts(rollouts, scaled)
-        q = wb.quantize_layouts(trainers, scaled)
+        q = quantize_layouts(trainers, scaled)
         trainers = list(q.trainers)
         fp8_opt = {"quantized": q, "own": {t.worker.rank: t for t in own},
                    "held": own[0].buffers[next(iter(own[0].buffers))].dtype}

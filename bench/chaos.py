@@ -71,12 +71,12 @@ def _log(path: Path, **row) -> None:
 def _worker(rank: int, plan_path: str, store_dir: str, out: str, role: str):
     """A worker's plan, store, log file, weights (version 0) and which elements are mapped."""
     import wb
-    from harness.multiproc import buffers_for, mapped_for
-    from wb.runtime.rendezvous import DirectoryStore
+    from harness.multiproc import buffers_for, mapped_of
+    from wb.runtime.transport.stores import DirectoryStore
 
     plan = wb.Plan.load(plan_path)
     return (plan, DirectoryStore(store_dir), Path(out, f"{role}{rank}.log"),
-            buffers_for(plan, rank, fill=True), mapped_for(plan, rank))
+            buffers_for(plan, rank, fill=True), mapped_of(plan.layout_of(rank)))
 
 
 def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float) -> None:
@@ -199,7 +199,7 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
     while pushed() < 2 and time.time() < deadline:
         time.sleep(0.1)
     kills, restarts, pending = [], [], []  # pending: (time to restart, rank)
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
 
     store = DirectoryStore(store_dir)
     ranks = [lay.worker.rank for lay in rollouts]

@@ -3,7 +3,7 @@
 posted and done, and per stage when the receives landed. Times are ms after the run's start (every
 rank starts at one instant; see ``wb.cli.bench.workers.barrier``).
 
-    python bench/trace_summary.py bench/results/h200x2_bench/session5/trace_r1.json.gz
+    python bench/trace_summary.py bench/results/h200x2_bench/large_trace_r1.json.gz
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def summarize(traces: dict) -> list[str]:
         msgs = v["messages"]
         if not msgs:
             continue
-        # wb.runtime.update.TraceEntry: (message, stage, peer, outgoing, nbytes, ready, posted,
+        # wb.runtime.engine.update.TraceEntry: (message, stage, peer, outgoing, nbytes, ready, posted,
         # done), a list in JSON
         ready, posted, done = (np.array([m[i] for m in msgs], float) - t0 for i in (5, 6, 7))
         nbytes = sum(m[4] for m in msgs)

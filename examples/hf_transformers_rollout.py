@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 import wb
 import wb_torch
 from wb.layouts.presets import TINY, spec_from_config
+from wb.data.dtypes import canonical_dtype, dtype_info
 
 
 def hf_config(cfg: dict):
@@ -53,7 +54,7 @@ def from_pretrained(ckpt: dict, folder: Path, cfg: dict):
 def random_checkpoint(spec: wb.CheckpointSpec, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return {n: rng.standard_normal(spec.shape(n), dtype=np.float32).astype(
-        wb.dtypes.dtype_info(spec.dtype(n)).numpy) for n in spec.names}
+        dtype_info(spec.dtype(n)).numpy) for n in spec.names}
 
 
 def main(cfg: dict = TINY) -> bool:
@@ -70,7 +71,7 @@ def main(cfg: dict = TINY) -> bool:
         maps = wb.probe(spec, load)
         rollout = from_pretrained(random_checkpoint(spec, 1), tmp / "rollout", cfg)
         params = dict(rollout.state_dict())
-        dtypes = {n: wb.dtypes.canonical_dtype(p.dtype) for n, p in params.items()}
+        dtypes = {n: canonical_dtype(p.dtype) for n, p in params.items()}
         lay = wb.Layout(wb.Worker(1, "r0", "rollout"),
                         {n: wb.BufferSpec(m, dtypes[n]) for n, m in maps.items() if m.n_ids})
         trainer = wb.Layout(wb.Worker(0, "t0", "trainer"), {

@@ -1,23 +1,22 @@
 """Property: block-level correspondence equals the brute-force per-element oracle."""
 
 import numpy as np
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import wb
-from wb.testing import correspondence_pairs, overlap_pairs
-from wb.testing import strategies as wbst
+from wb.testing import correspondence_pairs, overlap_pairs, strategies as wbst
+from wb.data.correspondence import correspond
 
 
 @given(wbst.layouts())
 def test_correspondence_equals_oracle(case):
-    corr = wb.correspond(case.trainers, case.rollouts)
+    corr = correspond(case.trainers, case.rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(case.trainers, case.rollouts)
 
 
 @given(wbst.layouts())
 def test_cells_partition_every_buffer_exactly(case):
-    corr = wb.correspond(case.trainers, case.rollouts)
+    corr = correspond(case.trainers, case.rollouts)
     seen = {}
     for k in range(corr.inc_cell.size):
         c, s = corr.inc_cell[k], corr.slots[corr.inc_slot[k]]
@@ -51,7 +50,7 @@ def test_dropping_a_holder_reports_a_missing_id_exactly_when_one_is_missing(case
             needed.update(b.sourcemap.to_indices().reshape(-1).tolist())
     missing = sorted(needed - held - {-1})
     try:
-        wb.correspond(trainers, case.rollouts)
+        correspond(trainers, case.rollouts)
     except wb.PlanError as e:
         assert missing and f"first missing id {missing[0]})" in str(e)
     else:

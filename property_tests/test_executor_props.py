@@ -4,11 +4,11 @@ deadlock), with every rank a thread over the in-process transport."""
 import threading
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import wb
-from wb.runtime.executor import execute
+from wb.data.plan import RankPlan
+from wb.runtime.engine.executor import execute
 from wb.testing import strategies as wbst
 from harness.multiproc import buffers_for
 from wb.runtime.transport.local import LocalHub, LocalTransport
@@ -26,7 +26,7 @@ def test_execute_is_exact_under_any_bounds(case, chunk, staging):
 
     def run(rank):
         try:
-            execute(p, rank, bufs[rank], LocalTransport(rank, hub, timeout=20),
+            execute(RankPlan.of(p, rank), bufs[rank], LocalTransport(rank, hub, timeout=20),
                     staging_bytes=staging, timeout=20)
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append((rank, e))

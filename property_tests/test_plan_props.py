@@ -1,8 +1,7 @@
 """Properties of plans on random specs, slice-copy layouts and clusters, colocated or not."""
 
 import numpy as np
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import wb
 from wb.testing import strategies as wbst

@@ -1,8 +1,7 @@
 """Properties of SourceMap: exact round trips for any map; compact encodings for slice copies."""
 
 import numpy as np
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import wb

@@ -1,19 +1,28 @@
 """The house rules, checked: imports point down the layers (import-linter's contracts in
-pyproject.toml), no module reaches into another's private names, the library never loads a
-framework, and a module over 500 lines says why at its top."""
+pyproject.toml), no module reaches into another's private names, the shims use only the core's
+public API, the library never loads a framework, no module is over 500 lines, no public function
+takes a private parameter, and the code says what is, not what was."""
 
 import ast
+import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("wb", "wb_torch", "wb_jax")
-LONG_LINES = 500  # a module longer than this says why in its docstring's first lines ...
-LONG_REASON = "Long because"  # ... in a line with these words ("Long because it is one table")
-LONG_HEAD = 5  # ... within the docstring's first LONG_HEAD lines
+PACKAGES = ("wb", "wb_torch", "wb_jax", "wb_vllm")
+LONG_LINES = 500  # no module is longer: split it by concern
+SHIMS = ("wb_torch", "wb_jax", "wb_vllm")
+#: The core's modules the shims may import (each name they take must be in its ``__all__``): the
+#: top-level API, and the public modules a framework adapter builds on.
+PUBLIC_MODULES = ("wb", "wb.errors", "wb.data.dtypes", "wb.algorithms.probing",
+                  "wb.algorithms.probing.idcode", "wb.runtime.engine.dlpack", "wb.layouts",
+                  "wb.testing")
+#: Words that tell history, not what is (checked over the packages' sources).
+HISTORY = re.compile(r"issue [0-9]|session [0-9]|as before", re.IGNORECASE)
 
 
 def _modules() -> dict[str, Path]:
@@ -99,10 +108,12 @@ def test_no_module_uses_another_modules_private_names():
 def test_the_private_name_check_sees_both_forms():
     """The check above is not vacuous: both ways of reaching in are reported, with file and line;
     dunder names, a module's own names and names of outside packages are not."""
-    src = ("import wb.runtime.executor\nimport wb_jax as wj\nfrom wb.runtime import executor\n"
-           "from wb.runtime.executor import _as_array, __all__\nfrom ucxx._lib import libucxx\n"
-           "wj._leaves(1)\nexecutor._check_buffers\nwb.runtime.executor._schedule\n"
-           "executor.Sender._x\n_own = 1\nlibucxx._private\n")
+    src = ("import wb.runtime.engine.executor\nimport wb_jax as wj\n"
+           "from wb.runtime.engine import executor\n"
+           "from wb.runtime.engine.executor import _as_array, __all__\n"
+           "from ucxx._lib import libucxx\nwj._leaves(1)\nexecutor._check_buffers\n"
+           "wb.runtime.engine.executor._schedule\nexecutor.Sender._x\n_own = 1\n"
+           "libucxx._private\n")
     found = _private_uses("wb.cli.example", src, "wb/cli/example.py")
     assert [f.split(":")[1] for f in found] == ["4", "6", "7", "8"], found
     assert "_as_array" in found[0] and "wb_jax" in found[1]
@@ -123,7 +134,8 @@ t = wb.Layout(wb.Worker(0, "n0", "trainer"), {"w": wb.BufferSpec(full["w"], "bfl
 r = wb.Layout(wb.Worker(1, "n1", "rollout"), {"x": wb.BufferSpec(maps["x"], "bfloat16")})
 p = wb.plan([t], [r])
 p.verify()
-bf16 = wb.dtypes.dtype_info("bfloat16").numpy
+from wb.data.dtypes import dtype_info
+bf16 = dtype_info("bfloat16").numpy
 src = np.arange(16, dtype=np.float32).reshape(4, 4).astype(bf16)
 out = wb.run_local(p, {0: {"w": src}}, {1: {"x": np.zeros((4, 3), src.dtype)}})
 assert (out[1]["x"] == src[:, 1:]).all()
@@ -140,14 +152,105 @@ def test_the_library_loads_neither_torch_nor_jax():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [], out.stdout
 
 
-def test_a_long_module_says_why_at_its_top():
-    long = []
-    for path in MODULES.values():
-        n = len(path.read_text().splitlines())
-        if n > LONG_LINES:
-            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            if not any(LONG_REASON in line for line in doc.splitlines()[:LONG_HEAD]):
-                long.append(f"{path.relative_to(ROOT)}: {n} lines")
-    assert not long, (f"modules over {LONG_LINES} lines without a line '{LONG_REASON} ...' in the "
-                      f"first {LONG_HEAD} lines of their docstring (split them, or say why they "
-                      f"are one module):\n" + "\n".join(long))
+def test_no_module_is_over_500_lines():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > LONG_LINES]
+    assert not long, f"modules over {LONG_LINES} lines (split them by concern):\n" + "\n".join(long)
+
+
+def test_the_code_says_what_is_not_what_was():
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in MODULES.values()
+             for i, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not found, "history in the code (say what is):\n" + "\n".join(found)
+
+
+def _signatures(source: str, where: str) -> list[tuple[str, list[str]]]:
+    """``(qualified name, parameter names)`` of every public function and every public method of
+    a public class in ``source`` (``__init__`` counts as public)."""
+    out = []
+
+    def params(fn):
+        a = fn.args
+        return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [
+            x.arg for x in (a.vararg, a.kwarg) if x is not None]
+    for node in ast.parse(source, filename=where).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(node.name):
+            out.append((node.name, params(node)))
+        elif isinstance(node, ast.ClassDef) and not _private(node.name):
+            for item in node.body:
+                if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and (not item.name.startswith("_") or item.name == "__init__")):
+                    out.append((f"{node.name}.{item.name}", params(item)))
+    return out
+
+
+def test_no_public_function_takes_a_private_parameter():
+    found = [f"{path.relative_to(ROOT)}: {name}({p})"
+             for path in MODULES.values()
+             for name, ps in _signatures(path.read_text(), str(path)) for p in ps
+             if p.startswith("_")]
+    assert not found, "public signatures with private parameters:\n" + "\n".join(found)
+
+
+def test_the_signature_check_sees_methods_and_functions():
+    src = ("def f(a, _b): ...\ndef _g(_c): ...\nclass C:\n    def __init__(self, _d): ...\n"
+           "    def m(self, *, _e=1): ...\n    def _n(self, _f): ...\nclass _D:\n"
+           "    def m(self, _g): ...\n")
+    got = [(n, p) for n, ps in _signatures(src, "x.py") for p in ps if p.startswith("_")]
+    assert got == [("f", "_b"), ("C.__init__", "_d"), ("C.m", "_e")]
+
+
+def _core_imports(source: str, where: str) -> list[tuple[int, str, str | None]]:
+    """``(line, module, name)`` of every import of a ``wb`` module in ``source`` (``name`` None
+    for ``import m``), and ``(line, module, attribute)`` of ``wb.x.y`` attribute chains."""
+    tree = ast.parse(source, filename=where)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "wb"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "wb":
+            out += [(node.lineno, node.module, a.name) for a in node.names]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+              and id(node) not in inner):  # the whole chain, once
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "wb" and len(chain) >= 2:
+                out.append((node.lineno, ".".join(["wb", *chain[:-1]]), chain[-1]))
+    return out
+
+
+def _outside_public_api(module: str, name: str | None) -> str | None:
+    """Why ``from module import name`` (or ``import module``) is not public core API, or None."""
+    if module not in PUBLIC_MODULES:
+        if name is not None and f"{module}.{name}" in PUBLIC_MODULES:
+            return None  # `from wb.algorithms import probing`
+        if any(module.startswith(f"{m}.") for m in PUBLIC_MODULES) and f"{module}" not in MODULES:
+            return None  # an attribute chain through a public module (`wb.layouts.x.y`)
+        return f"module {module} is not one of the public modules {PUBLIC_MODULES}"
+    if name is None or f"{module}.{name}" in PUBLIC_MODULES:
+        return None
+    public = getattr(importlib.import_module(module), "__all__", ())
+    return None if name in public else f"{name} is not in {module}.__all__"
+
+
+def test_the_shims_use_only_the_core_s_public_api():
+    found = []
+    for mod, path in MODULES.items():
+        if mod.split(".")[0] not in SHIMS:
+            continue
+        for line, module, name in _core_imports(path.read_text(), str(path)):
+            why = _outside_public_api(module, name)
+            if why:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {module} {name or ''}: {why}")
+    assert not found, "the shims reach past the core's public API:\n" + "\n".join(found)
+
+
+def test_the_public_api_check_is_not_vacuous():
+    src = ("import wb\nfrom wb.data.sourcemap import Runs\nfrom wb.data.dtypes import CODES\n"
+           "from wb.algorithms import probing\nwb.data.layout.Role\nwb.SourceMap\n")
+    got = [(line, _outside_public_api(m, n) is not None)
+           for line, m, n in _core_imports(src, "x.py")]
+    assert got == [(1, False), (2, True), (3, False), (4, False), (5, True)], got

@@ -115,7 +115,7 @@ def test_a_timed_out_rank_names_the_last_barrier_it_passed(tmp_path):
     import os
 
     from wb.cli.bench.runner import _last_barrier
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
 
     store = DirectoryStore(str(tmp_path))
     for t, key in enumerate(["b/probe-setup/3", "b/0/wb/3", "b/0/wb/13", "b/1/p2p/13"]):
@@ -154,7 +154,7 @@ def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
     import time
 
     from wb.cli.bench.workers import START_AFTER_S, barrier
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
 
     store = DirectoryStore(tmp_path)
     got, left, arrived = {}, {}, {}

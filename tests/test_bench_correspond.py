@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-import wb
+from wb.data.correspondence import correspond
 
 _path = pathlib.Path(__file__).parent.parent / "bench" / "bench_correspond.py"
 _spec = importlib.util.spec_from_file_location("bench_correspond", _path)
@@ -25,6 +25,6 @@ def test_cells_do_not_grow_with_elements():
 def test_bench_layouts_are_correct_at_small_scale():
     from wb.testing import correspondence_pairs, overlap_pairs
     trainers, rollouts, numel = bench.layouts(4, 1, t_tp=2, t_dp=1, r_tp=2, r_dp=2)
-    corr = wb.correspond(trainers, rollouts)
+    corr = correspond(trainers, rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
     assert int(np.sum(corr.cell_numel)) == numel

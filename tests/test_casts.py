@@ -4,10 +4,10 @@ hold it gets it converted once (narrowed by the sender, widened by the receiver)
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import wb
+from wb.data.plan import RankPlan
 from wb.algorithms.planner import lower_bound, traffic_ratio
 from wb.data.dtypes import CODES, FLOATS, convert, dtype_info
 from wb.testing import strategies as wbst
@@ -131,7 +131,7 @@ def test_narrowing_halves_the_trainer_bytes_and_each_id_travels_once_per_dtype()
 
 
 def test_a_message_travels_in_one_dtype_and_converting_sides_are_never_zero_copy():
-    from wb.runtime.program import Program
+    from wb.runtime.engine.program import Program
 
     W = np.arange(64 * 64).reshape(64, 64)
     held = wb.Layout(wb.Worker(0, "t", "trainer"), {
@@ -141,11 +141,11 @@ def test_a_message_travels_in_one_dtype_and_converting_sides_are_never_zero_copy
         "w": wb.BufferSpec(wb.SourceMap.from_indices(W), "float32")})
     p = wb.plan([held], [need], chunk_bytes=1 << 20)
     p.verify()
-    msgs = Program(p, 1).messages.values()
+    msgs = Program(RankPlan.of(p, 1)).messages.values()
     assert {g.wire for g in msgs} == {"float32", "bfloat16"}
     for g in msgs:  # the bf16 part is widened by the receiver, the fp32 part lands in place
         assert g.conv == (g.wire == "bfloat16") and g.zc_dst == (g.wire == "float32")
-    sends = Program(p, 0).messages.values()
+    sends = Program(RankPlan.of(p, 0)).messages.values()
     assert all(not g.conv for g in sends)  # the trainer sends both as it holds them
 
 

@@ -1,4 +1,4 @@
-"""Conversions on CUDA buffers: the CuPy kernels of wb.runtime.casts equal the host conversion
+"""Conversions on CUDA buffers: the CuPy kernels of wb.runtime.engine.casts equal the host conversion
 (itself torch.Tensor.to, tests/test_casts.py) bit for bit, strided views included, and a plan
 that converts runs bit-identical with every buffer on the GPU. Skips cleanly without a GPU."""
 
@@ -11,7 +11,7 @@ cupy = cupy_or_skip()
 
 import wb  # noqa: E402
 from wb.data.dtypes import FLOATS, convert, dtype_info  # noqa: E402
-from wb.runtime.casts import assign, xp_dtype  # noqa: E402
+from wb.runtime.engine.casts import assign, xp_dtype  # noqa: E402
 
 from test_casts import _values, converting_deployment  # noqa: E402
 

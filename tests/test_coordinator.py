@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import wb
-from wb.runtime.rendezvous import MemoryStore
+from wb.runtime.transport.stores import MemoryStore
 from wb.runtime.transport.local import LocalHub, LocalTransport
+from wb.runtime.endpoints.stats import UpdateStats
 
 
 def _case():
@@ -228,16 +229,16 @@ def test_bad_input_is_refused_at_setup():
 
 
 def test_summary_is_computed_from_records():
-    recs = [wb.UpdateStats(1, 0, "trainer", 0.2, 0.0, 1.0, 3.0, 10, 0),
-            wb.UpdateStats(1, 1, "rollout", 0.4, 0.0, 2.0, 3.5, 0, 10),
-            wb.UpdateStats(2, 0, "trainer", 0.0, 5.0, 6.0, 7.0, 10, 0),
-            wb.UpdateStats(2, 1, "rollout", 0.2, 5.0, 6.0, 6.5, 0, 10)]
+    recs = [UpdateStats(1, 0, "trainer", 0.2, 0.0, 1.0, 3.0, 10, 0),
+            UpdateStats(1, 1, "rollout", 0.4, 0.0, 2.0, 3.5, 0, 10),
+            UpdateStats(2, 0, "trainer", 0.0, 5.0, 6.0, 7.0, 10, 0),
+            UpdateStats(2, 1, "rollout", 0.2, 5.0, 6.0, 6.5, 0, 10)]
     s = wb.summarize(recs)
     assert s.ewtt_per_version == {1: 1.5, 2: 1.0}
     assert s.ewtt_s == pytest.approx(1.25)
     assert s.agst_s == pytest.approx((0.3 + 0.1) / 2)
     assert s.trainer_stall_s == pytest.approx(0.1) and s.rollout_stall_s == pytest.approx(0.3)
-    assert wb.UpdateStats.from_json(recs[0].to_json()) == recs[0]
+    assert UpdateStats.from_json(recs[0].to_json()) == recs[0]
 
 
 def test_sync_receiver_is_ready_once_every_trainer_announced_each_version():
@@ -264,7 +265,7 @@ def test_sync_receiver_is_ready_once_every_trainer_announced_each_version():
 # --- set-up through the store, per rank: agree_parts ----------------------------------------------
 def _agree_in_threads(p, store, **kw):
     """Every worker of ``p`` as its own "process" (a thread) calling agree_parts."""
-    from wb.runtime.coordinator import agree_parts
+    from wb.runtime.membership.agree import agree_parts
     lays = [*p.trainers, *p.rollouts]
     planned, out = [], {}
 
@@ -279,8 +280,8 @@ def _agree_in_threads(p, store, **kw):
 
 @pytest.mark.parametrize("store_kind", ["memory", "directory"])
 def test_agree_parts_gives_each_rank_only_its_part(store_kind, tmp_path):
-    from wb.data.rankplan import RankPlan
-    from wb.runtime.rendezvous import CountingStore, DirectoryStore
+    from wb.data.plan import RankPlan
+    from wb.runtime.transport.stores import CountingStore, DirectoryStore
     p = _case()
     inner = MemoryStore() if store_kind == "memory" else DirectoryStore(tmp_path)
     store = CountingStore(inner)
@@ -291,14 +292,13 @@ def test_agree_parts_gives_each_rank_only_its_part(store_kind, tmp_path):
     for r, got in out.items():
         assert list(got) == [r]
         assert got[r] == RankPlan.of(p, r)
-        assert got.layout_of(r) == p.layout_of(r)
+        assert got[r].layout == p.layout_of(r)
 
 
 def test_a_session_runs_from_the_parts_agree_parts_gives():
     p = _case()
     _, out = _agree_in_threads(p, MemoryStore())
-    from wb.data.rankplan import RankPlans
-    everyone = RankPlans([q for got in out.values() for q in got.values()])
+    everyone = {r: q for got in out.values() for r, q in got.items()}
     tb = {lay.worker.rank: _values(lay, 0) for lay in p.trainers}
     rb = {lay.worker.rank: {n: np.zeros_like(a) for n, a in _values(lay, 0).items()}
           for lay in p.rollouts}

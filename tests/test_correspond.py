@@ -5,6 +5,7 @@ import pytest
 
 import wb
 from wb.testing import correspondence_pairs, overlap_pairs
+from wb.data.correspondence import correspond
 
 
 def lay(rank, node, role, bufs, dtype="bfloat16"):
@@ -27,7 +28,7 @@ def test_tp_to_tp_with_transposes_fsdp_and_replicas_matches_oracle():
         lay(4 + r, f"n{r // 3}", "rollout", {"w": W[:, 16 * (r % 3):16 * (r % 3 + 1)], "n": N})
         for r in range(6)
     ]
-    corr = wb.correspond(trainers, rollouts)
+    corr = correspond(trainers, rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
     # every rollout element appears in exactly one cell per holder region that holds it
     assert corr.cell_numel.sum() <= W.size + N.size
@@ -59,7 +60,7 @@ def test_reference_backends_jax_trainer_to_torch_rollout():
                 wb.Worker(rank=4 + 2 * replica + tp_rank, node=f"rollout{replica}", role="rollout",
                           local_rank=tp_rank),
                 {k: wb.BufferSpec(sm, "bfloat16") for k, sm in maps.items() if sm.n_ids}))
-    corr = wb.correspond(trainers, rollouts)
+    corr = correspond(trainers, rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
 
 
@@ -68,7 +69,7 @@ def test_missing_id_names_rollout_buffer_and_first_id():
     rollouts = [lay(1, "r", "rollout", {"ok": W[:, :8]}),
                 lay(2, "r", "rollout", {"qkv": np.concatenate([W[:4, 30:46], W[8:10, 30:46]])})]
     with pytest.raises(wb.PlanError, match=r"rollouts\[1\] \(rank 2\) needs 36 elements of buffer `qkv`.*first missing id 40\)"):
-        wb.correspond(trainers, rollouts)
+        correspond(trainers, rollouts)
 
 
 def test_dtype_clash_beyond_a_float_conversion_is_refused():
@@ -76,14 +77,14 @@ def test_dtype_clash_beyond_a_float_conversion_is_refused():
     rollouts = [lay(1, "r", "rollout", {"w": W[:3]}, dtype="int32")]
     with pytest.raises(wb.PlanError, match="`w` is int32 but the trainers hold its id 0 as "
                                            "float32; wb converts only between float dtypes"):
-        wb.correspond(trainers, rollouts)
+        correspond(trainers, rollouts)
 
 
 def test_trainers_holding_one_id_in_two_dtypes_are_refused():
     trainers = [lay(0, "t", "trainer", {"w": W}, dtype="float32"),
                 lay(1, "t", "trainer", {"w": W[:2]}, dtype="bfloat16")]
     with pytest.raises(wb.PlanError, match="hold id 0 both as float32 and as bfloat16"):
-        wb.correspond(trainers, [lay(2, "r", "rollout", {"w": W[:3]})])
+        correspond(trainers, [lay(2, "r", "rollout", {"w": W[:3]})])
 
 
 def test_needs_in_two_travelling_dtypes_split_the_cell():
@@ -91,7 +92,7 @@ def test_needs_in_two_travelling_dtypes_split_the_cell():
     rollouts = [lay(1, "r0", "rollout", {"w": W[:4]}, dtype="bfloat16"),
                 lay(2, "r1", "rollout", {"w": W[:4]}, dtype="float32"),
                 lay(3, "r2", "rollout", {"w": W[:4]}, dtype="float64")]
-    corr = wb.correspond(trainers, rollouts)
+    corr = correspond(trainers, rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
     from wb.data.dtypes import CODES
     role = corr.slot_role[corr.inc_slot]
@@ -106,4 +107,4 @@ def test_needs_in_two_travelling_dtypes_split_the_cell():
 def test_layouts_in_the_wrong_list_are_refused():
     t = lay(0, "t", "trainer", {"w": W})
     with pytest.raises(wb.PlanError, match=r"rollouts\[0\] is a layout of a trainer"):
-        wb.correspond([t], [t])
+        correspond([t], [t])

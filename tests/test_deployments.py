@@ -13,6 +13,9 @@ import pytest
 import wb
 from wb.layouts import (DEPLOYMENTS, TINY, deployment, fsdp_trainer, jax_trainer, load_config,
                         megatron_trainer, spec_from_config, vllm_rollout)
+from wb.data.correspondence import correspond
+from wb.data.layout import Role
+from wb.data.sourcemap import Blocks
 
 #: A tiny deepseek_v3 (MLA with q LoRA, one dense layer, one shared expert); vocab 90 pads
 #: everywhere (Megatron 128 * tp, vLLM 64, JAX tp = 4).
@@ -161,7 +164,7 @@ def test_megatron_matches_oracle(model, tp, pp, ep, etp, n_nodes, gpn):
     assert [(w.worker.rank, w.worker.node, w.worker.local_rank) for w in lays] == [
         (3 + g, nodes[g // gpn], g % gpn) for g in range(n_nodes * gpn)]
     assert_layouts_equal(lays, megatron_oracle(cfg, spec, tp=tp, pp=pp, ep=ep, etp=etp,
-                                               world=n_nodes * gpn), wb.Role.TRAINER)
+                                               world=n_nodes * gpn), Role.TRAINER)
     assert_covers(spec, lays)
     # data-parallel copies share BufferSpec objects
     dp = n_nodes * gpn // (tp * pp)
@@ -220,7 +223,7 @@ def fsdp_oracle(spec, *, world, unit, dtype="bfloat16"):
 def test_fsdp_matches_oracle(model, unit, world):
     spec = spec_from_config(CONFIGS[model])
     lays = fsdp_trainer(CONFIGS[model], nodes=["trainer0"], gpus_per_node=world, unit=unit)
-    assert_layouts_equal(lays, fsdp_oracle(spec, world=world, unit=unit), wb.Role.TRAINER)
+    assert_layouts_equal(lays, fsdp_oracle(spec, world=world, unit=unit), Role.TRAINER)
     assert_covers(spec, lays)
 
 
@@ -307,7 +310,7 @@ def test_jax_matches_oracle(model, dp, fsdp, tp):
     lays = jax_trainer(cfg, dp=dp, fsdp=fsdp, tp=tp, nodes=["t0", "t1"], gpus_per_node=world // 2
                        ) if world % 2 == 0 else jax_trainer(cfg, dp=dp, fsdp=fsdp, tp=tp,
                                                              nodes=["t0"], gpus_per_node=world)
-    assert_layouts_equal(lays, jax_oracle(cfg, spec, dp=dp, fsdp=fsdp, tp=tp), wb.Role.TRAINER)
+    assert_layouts_equal(lays, jax_oracle(cfg, spec, dp=dp, fsdp=fsdp, tp=tp), Role.TRAINER)
     assert_covers(spec, lays)
     if dp > 1:  # replicas share BufferSpec objects
         assert all(lays[0].buffers[n] is lays[fsdp * tp].buffers[n] for n in lays[0].buffers)
@@ -403,7 +406,7 @@ def test_vllm_matches_oracle(model, tp, ep, G):
     assert [(w.worker.rank, w.worker.node, w.worker.local_rank) for w in lays] == [
         (10 + q, f"rollout{q // G}", q % G) for q in range(replicas * G)]
     one = vllm_oracle(cfg, spec, tp=tp, ep=ep, G=G)
-    assert_layouts_equal(lays, one * replicas, wb.Role.ROLLOUT)
+    assert_layouts_equal(lays, one * replicas, Role.ROLLOUT)
     for k in range(replicas):
         assert_covers(spec, lays[k * G:(k + 1) * G])
         assert all(lays[k * G + g].buffers[n] is lays[g].buffers[n]  # built once, reused
@@ -436,8 +439,8 @@ def test_tiny_deployment_matches_oracles():
     spec = spec_from_config(TINY)
     assert dep.spec == spec and dep.description["nodes"] == 2
     assert_layouts_equal(dep.trainers, megatron_oracle(TINY, spec, tp=2, pp=1, ep=2, etp=1, world=4),
-                         wb.Role.TRAINER)
-    assert_layouts_equal(dep.rollouts, vllm_oracle(TINY, spec, tp=2, ep=2, G=2) * 2, wb.Role.ROLLOUT)
+                         Role.TRAINER)
+    assert_layouts_equal(dep.rollouts, vllm_oracle(TINY, spec, tp=2, ep=2, G=2) * 2, Role.ROLLOUT)
     assert [w.worker.rank for w in dep.trainers + dep.rollouts] == list(range(8))
     assert_covers(spec, dep.trainers)
     for replica in dep.replicas:
@@ -462,7 +465,7 @@ def tensor_rectangles(spec, layouts):
             if id(buf) not in seen:
                 seen.add(id(buf))
                 fields.append(buf.sourcemap.blocks)
-    b = wb.Blocks(*(np.concatenate(f) for f in zip(*fields)))
+    b = Blocks(*(np.concatenate(f) for f in zip(*fields)))
     k = spec.tensor_of(b.id0)
     cols = np.array([s[-1] if s else 1 for _, (s, _) in spec.items()], dtype=np.int64)
     B = cols[k]
@@ -520,8 +523,8 @@ def test_real_deployment_covers_every_id(name):
     assert [w.rank for w in workers] == list(range(len(workers)))
     assert {w.node for w in workers[:8 * t_nodes]} == {f"trainer{i}" for i in range(t_nodes)}
     assert {w.node for w in workers[8 * t_nodes:]} == {f"rollout{i}" for i in range(r_nodes)}
-    assert all(w.role == wb.Role.TRAINER for w in workers[:8 * t_nodes])
-    assert all(w.role == wb.Role.ROLLOUT for w in workers[8 * t_nodes:])
+    assert all(w.role == Role.TRAINER for w in workers[:8 * t_nodes])
+    assert all(w.role == Role.ROLLOUT for w in workers[8 * t_nodes:])
     assert [w.local_rank for w in workers] == [q % 8 for q in range(len(workers))]
     # trainers hold every id; every rollout replica needs every id (distinct, via tiling)
     assert_tiles(dep.spec, tensor_rectangles(dep.spec, dep.trainers))
@@ -627,7 +630,7 @@ def test_correspondence_from_each_trainer_to_vllm_equals_element_oracle(trainer)
         "fsdp": lambda: fsdp_trainer(TINY, nodes=["t0"], gpus_per_node=3),
         "jax": lambda: jax_trainer(TINY, dp=1, fsdp=2, tp=2, nodes=["t0"], gpus_per_node=4),
     }[trainer]()
-    corr = wb.correspond(trainers, rollouts)
+    corr = correspond(trainers, rollouts)
     assert overlap_pairs(corr) == correspondence_pairs(trainers, rollouts)
 
 

@@ -1,4 +1,4 @@
-"""wb.runtime.dlpack and as_array: any DLPack array, viewed without a copy, its metadata checked."""
+"""wb.runtime.engine.dlpack and as_array: any DLPack array, viewed without a copy, its metadata checked."""
 
 import gc
 
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import wb
-from wb.runtime import dlpack
-from wb.runtime.buffers import as_array, check_buffers
+from wb.runtime.engine import dlpack
+from wb.runtime.engine.buffers import as_array, check_buffers
+from wb.data.dtypes import canonical_dtype
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -23,7 +24,7 @@ def test_torch_cpu_tensors_are_viewed_in_place_with_their_dtype(dtype):
     t = torch.arange(12).reshape(3, 4).to(TORCH[dtype])
     xp, a = as_array("w", t, rank=0)
     assert xp is np and a.shape == (3, 4) and a.ctypes.data == t.data_ptr()
-    assert wb.dtypes.canonical_dtype(a.dtype) == dtype
+    assert canonical_dtype(a.dtype) == dtype
     np.testing.assert_array_equal(a.astype(np.float32), t.float().numpy())
     a[2, 3] = a[0, 1]  # the same memory, both ways
     assert t[2, 3].item() == t[0, 1].item()

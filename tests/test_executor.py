@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import wb
-from wb.runtime.executor import connect, execute
-from wb.runtime.program import Program, schedule
+from wb.data.plan import RankPlan
+from wb.runtime.engine.executor import connect, execute
+from wb.data.plan import schedule
+from wb.runtime.engine.program import Program
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
 from harness.multiproc import buffers_for
@@ -81,7 +83,7 @@ def _run_threads(plan, staging_bytes, bufs=None, traces=None):
     stats = {}
 
     def run(r):
-        stats[r] = execute(plan, r, bufs[r], LocalTransport(r, hub, timeout=20),
+        stats[r] = execute(RankPlan.of(plan, r), bufs[r], LocalTransport(r, hub, timeout=20),
                            staging_bytes=staging_bytes, timeout=20,
                            trace=None if traces is None else traces.setdefault(r, []))
     errors = run_each(run, plan.ranks)
@@ -119,7 +121,7 @@ def test_a_program_runs_many_updates_and_skips_the_check_of_the_same_arrays(plan
     """A Sender/Receiver runs one plan many times over one connected transport: its rank's
     Program is worked out once, and the very same arrays given again are not checked again. New
     arrays are; so is an array whose dtype changed in place, which is then refused."""
-    import wb.runtime.program as program_module
+    import wb.runtime.engine.program as program_module
 
     checked = []
     real = program_module.check_buffers
@@ -128,8 +130,8 @@ def test_a_program_runs_many_updates_and_skips_the_check_of_the_same_arrays(plan
     ranks = plan.ranks
     hub = LocalHub()
     transports = {r: LocalTransport(r, hub, timeout=20) for r in ranks}
-    programs = {r: Program(plan, r) for r in ranks}
-    _each(ranks, lambda r: connect(plan, r, transports[r]))
+    programs = {r: Program(RankPlan.of(plan, r)) for r in ranks}
+    _each(ranks, lambda r: connect(RankPlan.of(plan, r), transports[r]))
     bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in ranks}
 
     def update(v):
@@ -164,14 +166,14 @@ def test_a_program_runs_many_updates_and_skips_the_check_of_the_same_arrays(plan
 
 def test_programs_are_values_their_owners_hold(plan):
     """No cache behind the caller's back: each Program is made by whoever runs it and holds only
-    its own rank's part; an unknown rank is refused with the plan's ranks."""
-    a, b = Program(plan, 0), Program(plan, 0)
+    its own rank's part; an unknown rank has no part (refused with the plan's ranks)."""
+    a, b = Program(RankPlan.of(plan, 0)), Program(RankPlan.of(plan, 0))
     assert a is not b and a.messages.keys() == b.messages.keys()
     assert all(g.peer != 0 or g.local for g in a.messages.values())
     M = plan.messages
     assert sorted(a.messages) == np.flatnonzero((M.src_rank == 0) | (M.dst_rank == 0)).tolist()
-    with pytest.raises(wb.TransferError, match=r"rank 99 has no layout in this plan \(ranks"):
-        Program(plan, 99)
+    with pytest.raises(wb.PlanError, match=r"rank 99 has no layout in this plan \(ranks"):
+        RankPlan.of(plan, 99)
 
 
 def test_trace_times_every_message_of_the_rank_in_order(plan):
@@ -214,9 +216,9 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     """The CUDA path's deferrals, on host buffers: every pack, unpack and local copy is followed by
     an event the loop polls; a send is posted, and a message counts as landed, only once it passed.
     Everything still arrives, bit for bit."""
-    import wb.runtime.update
+    import wb.runtime.engine.update
 
-    monkeypatch.setattr(wb.runtime.update, "fencer", lambda xp: _SlowEvent)
+    monkeypatch.setattr(wb.runtime.engine.update, "fencer", lambda xp: _SlowEvent)
     _SlowEvent.made = []
     bufs, stats = _run_threads(strided_plan, 256 << 20)
     for lay in strided_plan.rollouts:
@@ -237,8 +239,8 @@ class _Req:
 
 
 def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
-    from wb.runtime.program import Message
-    from wb.runtime.update import Inflight
+    from wb.runtime.engine.program import Message
+    from wb.runtime.engine.inflight import Inflight
 
     inf = Inflight()
     reqs = [_Req() for _ in range(40)]
@@ -253,28 +255,26 @@ def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
 
 
 @pytest.mark.parametrize("which", ["plan", "strided_plan"])
-def test_mapped_for_marks_exactly_the_mapped_elements(which, request):
-    from harness.multiproc import mapped_for
+def test_mapped_of_marks_exactly_the_mapped_elements(which, request):
+    from harness.multiproc import mapped_of
 
     p = request.getfixturevalue(which)
     for lay in (*p.trainers, *p.rollouts):
-        got = mapped_for(p, lay.worker.rank)
+        got = mapped_of(lay)
         for name, b in lay.buffers.items():
             want = b.sourcemap.to_indices() >= 0  # the oracle: one id per element
             np.testing.assert_array_equal(got[name], want)
 
 
-def test_mapped_for_leaves_padding_unmapped():
-    from types import SimpleNamespace
-
-    from harness.multiproc import mapped_for
+def test_mapped_of_leaves_padding_unmapped():
+    from harness.multiproc import mapped_of
 
     ids = np.arange(40 * 24).reshape(40, 24).T.copy()  # transposed kernel: strided blocks
     ids[:, 30:] = -1  # padded vocabulary rows: no source
     ids[5, 3] = -1
     lay = wb.Layout(wb.Worker(0, "t0", "trainer"),
                     {"w": wb.BufferSpec(wb.SourceMap.from_indices(ids), "bfloat16")})
-    got = mapped_for(SimpleNamespace(layout_of=lambda rank: lay), 0)["w"]
+    got = mapped_of(lay)["w"]
     np.testing.assert_array_equal(got, ids >= 0)
     assert 0 < got.sum() < got.size
 
@@ -284,13 +284,13 @@ def test_staged_receives_land_every_message_through_staging(plan):
     receive lands straight in the buffers; every one is staged and unpacked, bit-identical."""
     hub = LocalHub()
     bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
-    progs = {r: Program(plan, r, stage_receives=r >= len(plan.trainers)) for r in plan.ranks}
-    assert any(Program(plan, r).zero_copy_receives for r in progs)  # the plan has some
+    progs = {r: Program(RankPlan.of(plan, r), stage_receives=r >= len(plan.trainers)) for r in plan.ranks}
+    assert any(Program(RankPlan.of(plan, r)).zero_copy_receives for r in progs)  # the plan has some
     stats = {}
 
     def run(r):
         prog, t = progs[r], LocalTransport(r, hub, timeout=20)
-        connect(prog.part, r, t)
+        connect(prog.part, t)
         stats[r] = prog.run(bufs[r], t, staging_bytes=1 << 16, timeout=20)
         t.close()
     assert not run_each(run, plan.ranks)

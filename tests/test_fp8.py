@@ -6,17 +6,17 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import wb
 from harness.fp8 import deployment, expected, fp8_checkpoint, lay, trainer_buffers, values
-from wb.algorithms.blockplan import (partial_amax, quantize_all, quantize_buffers,
+from wb.algorithms.fp8.tasks import (partial_amax, quantize_all, quantize_buffers,
                                       quantize_layouts, tasks_for)
 from wb.algorithms.planner import lower_bound
-from wb.data.blockscale import FP8Blocks, quantize_tensor
+from wb.data.fp8 import FP8Blocks, quantize_tensor
 from wb.data.dtypes import convert, dtype_info
 from wb.testing.oracle import quantize_reference
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 F8 = "float8_e4m3fn"
 
@@ -389,7 +389,7 @@ def test_agreed_parts_and_senders_given_the_declaration_are_bit_identical(split)
     import threading
 
     spec, sc, trainers, rollouts = deployment(split=split)
-    store, hub = wb.MemoryStore(), wb.LocalHub()
+    store, hub = wb.MemoryStore(), LocalHub()
     world = len(trainers) + len(rollouts)
     vals = values(spec, 5)
     got, errors = {}, []
@@ -398,7 +398,7 @@ def test_agreed_parts_and_senders_given_the_declaration_are_bit_identical(split)
         r = lay.worker.rank
         try:
             part = wb.agree_parts(store, [lay], world=world, quantize=sc, timeout=30)[r]
-            kw = dict(transport=wb.LocalTransport(r, hub), store=store, timeout=30,
+            kw = dict(transport=LocalTransport(r, hub), store=store, timeout=30,
                       wait_timeout=30)
             if lay.worker.role == "trainer":
                 with wb.Sender(part, r, trainer_buffers(lay, spec, vals), quantize=sc,
@@ -432,7 +432,7 @@ def test_a_sender_given_a_declaration_needs_its_own_layout():
     p = wb.plan(q.trainers, rollouts)
     with pytest.raises(wb.TransferError, match="needs layout="):
         wb.Sender(p, 0, trainer_buffers(trainers[0], spec, values(spec, 0)), quantize=sc,
-                  transport=wb.LocalTransport(0, wb.LocalHub()), store=wb.MemoryStore())
+                  transport=LocalTransport(0, LocalHub()), store=wb.MemoryStore())
 
 
 def test_blocks_a_buffer_holds_in_several_rectangles_are_quantised_by_it():

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 on CUDA buffers: the CuPy quantiser of wb.runtime.quant equals the host one
+"""Block-scaled FP8 on CUDA buffers: the CuPy quantiser of wb.runtime.engine.fp8 equals the host one
 (itself the plain reference, tests/test_fp8.py) bit for bit, on values that stress the rule, and
 an FP8 plan runs bit-identical with every buffer on the GPU. Skips cleanly without a GPU."""
 
@@ -11,12 +11,12 @@ cupy = cupy_or_skip()
 
 import wb  # noqa: E402
 from harness.fp8 import lay  # noqa: E402
-from wb.algorithms.blockplan import (combine_amax, quantize_all, quantize_buffers,  # noqa: E402
+from wb.algorithms.fp8.tasks import (combine_amax, quantize_all, quantize_buffers,  # noqa: E402
                                       quantize_layouts)
-from wb.data.blockscale import FP8Blocks  # noqa: E402
+from wb.data.fp8 import FP8Blocks  # noqa: E402
 from wb.data.dtypes import convert, dtype_info  # noqa: E402
-from wb.runtime.casts import xp_dtype  # noqa: E402
-from wb.runtime.quant import Quantiser  # noqa: E402
+from wb.runtime.engine.casts import xp_dtype  # noqa: E402
+from wb.runtime.engine.fp8 import Quantiser  # noqa: E402
 
 
 def _on_gpu(a: np.ndarray, dtype: str):

@@ -1,4 +1,4 @@
-"""The fused pack/unpack kernel (``wb.runtime.gather``), its CUDA source compiled for the host with
+"""The fused pack/unpack kernel (``wb.runtime.engine.gather``), its CUDA source compiled for the host with
 one thread and one block (its loops then visit every element in order), against numpy: packing
 regions of several buffers gives the elements of numpy's strided views of them, in order, and
 unpacking writes each back where numpy's assignment would. The table's cutting of long regions
@@ -11,10 +11,9 @@ import subprocess
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from wb.runtime.gather import FIELDS, kernel_source, table
+from wb.runtime.engine.gather import FIELDS, kernel_source, table
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 

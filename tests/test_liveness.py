@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import wb
-from wb.runtime.liveness import Heartbeat, Watch
-from wb.runtime.program import Program
-from wb.runtime.rendezvous import DirectoryStore, MemoryStore
+from wb.data.plan import RankPlan
+from wb.runtime.membership.liveness import Heartbeat, Watch
+from wb.runtime.engine.program import Program
+from wb.runtime.transport.stores import DirectoryStore, MemoryStore
 from wb.runtime.transport.local import LocalHub, LocalTransport
 
 
@@ -118,7 +119,7 @@ def test_a_stalled_update_names_the_silent_peer_before_its_timeout():
     watch = Watch(MemoryStore(), lambda k: f"alive/{k}", grace=0.3)
     t0 = time.monotonic()
     with pytest.raises(wb.TransferError, match=r"peer 0 \(\d+\.\d s\) stopped beating"):
-        Program(p, 1).run({"w": np.zeros((4, 6), np.float32)}, LocalTransport(1, LocalHub()),
+        Program(RankPlan.of(p, 1)).run({"w": np.zeros((4, 6), np.float32)}, LocalTransport(1, LocalHub()),
                           timeout=60, liveness=watch)
     assert time.monotonic() - t0 < 30  # the watch, not the 60 s timeout
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import wb
-from wb.data.plan import Transfers
+from wb.data.plan import RankPlan, Transfers
 
 W = np.arange(32 * 24, dtype=np.int64).reshape(32, 24)  # a weight [out, in]
 N = W.size + np.arange(24)  # a norm
@@ -131,12 +131,15 @@ def test_save_load_round_trip_without_pickle(good):
         assert all(z[k].dtype != object for k in z.files)
 
 
-def test_per_worker_view(good):
+def test_each_rank_s_part_holds_exactly_its_messages(good):
     m = good.messages
-    for r in {int(x) for x in m.src_rank} | {int(x) for x in m.dst_rank}:
-        view = good.for_rank(r)
-        assert (m.src_rank[view.sends] == r).all() and (m.dst_rank[view.recvs] == r).all()
-    assert sum(good.for_rank(r).sends.size for r in range(10)) == m.stage.size
+    sends = 0
+    for r in good.ranks:
+        part = wb.RankPlan.of(good, r)
+        mine = np.flatnonzero((m.src_rank == r) | (m.dst_rank == r))  # the oracle
+        np.testing.assert_array_equal(part.index, mine)
+        sends += int((part.messages.src_rank == r).sum())
+    assert sends == m.stage.size  # every message is sent by exactly one part
 
 
 def test_run_local_fills_rollouts_bit_exactly(good):
@@ -253,7 +256,7 @@ def test_small_ranges_travel_packed_large_ones_in_place():
     per trainer, not one per row; ranges of 1 MiB and more still each get a message received in
     place (zero-copy); every element lands where its id says (LocalSession, numpy)."""
     from wb.algorithms.planner import SMALL_RUN_BYTES
-    from wb.runtime.program import Program
+    from wb.runtime.engine.program import Program
 
     rows, cols = 64, 8  # float32: 32-byte rows
     small = np.arange(rows * cols).reshape(rows, cols)
@@ -265,7 +268,7 @@ def test_small_ranges_travel_packed_large_ones_in_place():
                 for t in range(2)]
     rollout = wb.Layout(wb.Worker(2, "r", "rollout", 0), {"s": f32(small), "b": f32(big)})
     p = wb.plan(trainers, [rollout])
-    prog = Program(p, 2)
+    prog = Program(RankPlan.of(p, 2))
     got = sorted((g.peer, g.zc_dst, g.nbytes) for g in prog.messages.values())
     assert got == [(0, False, small.size * 2), (0, True, SMALL_RUN_BYTES),
                    (1, False, small.size * 2), (1, True, SMALL_RUN_BYTES)]

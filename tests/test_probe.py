@@ -8,7 +8,7 @@ import pytest
 
 import wb
 from harness.threads import counting
-from wb.algorithms.probe import digit_base
+from wb.algorithms.probing.idcode import digit_base
 
 SPEC = wb.CheckpointSpec({"embed": ((10, 6), "bfloat16"), "q": ((8, 6), "bfloat16"),
                           "k": ((4, 6), "bfloat16"), "norm": ((6,), "bfloat16")})
@@ -117,7 +117,7 @@ def test_extra_memory_is_one_checkpoint_tensor_plus_a_constant_per_buffer_elemen
     tracemalloc. The probe before issue 13 took ~14 bytes per *checkpoint* element here (int64 ids)."""
     import tracemalloc
 
-    from wb.algorithms.probe import TRANSIENT_BYTES_PER_ELEMENT
+    from wb.algorithms.probing import TRANSIENT_BYTES_PER_ELEMENT
 
     spec = wb.CheckpointSpec({"big": ((2048, 2048), "bfloat16"), "small": ((1000,), "bfloat16")})
     rows = slice(512, 576)  # 64 x 2048 = 131072 buffer elements of 4.2 M checkpoint elements

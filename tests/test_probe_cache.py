@@ -47,7 +47,7 @@ def test_anything_changed_re_probes_and_overwrites(tmp_path, change, caplog):
     else:
         kw["buffers"] = {"w": ((10, 20), "float32", "cpu")}
     load, calls = counting(shard)
-    with caplog.at_level(logging.WARNING, logger="wb.algorithms.probe"):
+    with caplog.at_level(logging.WARNING, logger="wb.algorithms.probing"):
         maps = wb.probe(spec, load, cache=path, **kw)
     assert calls and "probing again" in caplog.text
     assert MapCache.load(path).fingerprint == fingerprint(spec, **kw)  # overwritten
@@ -63,7 +63,7 @@ def test_a_corrupt_file_re_probes(tmp_path, damage, caplog):
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) // 2] if damage is None else damage)
     load, calls = counting(shard)
-    with caplog.at_level(logging.WARNING, logger="wb.algorithms.probe"):
+    with caplog.at_level(logging.WARNING, logger="wb.algorithms.probing"):
         assert_same(wb.probe(SPEC, load, cache=path), want)
     assert calls and "cannot be read" in caplog.text
     assert_same(MapCache.load(path).maps, want)  # rewritten whole

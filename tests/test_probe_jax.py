@@ -5,6 +5,7 @@ import logging
 
 import numpy as np
 import pytest
+from wb.data.dtypes import dtype_info
 
 jax = pytest.importorskip("jax")
 
@@ -108,7 +109,7 @@ def test_device_probe_compiles_each_step_once_per_shape(caplog):
     # x64 mode) differs from the ahead-of-time one would compile it a second time
     spec = spec_from_config(TINY)
     leaves = [x for x in jax.tree_util.tree_leaves(jax.eval_shape(
-        make_load_fn(TINY), {n: jax.ShapeDtypeStruct(s, wb.dtypes.dtype_info(d).numpy)
+        make_load_fn(TINY), {n: jax.ShapeDtypeStruct(s, dtype_info(d).numpy)
                              for n, (s, d) in spec.items()}))]
     jax.clear_caches()
     with caplog.at_level(logging.DEBUG, logger="jax"), jax.log_compiles(True):

@@ -4,8 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -96,7 +95,7 @@ def test_device_feed_equals_the_host_feed(dtype, pass_index, skip):
 
 @pytest.mark.parametrize("base", [16, 256, 2048, 2**24, 1000])
 def test_device_check_digit_equals_the_core_one(base):
-    from wb.algorithms.probe import check_digit as core_check_digit
+    from wb.algorithms.probing.idcode import check_digit as core_check_digit
 
     ids = np.random.default_rng(base).integers(0, 2**40, 50_000)
     got = check_digit(torch.from_numpy(ids), base).numpy()
@@ -141,7 +140,7 @@ def test_gpu_probe_is_exact_and_its_extra_memory_is_bounded():
     """The bound of wb_torch.probing's docstring, measured with the CUDA allocator: kept bytes
     per rank element, TRANSIENT_BYTES per element of the largest tensor (or decode chunk), and
     the checkpoint tensors load_weights holds (one at a time, two while the allocator recycles)."""
-    from wb.algorithms.probe import digit_base
+    from wb.algorithms.probing.idcode import digit_base
     from wb.layouts.presets import load_config
     from wb_torch.probing import TRANSIENT_BYTES
 

@@ -1,6 +1,6 @@
-"""The CUDA quantiser's kernel source (``wb.runtime.quant.kernel_source``), compiled for the host with
+"""The CUDA quantiser's kernel source (``wb.runtime.engine.fp8.kernel_source``), compiled for the host with
 one thread per block and run block after block, equals the rule's plain numpy quantiser
-(:func:`wb.data.blockscale.quantize_tensor`) bit for bit: its positions, amax, scale and
+(:func:`wb.data.fp8.quantize_tensor`) bit for bit: its positions, amax, scale and
 encoding logic are checked on any machine with a C++ compiler (the GPU test
 ``tests/test_fp8_cuda.py`` runs the same source on the device with 256 threads)."""
 
@@ -11,9 +11,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from wb.data.blockscale import quantize_tensor
+from wb.data.fp8 import quantize_tensor
 from wb.data.dtypes import dtype_info
-from wb.runtime.quant import kernel_source
+from wb.runtime.engine.fp8 import kernel_source
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 

@@ -9,6 +9,7 @@ planner fail with a bare ``IndexError``.
 
 import numpy as np
 import pytest
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 torch = pytest.importorskip("torch")
 
@@ -103,13 +104,13 @@ def test_an_update_moves_persistent_buffers():
                           role="trainer")
     rl = wb_torch.layouts(rollout, wb_torch.probe(rollout, SPEC), 1, node="r", role="rollout")
     plan = wb.plan(tl, rl)
-    hub, store = wb.LocalHub(), wb.MemoryStore()
+    hub, store = LocalHub(), wb.MemoryStore()
     kw = dict(store=store, timeout=30, wait_timeout=30)
     tx, rx = together(
-        lambda: wb_torch.Sender(trainer, plan, 0, transports=wb.LocalTransport(0, hub, timeout=30),
+        lambda: wb_torch.Sender(trainer, plan, 0, transports=LocalTransport(0, hub, timeout=30),
                                 **kw),
         lambda: wb_torch.Receiver(rollout, plan, 1,
-                                  transports=wb.LocalTransport(1, hub, timeout=30), **kw))
+                                  transports=LocalTransport(1, hub, timeout=30), **kw))
     with tx, rx:
         together(tx.push, rx.apply)
     assert torch.equal(rollout.gate.bias, ck["gate.bias"])  # was: stale after every update

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import wb
-from wb.runtime.rendezvous import DirectoryStore, MemoryStore, Store, TorchStore
+from wb.runtime.transport.stores import DirectoryStore, MemoryStore, Store, TorchStore
 
 
 def _exercise(store, other=None):
@@ -21,7 +21,7 @@ def _exercise(store, other=None):
         store.get("never", timeout=0.2)
     assert time.monotonic() - t0 < 5
     # a large value in chunks (a store's value limit), read by the other side
-    from wb.runtime.rendezvous import get_large, set_large
+    from wb.runtime.transport.stores import get_large, set_large
     big = bytes(range(256)) * 41 + b"tail"
     assert set_large(store, "big/v", big, max_value_bytes=1000) > len(big)
     assert get_large(other, "big/v", timeout=5) == big
@@ -51,11 +51,11 @@ import jax, socket
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=1, process_id=0)
 from jax._src.distributed import global_state
-from wb.runtime.rendezvous import JaxStore
+from wb.runtime.transport.stores import JaxStore
 st = JaxStore(global_state.client)
 st.set("a/b", b"\\x00xy")
 assert st.get("a/b", 5) == b"\\x00xy"
-from wb.runtime.rendezvous import get_large, set_large
+from wb.runtime.transport.stores import get_large, set_large
 big = bytes(range(256)) * 50000
 set_large(st, "big", big)  # the adapter's own limit: chunks
 assert get_large(st, "big", 5) == big and st.get("big#5", 5) == big[5 * (2 << 20):6 * (2 << 20)]
@@ -84,7 +84,7 @@ def test_nothing_from_a_store_is_unpickled():
 
 
 def test_get_large_refuses_a_plain_value():
-    from wb.runtime.rendezvous import get_large
+    from wb.runtime.transport.stores import get_large
     s = MemoryStore()
     s.set("k", b"PK not a header")
     with pytest.raises(wb.TransferError, match="set_large"):

@@ -11,8 +11,8 @@ import pytest
 
 import wb
 import wb.runtime
-from wb.runtime.coordinator import SyncMode
-from wb.runtime.rendezvous import MemoryStore
+from wb.runtime.endpoints.modes import SyncMode
+from wb.runtime.transport.stores import MemoryStore
 from wb.runtime.transport.local import LocalHub, LocalTransport
 
 
@@ -39,7 +39,7 @@ def test_each_mode_is_two_strategies_chosen_at_setup(mode):
         recv = {type(x._path).__name__ for x in s.receivers.values()}
         assert send == {"_StagedSend" if sync.sender_staging else "_DirectSend"}
         assert recv == {"_BackgroundReceive" if sync.receiver_staging else "_DirectReceive"}
-        assert {type(x._target).__name__ for x in s.receivers.values()} == {"_InPlace"}
+        assert {type(x._target).__name__ for x in s.receivers.values()} == {"InPlace"}
         s.update()
         assert all((b["w"] == _weights(1)).all() for b in rb.values())
 
@@ -59,7 +59,7 @@ def test_handoff_hands_over_new_buffers_every_version_and_the_old_ones_stay(stag
                           staging=staging),
         *[lambda r=r: wb.Receiver(p, r, None, transport=LocalTransport(r, hub), store=store,
                                   staging=staging, handoff=True, timeout=20) for r in (1, 2)])
-    assert {type(rx._target).__name__ for rx in rxs} == {"_Handoff"}
+    assert {type(rx._target).__name__ for rx in rxs} == {"Handoff"}
     first = [rx.buffers["w"] for rx in rxs]
     assert all((a == 0).all() for a in first)  # no version yet: zeros
     seen = []
@@ -86,7 +86,7 @@ def test_every_worker_owns_its_program_and_no_module_caches_programs():
     with wb.LocalSession(p, {0: {"w": _weights(1)}}, rb(), timeout=20) as a, \
             wb.LocalSession(p, {0: {"w": _weights(1)}}, rb(), timeout=20) as b:
         pa, pb = a.senders[0]._end.program, b.senders[0]._end.program
-        assert isinstance(pa, wb.runtime.program.Program) and pa is not pb
+        assert isinstance(pa, wb.runtime.engine.program.Program) and pa is not pb
         assert pa.messages.keys() == pb.messages.keys()
     allowed = {"MODES"}  # a constant table
     for info in pkgutil.walk_packages(wb.runtime.__path__, "wb.runtime."):
@@ -175,7 +175,7 @@ def test_recycled_receives_reuse_a_set_once_its_arrays_are_freed_and_never_write
     the consumer makes arrays of without a copy (np.from_dlpack here; jax.dlpack.from_dlpack on a
     GPU). A set is written again only once every array made of it is gone; arrays the caller
     keeps are never written, whatever comes after; padding keeps the template's values."""
-    from wb.runtime.buffers import address
+    from wb.runtime.engine.buffers import address
 
     p = _padded_plan()
     hub, store = LocalHub(), MemoryStore()
@@ -187,7 +187,7 @@ def test_recycled_receives_reuse_a_set_once_its_arrays_are_freed_and_never_write
         lambda: wb.Receiver(p, 1, {"w": template}, transport=LocalTransport(1, hub),
                             store=store, staging=staging, handoff=True, recycle=True,
                             timeout=20))
-    assert type(rx._target).__name__ == "_Recycled"
+    assert type(rx._target).__name__ == "Recycled"
 
     def update(v):
         live["w"][...] = _weights(v)
@@ -196,7 +196,7 @@ def test_recycled_receives_reuse_a_set_once_its_arrays_are_freed_and_never_write
             assert [f.result(timeout=30) for f in futs] == [v, v]
         tx.wait()
         (exp,) = rx.buffers.values()
-        assert isinstance(exp, wb.runtime.dlpack.Export)
+        assert isinstance(exp, wb.runtime.engine.dlpack.Export)
         got = np.from_dlpack(exp)
         assert address(got) == address(exp)  # the consumer's array is wb's memory: no copy
         assert (got[:4] == _weights(v)).all() and (got[4] == -7.0).all()

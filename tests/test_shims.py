@@ -6,6 +6,8 @@ import inspect
 
 import numpy as np
 import pytest
+from wb.data.dtypes import dtype_info
+from wb.runtime.transport.local import LocalHub, LocalTransport
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -66,7 +68,7 @@ def test_one_rank_for_params_on_several_devices_is_refused():
 def _ckpt(seed):
     rng = np.random.default_rng(seed)
     return {"w": rng.standard_normal((4, 6), dtype=np.float32),
-            "b": rng.standard_normal(6, dtype=np.float32).astype(wb.dtypes.dtype_info("bfloat16").numpy)}
+            "b": rng.standard_normal(6, dtype=np.float32).astype(dtype_info("bfloat16").numpy)}
 
 
 @pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
@@ -82,16 +84,16 @@ def test_a_trainer_of_one_framework_feeds_a_rollout_of_the_other(direction, stag
     tl = shim[t_kind].checkpoint_layouts(params[t_kind], SPEC, 0, node="t", role="trainer")
     rl = shim[r_kind].checkpoint_layouts(params[r_kind], SPEC, 1, node="r", role="rollout")
     plan = wb.plan(tl, rl)
-    hub, store = wb.LocalHub(), wb.MemoryStore()
+    hub, store = LocalHub(), wb.MemoryStore()
     # the rollout starts from zeros
     zeros = {"torch": {n: torch.zeros_like(t) for n, t in torch_params.items()},
              "jax": {n: wb_jax.from_numpy(np.zeros_like(a), dev) for n, a in ck.items()}}
     kw = dict(store=store, staging=staging, timeout=30, wait_timeout=30)
     tx, rx = together(
         lambda: shim[t_kind].Sender(params[t_kind], plan, 0,
-                                    transports=wb.LocalTransport(0, hub, timeout=30), **kw),
+                                    transports=LocalTransport(0, hub, timeout=30), **kw),
         lambda: shim[r_kind].Receiver(zeros[r_kind], plan, 1,
-                                      transports=wb.LocalTransport(1, hub, timeout=30), **kw))
+                                      transports=LocalTransport(1, hub, timeout=30), **kw))
     with tx, rx:
         got = together(tx.push, rx.apply)[1]
         assert tx.version == rx.version == 1
@@ -127,15 +129,15 @@ def test_a_jax_receiver_over_recycled_memory_is_zero_copy_and_never_writes_kept_
     zeros = {n: wb_jax.from_numpy(np.zeros_like(a), dev) for n, a in ck.items()}
     rl = wb_jax.checkpoint_layouts(zeros, SPEC, 1, node="r", role="rollout")
     plan = wb.plan(tl, rl)
-    hub, store = wb.LocalHub(), wb.MemoryStore()
+    hub, store = LocalHub(), wb.MemoryStore()
     kw = dict(store=store, staging=staging, timeout=30, wait_timeout=30)
     tx, rx = together(
         lambda: wb_torch.Sender(torch_params, plan, 0,
-                                transports=wb.LocalTransport(0, hub, timeout=30), **kw),
+                                transports=LocalTransport(0, hub, timeout=30), **kw),
         lambda: wb_jax.Receiver(zeros, plan, 1,
-                                transports=wb.LocalTransport(1, hub, timeout=30), **kw))
+                                transports=LocalTransport(1, hub, timeout=30), **kw))
     (worker,) = rx.workers.values()
-    assert type(worker._target).__name__ == "_Recycled"
+    assert type(worker._target).__name__ == "Recycled"
 
     def version(v):
         return {n: (a.astype(np.float32) * (-2.0) ** v).astype(a.dtype) for n, a in ck.items()}
@@ -148,7 +150,7 @@ def test_a_jax_receiver_over_recycled_memory_is_zero_copy_and_never_writes_kept_
         for n in ck:
             assert wb_jax.to_numpy(got[n]).tobytes() == version(v)[n].tobytes(), (v, n)
             # the array JAX hands back is wb's memory
-            assert got[n].unsafe_buffer_pointer() == wb.runtime.buffers.address(
+            assert got[n].unsafe_buffer_pointer() == wb.runtime.engine.buffers.address(
                 worker.buffers[f"['{n}']"])
         return got
 
@@ -165,3 +167,23 @@ def test_a_jax_receiver_over_recycled_memory_is_zero_copy_and_never_writes_kept_
         update(5)
         for n in ck:  # kept arrays stay version 2's, whatever came after
             assert wb_jax.to_numpy(kept[n]).tobytes() == version(2)[n].tobytes(), n
+
+
+@pytest.mark.parametrize("shim", ["torch", "jax"])
+def test_a_rank_without_a_part_is_refused_naming_the_ranks_there_are(shim):
+    """Parameters of a rank the plan (or the parts given) has no part for: the plan's own error,
+    naming its ranks, before any transport is touched."""
+    w = SPEC.ids("w")
+    lay = lambda r, role: wb.Layout(wb.Worker(r, "n", role), {  # noqa: E731
+        "w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
+    plan = wb.plan([lay(0, "trainer")], [lay(1, "rollout")])
+    parts = {1: wb.RankPlan.of(plan, 1)}
+    params = ({"w": torch.zeros(4, 6)} if shim == "torch"
+              else {"w": jax.device_put(np.zeros((4, 6), np.float32), jax.devices()[0])})
+    mod = wb_torch if shim == "torch" else wb_jax
+    ranks = 5 if shim == "torch" else {jax.devices()[0]: 5}
+    with pytest.raises(wb.PlanError, match=r"rank 5 has no layout in this plan \(ranks \[0, 1\]\)"):
+        mod.Sender(params, plan, ranks, transports=object(), store=wb.MemoryStore())
+    ranks = 0 if shim == "torch" else {jax.devices()[0]: 0}
+    with pytest.raises(wb.PlanError, match=r"rank 0 has no part here .*ranks \[1\]"):
+        mod.Receiver(params, parts, ranks, transports=object(), store=wb.MemoryStore())

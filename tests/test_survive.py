@@ -114,8 +114,8 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
     ranks into the same one: all or none), it applies it and every later one bit-identical; in
     that first version it is fed apart (only trainers send to it: no other rollout's part has a
     message with it); the others apply all 8."""
-    from wb.runtime.records import fetch_part
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.membership.records import fetch_part
+    from wb.runtime.transport.stores import DirectoryStore
 
     run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
                     target=coord_child_main,
@@ -285,7 +285,7 @@ def test_a_cancelled_receive_keeps_its_buffer_until_a_late_message_lands(tmp_pat
     import threading
     import weakref
 
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     store = DirectoryStore(str(tmp_path / "store"))
@@ -326,8 +326,8 @@ def test_a_process_joining_with_several_ranks_is_admitted_all_or_none():
     from types import SimpleNamespace
 
     from wb.data.layout import layouts_to_bytes
-    from wb.runtime.joining import Admissions
-    from wb.runtime.rendezvous import MemoryStore, set_large
+    from wb.runtime.membership.joining import Admissions
+    from wb.runtime.transport.stores import MemoryStore, set_large
 
     sm = wb.SourceMap.from_indices(np.arange(8))
     lay = {r: wb.Layout(wb.Worker(r, f"n{r}", "trainer" if r == 0 else "rollout"),

@@ -82,13 +82,3 @@ def test_dtensor_local_shards_map_to_their_global_offsets():
     assert np.array_equal(out[0]["w"], w[:, :2]) and np.array_equal(out[1]["w"], w[:, 2:])
     assert np.array_equal(out[0]["b"], b[:3]) and np.array_equal(out[1]["b"], b[3:])
     assert out["shape1"] == {"w": [6, 2], "b": [2]}
-
-
-def test_the_0_1_names_still_work_and_say_they_are_deprecated():
-    t = {"w": torch.zeros(3, 2)}
-    with pytest.warns(DeprecationWarning, match="checkpoint_layouts"):
-        lay = wb_torch.shard_layout(t, SPEC, wb.Worker(4, "n", "trainer", 1),
-                                    offsets={"w": (3, 2)})
-    (new,) = wb_torch.checkpoint_layouts(t, SPEC, 4, node="n", role="trainer", local_rank=1,
-                                         offsets={"w": (3, 2)})
-    assert lay == new

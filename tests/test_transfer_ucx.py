@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 import wb  # noqa: E402
+from wb.data.plan import RankPlan  # noqa: E402
 from harness.multiproc import run_ranks  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def test_end_to_end_bit_identical_over_ucx(plan_file, tmp_path):
 def test_end_to_end_from_per_rank_parts_over_ucx(plan_file, tmp_path):
     """Each process loads only its own part (RankPlan bytes): the same bytes arrive, bit for bit,
     and the trainers send exactly what the whole plan says."""
-    from wb.data.rankplan import parts
+    from wb.data.plan import parts
     p = wb.Plan.load(plan_file / "plan.npz")
     parts_dir = tmp_path / "parts"
     parts_dir.mkdir()
@@ -141,7 +142,7 @@ def test_a_wrong_buffer_is_refused_before_any_byte_moves(plan_file, tmp_path):
 
 
 def test_wrong_dtype_refused_in_process():
-    from wb.runtime.executor import execute
+    from wb.runtime.engine.executor import execute
     from wb.runtime.transport.local import LocalHub, LocalTransport
 
     w = np.arange(64).reshape(8, 8)
@@ -149,9 +150,10 @@ def test_wrong_dtype_refused_in_process():
     r = wb.Layout(wb.Worker(1, "r", "rollout"), {"w": wb.BufferSpec(wb.SourceMap.from_indices(w), "float32")})
     p = wb.plan([t], [r])
     with pytest.raises(wb.TransferError, match="is float64, the plan needs float32"):
-        execute(p, 0, {"w": np.zeros((8, 8))}, LocalTransport(0, LocalHub()))
+        execute(RankPlan.of(p, 0), {"w": np.zeros((8, 8))}, LocalTransport(0, LocalHub()))
     with pytest.raises(wb.TransferError, match="different layouts"):
-        execute(p, 1, {"w": np.zeros((8, 8), np.float32)}, LocalTransport(1, LocalHub()),
+        execute(RankPlan.of(p, 1), {"w": np.zeros((8, 8), np.float32)},
+                LocalTransport(1, LocalHub()),
                 layout=wb.Layout(r.worker, {"w": wb.BufferSpec(wb.SourceMap.from_indices(w.T), "float32")}))
 
 

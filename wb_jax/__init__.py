@@ -30,9 +30,10 @@ import jax
 import numpy as np
 
 import wb
-import wb.algorithms.probe as probe_algo
-from wb.runtime import dlpack
+from wb.algorithms.probing import HostArrays
+from wb.runtime.engine import dlpack
 from wb_jax.probing import DeviceArrays
+from wb.data.dtypes import canonical_dtype, dtype_info
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
             ``load_fn`` it cannot trace is described by spec and ``key`` only: put what tells
             models apart in ``key``).
         key: what distinguishes this process's maps (JSON-able, e.g. ``{"mesh": [2, 4]}``).
-        arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
+        arrays: where the per-element work runs (a :class:`wb.algorithms.probing.ProbeArrays`).
             Default: on JAX's default device when it is an accelerator (checkpoint arrays made
             there and passed to ``load_fn`` as ``jax.Array``; leaves checked and decoded there;
             only runs of ids come back: :class:`wb_jax.probing.DeviceArrays`), numpy on the
@@ -136,7 +137,7 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
             element).
     """
     if arrays is None:
-        arrays = probe_algo.HostArrays() if jax.default_backend() == "cpu" else DeviceArrays()
+        arrays = HostArrays() if jax.default_backend() == "cpu" else DeviceArrays()
     on_device = isinstance(arrays, DeviceArrays)
     info = _leaf_info(load_fn, spec) if cache is not None else None
     if on_device and info is None:
@@ -145,14 +146,14 @@ def probe(load_fn: Callable[[Mapping[str, np.ndarray]], Any], spec: wb.Checkpoin
         except wb.SpecError:  # a leaf dtype wb does not know: the probe itself names it
             info = None
     if on_device and info and not arrays.leaves:  # its reads compile while pass 1 runs
-        arrays.leaves = {k: (s, wb.dtypes.dtype_info(d).numpy) for k, (s, d, _) in info.items()}
+        arrays.leaves = {k: (s, dtype_info(d).numpy) for k, (s, d, _) in info.items()}
     return wb.probe(spec, lambda ckpt: leaves(load_fn(ckpt)), progress=progress, cache=cache,
                     key=key, buffers=info, arrays=arrays)
 
 
 def _leaf_info(load_fn, spec: wb.CheckpointSpec) -> dict[str, tuple] | None:
     """``{leaf key: (shape, dtype, device kind)}`` of ``load_fn``'s output, traced, not run."""
-    abstract = {n: jax.ShapeDtypeStruct(s, wb.dtypes.dtype_info(d).numpy)
+    abstract = {n: jax.ShapeDtypeStruct(s, dtype_info(d).numpy)
                 for n, (s, d) in spec.items()}
     try:
         out = jax.eval_shape(load_fn, abstract)
@@ -161,7 +162,7 @@ def _leaf_info(load_fn, spec: wb.CheckpointSpec) -> dict[str, tuple] | None:
                  "key only", type(e).__name__, e)
         return None
     kind = jax.default_backend()
-    return {jax.tree_util.keystr(p): (tuple(x.shape), wb.dtypes.canonical_dtype(x.dtype), kind)
+    return {jax.tree_util.keystr(p): (tuple(x.shape), canonical_dtype(x.dtype), kind)
             for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
 
 
@@ -199,7 +200,7 @@ def device_maps(params: Any, maps: Mapping[str, wb.SourceMap]
     for key, leaf in leaves(params).items():
         if key not in maps:
             raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn")
-        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
+        dtype = canonical_dtype(leaf.dtype)
         for dev, sm in shard_maps(maps[key], leaf.sharding).items():
             out.setdefault(dev, {})[key] = (sm, dtype)
     return out
@@ -248,12 +249,12 @@ def _host_or_device(a):
 
 def _described(a):
     """A device shard as wb reads it every update: its address, shape, dtype and device
-    (:class:`wb.runtime.dlpack.Export`, the array kept alive), without ``__dlpack__`` (~0.3 ms
+    (:class:`wb.runtime.engine.dlpack.Export`, the array kept alive), without ``__dlpack__`` (~0.3 ms
     per array on a GPU, and a trainer's arrays are new every step). wb reads them only while a
     push runs, after :meth:`_Arrays.settle`; host arrays (numpy views) are as they are."""
     if not isinstance(a, jax.Array):
         return a
-    return dlpack.Export(a.unsafe_buffer_pointer(), a.shape, wb.dtypes.canonical_dtype(a.dtype),
+    return dlpack.Export(a.unsafe_buffer_pointer(), a.shape, canonical_dtype(a.dtype),
                          a.__dlpack_device__(), a)
 
 
@@ -311,7 +312,7 @@ def layouts(params: Any, maps: Mapping[str, wb.SourceMap], ranks: Ranks, *, node
         if key not in maps:
             raise wb.SpecError(f"params leaf `{key}` has no source map; probe the same load_fn "
                                f"(maps has {sorted(maps)[:5]}...)")
-        dtype = wb.dtypes.canonical_dtype(leaf.dtype)
+        dtype = canonical_dtype(leaf.dtype)
         sms = shard_maps(maps[key], leaf.sharding)
         for shard in leaf.addressable_shards:
             if shard.device not in per_dev:
@@ -355,7 +356,7 @@ def checkpoint_layouts(params: Mapping[str, jax.Array], spec: wb.CheckpointSpec,
                                f"layouts for a load function instead)")
         key = jax.tree_util.keystr((jax.tree_util.DictKey(name),))  # as leaves() names it
         base = tuple((offsets or {}).get(name, (0,) * arr.ndim))
-        dtype = wb.dtypes.canonical_dtype(arr.dtype)
+        dtype = canonical_dtype(arr.dtype)
         for dev, idx in arr.sharding.addressable_devices_indices_map(arr.shape).items():
             if dev not in per_dev:
                 continue
@@ -376,11 +377,13 @@ class _Arrays:
 
     handoff = True  # jax.Arrays are immutable: every version lands in new buffers
 
-    def __init__(self, plan: wb.Plan, params: Any, ranks: Ranks):
-        self.plan, self.ranks = plan, _devices(params, ranks)
+    def __init__(self, layouts: Mapping[int, wb.Layout], params: Any, ranks: Ranks):
+        self.layouts, self.ranks = layouts, _devices(params, ranks)
 
     def buffers(self, params: Any) -> dict[int, dict[str, Any]]:
-        return {r: {k: _described(v) for k, v in b.items() if k in self.plan.layout_of(r).buffers}
+        # a rank without a layout keeps all its arrays: the group refuses it, naming the plan's
+        return {r: {k: _described(v) for k, v in b.items()
+                    if r not in self.layouts or k in self.layouts[r].buffers}
                 for r, b in buffers(params, self.ranks).items()}
 
     def settle(self, params: Any) -> None:
@@ -411,7 +414,7 @@ class _Arrays:
                                    f"receives into host and CUDA memory")
 
         def allocate(shape: tuple[int, ...], dtype: str) -> Any:
-            import cupy  # wb moves CUDA memory with CuPy (see wb.runtime.buffers)
+            import cupy  # wb moves CUDA memory with CuPy (see wb.runtime.engine.buffers)
 
             with cupy.cuda.Device(dev.local_hardware_id):
                 a = cupy.zeros(shape, dlpack.cuda_dtype(dtype))
@@ -486,6 +489,3 @@ class Receiver(wb.ReceiverGroup):
 
     adapter_type = _Arrays
 
-
-#: The 0.1 name of :func:`buffers`.
-shard_buffers = buffers

@@ -1,7 +1,7 @@
 """The probe's per-element work on JAX's device, with ``jax.numpy`` (mirrors
 :mod:`wb_torch.probing`).
 
-:class:`DeviceArrays` is a :class:`wb.algorithms.probe.ProbeArrays`. Every step is one jitted
+:class:`DeviceArrays` is a :class:`wb.algorithms.probing.ProbeArrays`. Every step is one jitted
 function, compiled once per shape and dtype (the values that change from tensor to tensor and
 pass to pass are arguments), so a pass is a stream of dispatches the host never waits for:
 
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import wb
-import wb.algorithms.probe as probe_algo
-from wb.data.sourcemap import RunMarks, Runs, runs_from_marks
+from wb.algorithms.probing import HostArrays, RunMarks, Runs, chunks, idcode, runs_from_marks
+from wb.data.dtypes import canonical_dtype, dtype_info, known_dtype
 
 __all__ = ["DeviceArrays", "TRANSIENT_BYTES"]
 
@@ -48,15 +48,13 @@ log = logging.getLogger(__name__)
 #: decoded (as :data:`wb_torch.probing.TRANSIENT_BYTES`).
 TRANSIENT_BYTES = 48
 
-_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)  # the core's row hash multiplier
-
 
 def _x64():
     return jax.enable_x64(True)
 
 
 class DeviceArrays:
-    """:class:`wb.algorithms.probe.ProbeArrays` with ``jax.numpy`` on ``device`` (the module
+    """:class:`wb.algorithms.probing.ProbeArrays` with ``jax.numpy`` on ``device`` (the module
     docstring says what runs where and the memory it takes).
 
     Args:
@@ -89,7 +87,7 @@ class DeviceArrays:
             firsts = jax.device_put([np.int64(spec.offset(n)) for n in names], self.device)
         self._firsts = (spec, base, dict(zip(names, firsts)))
         self._pass_args.clear()
-        steps = [("feed", spec.shape(n), np.dtype(wb.dtypes.dtype_info(spec.dtype(n)).numpy), bits)
+        steps = [("feed", spec.shape(n), np.dtype(dtype_info(spec.dtype(n)).numpy), bits)
                  for n in names]
         steps += [("read", tuple(s), np.dtype(d), base, passes) for s, d in self.leaves.values()]
         todo = [k for k in dict.fromkeys(steps) if k not in self._done and k not in self._pending]
@@ -115,7 +113,7 @@ class DeviceArrays:
             _, shape, dtype, base, passes = step
             n = math.prod(shape)
             w = sds((n,), np.bool_)
-            d = sds((n,), probe_algo.digit_dtype(base))
+            d = sds((n,), idcode.digit_dtype(base))
             self._j.read.lower(sds(shape, dtype), base=base).compile()
             self._j.same.lower(w, w).compile()
             cols = shape[-1] if shape else 1
@@ -154,10 +152,10 @@ class DeviceArrays:
 
     # --- feeding --------------------------------------------------------------------------------
     def feed(self, spec, name, base, pass_index):
-        dtype = np.dtype(wb.dtypes.dtype_info(spec.dtype(name)).numpy)
+        dtype = np.dtype(dtype_info(spec.dtype(name)).numpy)
         shape, n = tuple(spec.shape(name)), spec.size(name)
         if base & (base - 1) or n == 0 or n >= 2**31 - base:  # a base given by hand: the host's
-            return jax.device_put(probe_algo.HostArrays().feed(spec, name, base, pass_index),
+            return jax.device_put(HostArrays().feed(spec, name, base, pass_index),
                                   self.device)
         bits = base.bit_length() - 1
         self._wait(("feed", shape, dtype, bits))
@@ -179,13 +177,13 @@ class DeviceArrays:
         return arr
 
     def dtype_name(self, a):
-        return wb.dtypes.known_dtype(a.dtype)
+        return known_dtype(a.dtype)
 
     def read(self, a, base):
         return self._j.read(jnp.asarray(a), base=base)
 
     def first_bad(self, a, base):  # an error path: on the host
-        return probe_algo.HostArrays().first_bad(np.asarray(a), base)
+        return HostArrays().first_bad(np.asarray(a), base)
 
     def same(self, a, b):
         return self._j.same(a, b)
@@ -209,7 +207,7 @@ class DeviceArrays:
     def runs(self, written, digits, base, numel, cols):
         n = int(written.size)
         size, cap = self._chunk(n, cols)
-        spans = list(probe_algo.chunks(n, cols, self.chunk))
+        spans = list(chunks(n, cols, self.chunk))
         parts = []
         with _x64():
             def launch(start, keep, cap):
@@ -226,7 +224,7 @@ class DeviceArrays:
                     flags, n_cand, n_last = (int(x) for x in out[0])
                 if flags:  # found again on the host, an error path
                     w = np.asarray(written)[lo:hi]
-                    _, bad, in_check = probe_algo.HostArrays().runs(
+                    _, bad, in_check = HostArrays().runs(
                         w, [np.asarray(d)[lo:hi] for d in digits], base, numel, cols)
                     return None, bad._replace(index=bad.index + lo), in_check
                 pos, forced, v_at, v_next, last = out[1:]
@@ -282,12 +280,13 @@ def _feed(first, k, *, shape, dtype, bits):
         q = jnp.where(j >= split, 1 + jax.lax.shift_right_logical(j - split, shift), 0)
         return (c.astype(jnp.int32) + q) & mask
 
-    def checks(_):  # (T(col) + G(row)) mod B, as wb.algorithms.probe.check_digit
+    def checks(_):  # (T(col) + G(row)) mod B, as idcode.check_digit
         col = col0.astype(jnp.int32) + j
         rows = (row0 + jax.lax.shift_right_logical(col, jnp.int32(bits))).astype(jnp.uint64)
-        g = jax.lax.shift_right_logical(rows * _HASH_MUL, np.uint64(24)).astype(jnp.uint32)
+        g = jax.lax.shift_right_logical(rows * np.uint64(idcode.ROW_MUL),
+                                        np.uint64(idcode.ROW_SHIFT)).astype(jnp.uint32)
         # T(col) = col * COL_MUL mod B: the low bits of a wrapping 32-bit product
-        tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(probe_algo.COL_MUL % 2**32)
+        tcol = (col & mask).astype(jnp.uint32) * jnp.uint32(idcode.COL_MUL % 2**32)
         return ((g + tcol) & jnp.uint32(mask)).astype(jnp.int32)
 
     d = jax.lax.cond(k < 0, checks, digits, None)
@@ -296,7 +295,7 @@ def _feed(first, k, *, shape, dtype, bits):
 
 def _read(a, *, base):
     flat = a.reshape(-1)
-    if wb.dtypes.canonical_dtype(flat.dtype).startswith("float8"):
+    if canonical_dtype(flat.dtype).startswith("float8"):
         flat = flat.astype(jnp.float16)  # exact
     if jnp.issubdtype(flat.dtype, jnp.floating):
         ok = (flat >= 0) & (flat <= base) & (flat == jnp.round(flat))  # NaN fails all
@@ -356,9 +355,11 @@ def _first_true(mask, cap):
 
 
 def _check_digit(ids, base):
-    """``wb.algorithms.probe.check_digit`` of int64 ids (power-of-two base), in uint64."""
+    """:func:`~wb.algorithms.probing.idcode.check_digit` of int64 ids (power-of-two base), in
+    uint64."""
     bits, mask = base.bit_length() - 1, np.uint64(base - 1)
     u = ids.astype(jnp.uint64)
-    h = jax.lax.shift_right_logical((u >> np.uint64(bits)) * _HASH_MUL, np.uint64(24))
-    col = (u & mask) * np.uint64(probe_algo.COL_MUL % base)
+    h = jax.lax.shift_right_logical((u >> np.uint64(bits)) * np.uint64(idcode.ROW_MUL),
+                                    np.uint64(idcode.ROW_SHIFT))
+    col = (u & mask) * np.uint64(idcode.COL_MUL % base)
     return ((h + col) & mask).astype(jnp.int64)

@@ -43,13 +43,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import wb
 from wb.data.dtypes import dtype_info
-from wb.data.sourcemap import SourceMap
-from wb.data.spec import CheckpointSpec
-from wb.errors import SpecError
 from wb.layouts import TINY, ModelDims, spec_from_config
 
 __all__ = ["make_mesh", "make_load_fn", "expected_maps", "checkpoint_arrays"]
@@ -60,10 +57,10 @@ VOCAB_MULTIPLE = 8
 
 
 def _dims(cfg: Mapping) -> ModelDims:
-    """The dimensions of ``cfg``, which must be a qwen3_moe config (SpecError otherwise)."""
+    """The dimensions of ``cfg``, which must be a qwen3_moe config (wb.SpecError otherwise)."""
     arch = cfg.get("architecture")
     if arch != "qwen3_moe":
-        raise SpecError(
+        raise wb.SpecError(
             f"`cfg['architecture']` is {arch!r}; the JAX reference trainer models only "
             f"'qwen3_moe' (GQA attention with per-head norms), so pass a qwen3_moe config "
             f"such as wb.layouts.TINY")
@@ -71,7 +68,7 @@ def _dims(cfg: Mapping) -> ModelDims:
 
 
 def _check_fits(d: ModelDims, dp: int, tp: int) -> None:
-    """Raises one SpecError listing every leaf dimension that dp or tp does not divide."""
+    """Raises one wb.SpecError listing every leaf dimension that dp or tp does not divide."""
     rules = [(d.hidden, "hidden_size", "dp", dp, "`attn.q`, `attn.o` and a dense `mlp.gate_up` "
               "shard h over dp"),
              (d.heads, "num_attention_heads", "tp", tp,
@@ -87,7 +84,7 @@ def _check_fits(d: ModelDims, dp: int, tp: int) -> None:
     bad = [f"`cfg['{key}']` = {value} is not divisible by {axis} = {size} ({why})"
            for value, key, axis, size, why in rules if value % size]
     if bad:
-        raise SpecError("the config does not fit the mesh: " + "; ".join(bad)
+        raise wb.SpecError("the config does not fit the mesh: " + "; ".join(bad)
                         + "; choose dp and tp that divide these sizes")
 
 
@@ -127,7 +124,7 @@ def _mesh_axes(mesh: Mesh | None) -> tuple[int, int]:
         return 1, 1
     shape = dict(mesh.shape)
     if set(shape) != {"dp", "tp"}:
-        raise SpecError(
+        raise wb.SpecError(
             f"`mesh` has axes {tuple(shape)}; the JAX reference layout shards over axes named "
             f"('dp', 'tp'), so build the mesh with make_mesh(dp, tp)")
     return shape["dp"], shape["tp"]
@@ -160,7 +157,7 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
         nested dicts and lists of ``jax.Array``.
 
     Raises:
-        SpecError: (a ValueError) the architecture is not qwen3_moe, a config field is missing, or
+        wb.SpecError: (a ValueError) the architecture is not qwen3_moe, a config field is missing, or
             dp/tp do not divide a sharded dimension (every such clash is listed). ``load`` raises
             it when ``ckpt`` lacks a tensor, has an unknown one, a tensor has the wrong shape, or
             JAX would change its dtype (float64/int64 without ``jax_enable_x64``).
@@ -177,7 +174,7 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
     dp, tp = _mesh_axes(mesh)
     if tp_shard is not None:
         if mesh is not None or not 0 <= tp_shard[0] < tp_shard[1]:
-            raise SpecError(f"tp_shard={tp_shard} needs mesh=None and 0 <= rank < tp")
+            raise wb.SpecError(f"tp_shard={tp_shard} needs mesh=None and 0 <= rank < tp")
         tp = tp_shard[1]
     _check_fits(d, dp, tp)
     spec = spec_from_config(cfg)
@@ -186,7 +183,7 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
         scaled = fp8.bind(spec)
         proj = {n for n in spec.names if n.endswith("_proj.weight")}
         if set(scaled.names) != proj:
-            raise SpecError(f"the reference JAX load serves FP8 for every projection weight (the "
+            raise wb.SpecError(f"the reference JAX load serves FP8 for every projection weight (the "
                             f"*_proj.weight tensors) and nothing else; the declaration covers "
                             f"{len(scaled.names)} tensors, not those {len(proj)}")
         spec = scaled.spec
@@ -205,22 +202,22 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
     def load(ckpt: Mapping[str, Any]) -> dict:
         unknown = [n for n in ckpt if n not in spec]
         if unknown:
-            raise SpecError(
+            raise wb.SpecError(
                 f"`ckpt` has tensors the config does not define: {unknown[:3]}"
                 f"{' ...' if len(unknown) > 3 else ''}; pass exactly the tensors of "
                 f"spec_from_config(cfg) (is tie_word_embeddings right?)")
 
         def take(name: str) -> jax.Array:
             if name not in ckpt:
-                raise SpecError(f"`ckpt` has no tensor `{name}`; load needs all {len(spec)} "
+                raise wb.SpecError(f"`ckpt` has no tensor `{name}`; load needs all {len(spec)} "
                                 f"tensors of spec_from_config(cfg)")
             x = ckpt[name]
             if tuple(x.shape) != spec.shape(name):
-                raise SpecError(f"`ckpt['{name}']` has shape {tuple(x.shape)}, the config says "
+                raise wb.SpecError(f"`ckpt['{name}']` has shape {tuple(x.shape)}, the config says "
                                 f"{spec.shape(name)}")
             y = jnp.asarray(x)
             if y.dtype != x.dtype:
-                raise SpecError(
+                raise wb.SpecError(
                     f"`ckpt['{name}']` is {np.dtype(x.dtype).name} but JAX would store it as "
                     f"{y.dtype.name}; load never casts, so pass {y.dtype.name} or enable "
                     f"jax_enable_x64")
@@ -272,7 +269,7 @@ def make_load_fn(cfg: Mapping = TINY, mesh: Mesh | None = None, *,
 
 
 def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = None,
-                  as_maps: bool = False) -> dict[str, np.ndarray] | dict[str, SourceMap]:
+                  as_maps: bool = False) -> dict[str, np.ndarray] | dict[str, wb.SourceMap]:
     """The oracle: which global checkpoint id each element of each params leaf holds.
 
     Computed with numpy only and written independently of :func:`make_load_fn` (each transform
@@ -293,7 +290,7 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
         -1 where the leaf holds padding (zeros). With ``as_maps``, SourceMaps of those ids.
 
     Raises:
-        SpecError: (a ValueError) tp < 1, the architecture is not qwen3_moe, or a field is missing.
+        wb.SpecError: (a ValueError) tp < 1, the architecture is not qwen3_moe, or a field is missing.
 
     Examples:
         >>> maps = expected_maps(TINY, tp=2)
@@ -301,7 +298,7 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
         ((112, 32), -1, 1)
     """
     if tp < 1:
-        raise SpecError(f"expected_maps(tp={tp}): tp must be >= 1")
+        raise wb.SpecError(f"expected_maps(tp={tp}): tp must be >= 1")
     d = _dims(cfg)
     spec = spec_from_config(cfg)
     vp = d.padded_vocab(VOCAB_MULTIPLE * tp)
@@ -391,11 +388,11 @@ def expected_maps(cfg: Mapping = TINY, tp: int = 1, *, tp_rank: int | None = Non
             return part
         todo = {k: shard(k, f) for k, f in todo.items()}
     if as_maps:
-        return {k: SourceMap.from_indices(f()) for k, f in todo.items()}
+        return {k: wb.SourceMap.from_indices(f()) for k, f in todo.items()}
     return {k: np.ascontiguousarray(f(), dtype=np.int64) for k, f in todo.items()}
 
 
-def checkpoint_arrays(spec: CheckpointSpec, seed: int = 0) -> dict[str, np.ndarray]:
+def checkpoint_arrays(spec: wb.CheckpointSpec, seed: int = 0) -> dict[str, np.ndarray]:
     """Random full checkpoint tensors in the spec's dtypes (bfloat16 as ``ml_dtypes.bfloat16``).
 
     Floats are standard normal rounded to the dtype; integers are uniform in ``[-128, 127]`` clipped

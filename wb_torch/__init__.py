@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
 
@@ -32,8 +31,9 @@ import numpy as np
 import torch
 
 import wb
-import wb.algorithms.probe as probe_algo
+from wb.algorithms.probing import HostArrays
 from wb_torch.probing import DeviceArrays
+from wb.data.dtypes import canonical_dtype
 
 __all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Receiver",
            "to_numpy", "from_numpy"]
@@ -88,7 +88,7 @@ def from_numpy(a: np.ndarray, device: torch.device | str | None = None) -> torch
         >>> from_numpy(np.arange(3, dtype=np.float32)).tolist()
         [0.0, 1.0, 2.0]
     """
-    name = wb.dtypes.canonical_dtype(a.dtype)
+    name = canonical_dtype(a.dtype)
     if name in _TORCH:
         raw = _BITS[_TORCH[name]][0]
         t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if raw == torch.int16
@@ -139,7 +139,7 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
             of the same rank reads them back without calling ``load_weights``; a changed spec,
             model (any tensor's name, shape, dtype or device kind) or ``key`` probes again.
         key: what distinguishes this rank (JSON-able, e.g. ``{"tp": 8, "rank": 3}``).
-        arrays: where the per-element work runs (a :class:`wb.algorithms.probe.ProbeArrays`).
+        arrays: where the per-element work runs (a :class:`wb.algorithms.probing.ProbeArrays`).
             Default: on the parameters' device with torch when it is a GPU (checkpoint tensors
             made there, checked and decoded there; only runs of ids come back:
             :class:`wb_torch.probing.DeviceArrays`), numpy
@@ -183,9 +183,9 @@ def probe(model: torch.nn.Module, spec: wb.CheckpointSpec,
         return _ParamViews(after) if on_host else {n: _local(t) for n, t in after.items()}
 
     if arrays is None:
-        arrays = probe_algo.HostArrays() if device.type == "cpu" else DeviceArrays(device)
-    on_host = isinstance(arrays, probe_algo.HostArrays)
-    info = {n: (tuple(_local(t).shape), wb.dtypes.canonical_dtype(t.dtype), _local(t).device.type)
+        arrays = HostArrays() if device.type == "cpu" else DeviceArrays(device)
+    on_host = isinstance(arrays, HostArrays)
+    info = {n: (tuple(_local(t).shape), canonical_dtype(t.dtype), _local(t).device.type)
             for n, t in params.items()}
     return wb.probe(spec, load, progress=progress, cache=cache, key=key, buffers=info,
                     arrays=arrays)
@@ -242,7 +242,7 @@ def _array(name: str, t: torch.Tensor):
                                f"tensor's own storage, which must be one dense block")
     if t.device.type == "cpu":
         return to_numpy(t)
-    return t.detach()  # CUDA: the tensor itself, read through DLPack (wb.runtime.dlpack)
+    return t.detach()  # CUDA: the tensor itself, read through DLPack (wb.runtime.engine.dlpack)
 
 
 def buffers(params: Params, ranks: Ranks) -> dict[int, dict[str, Any]]:
@@ -308,7 +308,7 @@ def _layouts(params: Params, ranks: Ranks, map_of: Callable[[str, torch.Tensor],
     for i, (r, named) in enumerate(_by_rank(params, ranks).items()):
         maps = {n: (map_of(n, t), _local(t).dtype) for n, t in named.items()}
         out.append(wb.Layout(wb.Worker(r, node, role, local_rank + i),
-                             {n: wb.BufferSpec(sm, wb.dtypes.canonical_dtype(dt))
+                             {n: wb.BufferSpec(sm, canonical_dtype(dt))
                               for n, (sm, dt) in maps.items() if sm is not None}))
     return out
 
@@ -363,11 +363,13 @@ class _Tensors:
 
     handoff = False  # written in place: the buffers are the tensors' own storage
 
-    def __init__(self, plan: wb.Plan, params: Params, ranks: Ranks):
-        self.plan, self.ranks = plan, ranks
+    def __init__(self, layouts: Mapping[int, wb.Layout], params: Params, ranks: Ranks):
+        self.layouts, self.ranks = layouts, ranks
 
     def buffers(self, params: Params) -> dict[int, dict[str, Any]]:
-        return {r: {n: _array(n, t) for n, t in ts.items() if n in self.plan.layout_of(r).buffers}
+        # a rank without a layout keeps all its tensors: the group refuses it, naming the plan's
+        return {r: {n: _array(n, t) for n, t in ts.items()
+                    if r not in self.layouts or n in self.layouts[r].buffers}
                 for r, ts in _by_rank(params, self.ranks).items()}
 
     def settle(self, params: Params) -> None:
@@ -390,7 +392,7 @@ class Sender(wb.SenderGroup):
 
     Args:
         params: an ``nn.Module`` or ``{name: tensor}`` of this process's trainer ranks.
-        plan: the plan every worker runs.
+        plan: the parts :func:`wb.agree_parts` gave this process, or the whole :class:`wb.Plan`.
         ranks: this process's rank, or ``{device: rank}``.
         transports: one :class:`wb.Transport`, or ``{rank: Transport}``.
         store: the rendezvous store every worker shares.
@@ -420,25 +422,3 @@ class Receiver(wb.ReceiverGroup):
     """
 
     adapter_type = _Tensors
-
-
-# --- names of 0.1, kept for existing code (see CHANGELOG.md) -------------------------------------
-def layout(model: torch.nn.Module, spec: wb.CheckpointSpec, worker: wb.Worker, *,
-           load_weights=None) -> wb.Layout:
-    """Deprecated since 0.2: :func:`probe`, then :func:`layouts` of one ``worker``."""
-    warnings.warn("wb_torch.layout is now wb_torch.probe + wb_torch.layouts", DeprecationWarning,
-                  stacklevel=2)
-    (lay,) = layouts(model, probe(model, spec, load_weights), worker.rank, node=worker.node,
-                     role=worker.role.value, local_rank=worker.local_rank)
-    return lay
-
-
-def shard_layout(tensors: Params, spec: wb.CheckpointSpec, worker: wb.Worker, *,
-                 offsets: Mapping[str, tuple[int, ...]] | None = None) -> wb.Layout:
-    """Deprecated since 0.2: :func:`checkpoint_layouts` of one ``worker``."""
-    warnings.warn("wb_torch.shard_layout is now wb_torch.checkpoint_layouts", DeprecationWarning,
-                  stacklevel=2)
-    (lay,) = checkpoint_layouts(tensors, spec, worker.rank, node=worker.node,
-                                role=worker.role.value, local_rank=worker.local_rank,
-                                offsets=offsets)
-    return lay

@@ -1,7 +1,7 @@
 """The probe's per-element work on the parameters' device, with torch (mirrors
 :mod:`wb_jax.probing`).
 
-:class:`DeviceArrays` is a :class:`wb.algorithms.probe.ProbeArrays`: checkpoint tensors are made
+:class:`DeviceArrays` is a :class:`wb.algorithms.probing.ProbeArrays`: checkpoint tensors are made
 on the device from per-base tables and row indices computed there (no host array per tensor, so
 a pass is a stream of kernel launches the host never waits for); every buffer is checked there,
 and a pass waits once, for all its checks; after the last pass ids are decoded there a chunk of
@@ -17,12 +17,11 @@ more per element of that tensor, and while ids are decoded the same per element 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 import wb
-import wb.algorithms.probe as probe_algo
-from wb.data.sourcemap import RunMarks, Runs, runs_from_marks
+from wb.algorithms.probing import Bad, RunMarks, Runs, chunks, idcode, runs_from_marks
+from wb.data.dtypes import known_dtype
 
 __all__ = ["DeviceArrays", "TRANSIENT_BYTES", "run_marks", "check_digit"]
 
@@ -32,11 +31,13 @@ __all__ = ["DeviceArrays", "TRANSIENT_BYTES", "run_marks", "check_digit"]
 TRANSIENT_BYTES = 48
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_HASH_MUL = 0x9E3779B97F4A7C15 - 2**64  # the core's row hash multiplier as a wrapping int64
+# the contract's row multiplier as the int64 of the same bits: torch's int64 products wrap as
+# the core's uint64 ones do
+_ROW_MUL_INT64 = (idcode.ROW_MUL + 2**63) % 2**64 - 2**63
 
 
 class DeviceArrays:
-    """:class:`wb.algorithms.probe.ProbeArrays` with torch on ``device`` (the module docstring
+    """:class:`wb.algorithms.probing.ProbeArrays` with torch on ``device`` (the module docstring
     says what runs where and the memory it takes).
 
     Args:
@@ -59,10 +60,10 @@ class DeviceArrays:
         return self._tables[key]
 
     def _check(self, base: int, dtype: torch.dtype) -> torch.Tensor:
-        """``(base, base)`` raw bits of the check pass's values (:func:`check_table`)."""
+        """``(base, base)`` raw bits of the check pass's values (:func:`idcode.check_table`)."""
         key = ("check", base, dtype)
         if key not in self._tables:
-            idx = torch.from_numpy(probe_algo.check_table(base)).to(self.device)
+            idx = torch.from_numpy(idcode.check_table(base)).to(self.device)
             self._tables[key] = self._values(base, dtype)[idx]
         return self._tables[key]
 
@@ -72,7 +73,7 @@ class DeviceArrays:
         first, n = spec.offset(name), out.numel()
         if n == 0:
             return out
-        if base > probe_algo.TABLE_MAX:  # wide bases (float32): chunked arithmetic on the device
+        if base > idcode.TABLE_MAX:  # wide bases (float32): chunked arithmetic on the device
             for a in range(0, n, 1 << 22):
                 ids = torch.arange(first + a, first + min(n, a + (1 << 22)), device=self.device)
                 digit = _pass_digits(ids, pass_index, base) + 1
@@ -105,7 +106,7 @@ class DeviceArrays:
             out2d.copy_(values[col0:col0 + w].expand(m, w))
             return
         if m == 1:  # a partial row: its index is a Python int
-            i = int(probe_algo.row_index(k, row0, 1, base)[0])
+            i = int(idcode.row_index(k, row0, 1, base)[0])
             out2d.copy_(values[i:i + 1].expand(1, w) if k is not None
                         else self._check(base, dtype)[i:i + 1, col0:col0 + w])
             return
@@ -122,7 +123,7 @@ class DeviceArrays:
         return arr.detach()
 
     def dtype_name(self, a):
-        return wb.dtypes.known_dtype(a.dtype)
+        return known_dtype(a.dtype)
 
     @staticmethod
     def _digit_mask(flat: torch.Tensor, base: int) -> torch.Tensor:
@@ -147,7 +148,7 @@ class DeviceArrays:
     def first_bad(self, a, base):
         flat = self._flat(a)
         i = int((~self._digit_mask(flat, base)).nonzero()[0, 0])
-        return probe_algo.Bad(i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
+        return Bad(i, f"reads {float(flat[i])}, not an integer digit 0..{base}")
 
     def same(self, a, b):
         return (a == b).all()
@@ -165,7 +166,7 @@ class DeviceArrays:
     def runs(self, written, digits, base, numel, cols):
         *id_digits, check = digits
         parts = []
-        for lo, hi in probe_algo.chunks(written.numel(), cols, self.chunk):
+        for lo, hi in chunks(written.numel(), cols, self.chunk):
             w = written[lo:hi]
             ids = torch.zeros(hi - lo, dtype=torch.int64, device=self.device)
             scale = 1
@@ -178,11 +179,11 @@ class DeviceArrays:
             flags = torch.stack([over.any(), wrong.any()]).tolist()
             if flags[0]:
                 i = int(over.nonzero()[0, 0])
-                return None, probe_algo.Bad(lo + i, f"decodes to id {int(ids[i])} >= numel "
+                return None, Bad(lo + i, f"decodes to id {int(ids[i])} >= numel "
                                                     f"{numel}"), False
             if flags[1]:
                 i = int(wrong.nonzero()[0, 0])
-                return None, probe_algo.Bad(
+                return None, Bad(
                     lo + i, "disagrees between the id passes and the check pass"), True
             del over, wrong
             ids.masked_fill_(~w, -1)
@@ -214,27 +215,28 @@ def run_marks(v: torch.Tensor, cols: int) -> RunMarks:
 
 
 def _row_index(rows: torch.Tensor, k: int | None, base: int) -> torch.Tensor:
-    """:func:`wb.algorithms.probe.row_index` of int64 ``rows`` on their device."""
+    """:func:`wb.algorithms.probing.idcode.row_index` of int64 ``rows`` on their device."""
     if base & (base - 1):  # not a power of two (a base given by hand): on the host
         r0 = int(rows[0])
-        idx = probe_algo.row_index(k, r0, rows.numel(), base)
+        idx = idcode.row_index(k, r0, rows.numel(), base)
         return torch.from_numpy(idx).to(rows.device)
     bits, mask = base.bit_length() - 1, base - 1
-    if k is None:  # the core's row hash; see check_digit for the wrapping arithmetic
-        return rows.mul_(_HASH_MUL).bitwise_right_shift_(24).bitwise_and_(mask)
+    if k is None:  # idcode.row_hash; see check_digit for the wrapping arithmetic
+        return rows.mul_(_ROW_MUL_INT64).bitwise_right_shift_(idcode.ROW_SHIFT).bitwise_and_(mask)
     return rows.bitwise_right_shift_(bits * (k - 1)).bitwise_and_(mask)
 
 
 def check_digit(ids: torch.Tensor, base: int) -> torch.Tensor:
-    """``wb.algorithms.probe.check_digit`` on the device (int64 ids >= 0)."""
+    """:func:`wb.algorithms.probing.idcode.check_digit` on the device (int64 ids >= 0)."""
     if base & (base - 1):  # not a power of two (a base given by hand): on the host
-        return torch.from_numpy(probe_algo.check_digit(ids.cpu().numpy(), base)).to(ids.device)
+        return torch.from_numpy(idcode.check_digit(ids.cpu().numpy(), base)).to(ids.device)
     shift, mask = base.bit_length() - 1, base - 1
     # int64 products wrap like the core's uint64 ones; the arithmetic shift differs from the
-    # logical one only in bits the mask drops (base <= 2**24 keeps bits 24..47 of the product)
+    # logical one only in bits the mask drops (the sign lands from bit 64 - ROW_SHIFT up, above
+    # the log2(base) <= 24 bits the mask keeps)
     h = ids >> shift  # in place from here: 2 int64 temporaries per element, not 7
-    h.mul_(_HASH_MUL).bitwise_right_shift_(24).bitwise_and_(mask)
-    col = (ids & mask).mul_(probe_algo.COL_MUL % base)
+    h.mul_(_ROW_MUL_INT64).bitwise_right_shift_(idcode.ROW_SHIFT).bitwise_and_(mask)
+    col = (ids & mask).mul_(idcode.COL_MUL % base)
     return h.add_(col).bitwise_and_(mask)
 
 

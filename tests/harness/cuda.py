@@ -49,7 +49,7 @@ def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, optio
 
     Args:
         rank: 0 (the sender) or 1 (the receiver).
-        store_dir: directory of the :class:`wb.runtime.rendezvous.DirectoryStore` both ranks share.
+        store_dir: directory of the :class:`wb.runtime.transport.stores.DirectoryStore` both ranks share.
         result_dir: where ``{rank}.json`` is written (``ok``, ``checks``, ``same_ptr``, ``error``).
         options: ``{"staging": bool, "versions": int}``.
     """
@@ -57,7 +57,7 @@ def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, optio
 
     import wb
     import wb_torch
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     result: dict = {"rank": rank, "checks": [], "same_ptr": []}
@@ -72,7 +72,7 @@ def cuda_sender_receiver_child(rank: int, store_dir: str, result_dir: str, optio
         (lay,) = wb_torch.checkpoint_layouts(params, spec, me.rank, node=me.node,
                                              role=me.role.value)
         store = DirectoryStore(store_dir)
-        plan = wb.agree_plan(store, [lay], world=2)
+        plan = wb.agree_parts(store, [lay], world=2)
         kw = dict(store=store, staging=options["staging"], timeout=60,
                   transports=UcxTransport(rank, store, cuda_device=0))
         if rank == 0:
@@ -125,7 +125,8 @@ def cuda_jax_receiver_child(rank: int, store_dir: str, result_dir: str, options:
     import numpy as np
 
     import wb
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.data.dtypes import dtype_info
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     versions = 6
@@ -134,7 +135,7 @@ def cuda_jax_receiver_child(rank: int, store_dir: str, result_dir: str, options:
         spec = wb.CheckpointSpec({"a": ((1024, 1024), "bfloat16"), "b": ((300,), "float32")})
         rng = np.random.default_rng(0)
         full = {n: rng.standard_normal(spec.shape(n)).astype(
-            wb.dtypes.dtype_info(spec.dtype(n)).numpy) for n in spec.names}
+            dtype_info(spec.dtype(n)).numpy) for n in spec.names}
 
         def values(v):  # version v's weights: exact in bf16 (powers of two)
             return {n: (a.astype(np.float32) * (-2.0) ** v).astype(a.dtype)
@@ -149,7 +150,7 @@ def cuda_jax_receiver_child(rank: int, store_dir: str, result_dir: str, options:
             lay = wb.Layout(wb.Worker(0, "t0", "trainer"), {
                 n: wb.BufferSpec(wb.SourceMap.from_indices(spec.ids(n)), spec.dtype(n))
                 for n in spec.names})
-            plan = wb.agree_plan(store, [lay], world=2)
+            plan = wb.agree_parts(store, [lay], world=2)
             bufs = {n: cupy.asarray(a.view(np.uint16) if a.dtype.itemsize == 2 and
                                     spec.dtype(n) == "bfloat16" else a)
                     for n, a in full.items()}
@@ -169,13 +170,13 @@ def cuda_jax_receiver_child(rank: int, store_dir: str, result_dir: str, options:
             import jax.numpy as jnp
 
             import wb_jax
-            from wb.runtime.buffers import address
+            from wb.runtime.engine.buffers import address
 
             dev = jax.devices("gpu")[0]
             params = {n: jax.device_put(jnp.zeros(a.shape, a.dtype), dev)
                       for n, a in full.items()}
             (lay,) = wb_jax.checkpoint_layouts(params, spec, 1, node="r0", role="rollout")
-            plan = wb.agree_plan(store, [lay], world=2)
+            plan = wb.agree_parts(store, [lay], world=2)
             rx = wb_jax.Receiver(params, plan, 1, transports=transport, **kw)
             (worker,) = rx.workers.values()
             key = "['a']"  # the buffer of leaf "a"

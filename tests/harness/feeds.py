@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 import wb
-from wb.algorithms.probe import HostArrays, digit_base
+from wb.algorithms.probing import HostArrays
+from wb.algorithms.probing.idcode import digit_base
 
 __all__ = ["FEED_CASES", "SKIPS", "feed_mismatches"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import wb
-from wb.data.blockscale import FP8Blocks
+from wb.data.fp8 import FP8Blocks
 from wb.data.dtypes import convert, dtype_info
 from wb.testing.oracle import quantize_reference
 
@@ -93,7 +93,7 @@ def child(rank: int, plan_path: str, quantized, spec, own, store_dir: str, resul
     """One worker of a multi-version FP8 run through wb.Sender / wb.Receiver (spawned); ``own``:
     a trainer's layout as it holds its weights (the plan's has the declared ids taken out)."""
     faulthandler.enable()
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     result: dict = {"rank": rank, "checks": []}
@@ -102,7 +102,7 @@ def child(rank: int, plan_path: str, quantized, spec, own, store_dir: str, resul
         if cuda is not None:
             import cupy
 
-            from wb.runtime.casts import xp_dtype
+            from wb.runtime.engine.casts import xp_dtype
 
             cupy.cuda.Device(cuda).use()
 

@@ -1,8 +1,8 @@
 """Run a plan across spawned processes over UCX: the harness of multi-process tests and benchmarks.
 
 The parent saves the plan (``Plan.save``); every child loads it, builds its buffers, runs the
-steps of :func:`wb.runtime.executor.execute` over :class:`wb.runtime.transport.ucx.UcxTransport`
-with a :class:`wb.runtime.rendezvous.DirectoryStore`, checks its rollout buffers bit for bit, and
+steps of :func:`wb.runtime.engine.executor.execute` over :class:`wb.runtime.transport.ucx.UcxTransport`
+with a :class:`wb.runtime.transport.stores.DirectoryStore`, checks its rollout buffers bit for bit, and
 writes a JSON result. Trainer weights are a fixed function of each element's id (:func:`weight_bits`), so every
 process can make and check them without shipping arrays. Faults can be injected per rank.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from wb.cli.bench.workers import barrier
-from wb.cli.bench.weights import (buffers_for, buffers_of, fp8_expected, mapped_for, version_bits,
+from wb.cli.bench.weights import (buffers_for, buffers_of, fp8_expected, mapped_of, version_bits,
                                   weight_bits)
 
-__all__ = ["weight_bits", "buffers_for", "mapped_for", "version_bits", "Fault", "run_ranks",
+__all__ = ["weight_bits", "buffers_for", "mapped_of", "version_bits", "Fault", "run_ranks",
            "child_main", "raw_throughput", "coord_child_main"]
 
 
@@ -119,8 +119,8 @@ def _barrier(store, plan, rank: int, name: str, options: dict) -> None:
 def _amax_exchange(store, rank: int, peers):
     """``exchange(name)``: the amax exchange of a trainer holding FP8 blocks in part (as a
     Sender's, through the run's store, under ``name``)."""
-    from wb.algorithms.blockplan import combine_amax
-    from wb.runtime.quant import amax_bytes, amax_from_bytes
+    from wb.algorithms.fp8.tasks import combine_amax
+    from wb.runtime.engine.fp8 import amax_bytes, amax_from_bytes
 
     def exchange(name):
         def run(keys, amax):
@@ -135,23 +135,24 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     """One worker process (spawned)."""
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
     from wb.data.layout import Role
-    from wb.data.plan import Plan
+    from wb.data.plan import Plan, RankPlan
     from wb.errors import TransferError
-    from wb.runtime.executor import connect
-    from wb.runtime.program import Program
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.engine.executor import connect
+    from wb.runtime.engine.program import Program
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank}
     try:
         if options.get("parts_dir"):  # this rank's part only (RankPlan bytes), not the plan
-            from wb.data.rankplan import RankPlan
-
-            plan = RankPlan.from_bytes(Path(options["parts_dir"], f"{rank}.part").read_bytes())
+            plan = None
+            part = RankPlan.from_bytes(Path(options["parts_dir"], f"{rank}.part").read_bytes())
         else:
             plan = Plan.load(fault.other_plan or plan_path)
-        trainer = plan.layout_of(rank).worker.role == Role.TRAINER
+            part = RankPlan.of(plan, rank)
+        lay = part.layout
+        trainer = lay.worker.role == Role.TRAINER
         cuda = options.get("cuda_device")
         if isinstance(cuda, dict):  # per role: {"trainer": 0, "rollout": 1} puts them apart
             cuda = cuda["trainer" if trainer else "rollout"]
@@ -160,9 +161,9 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             import cupy as xp
 
             xp.cuda.Device(cuda).use()
-        fp8 = options.get("fp8")  # {"quantized": wb.Quantized, "own": {rank: Layout}, "held"}
+        fp8 = options.get("fp8")  # {"quantized": Quantized, "own": {rank: Layout}, "held"}
         if fp8 and trainer:  # its own weights, then quantised as a Sender does before a push
-            from wb.runtime.quant import Quantiser
+            from wb.runtime.engine.fp8 import Quantiser
 
             bufs = buffers_of(fp8["own"][rank], fill=True, xp=xp)
             live = {n: (xp, a) for n, a in bufs.items()}
@@ -179,7 +180,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             result["quantize_s"] = time.perf_counter() - tq
             bufs.update(qz.buffers)
         else:
-            bufs = buffers_for(plan, rank, fill=trainer, xp=xp)
+            bufs = buffers_of(lay, fill=trainer, xp=xp)
         if fault.bad_buffer:
             bufs[fault.bad_buffer] = np.zeros(3, bufs[fault.bad_buffer].dtype)
         transport = UcxTransport(rank, DirectoryStore(store_dir), tls=options.get("tls"),
@@ -187,13 +188,14 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                                  polling=options.get("polling"))
         if fault.die_after is not None or fault.hang_after is not None:
             transport = _FaultyTransport(transport, fault)
-        # as wb.runtime.executor.execute, with `warmup` updates first over the same connections
-        # (a first update also loads kernels and maps peers' memory), each with its own tags
-        program = Program(plan, rank)
+        # as wb.runtime.engine.executor.execute, with `warmup` updates first over the same
+        # connections (a first update also loads kernels and maps peers' memory), each with its
+        # own tags
+        program = Program(part)
         timeout, staging = options.get("timeout", 60.0), options.get("staging_bytes", 256 << 20)
         if options.get("warmup"):
             program.check(bufs)  # bad buffers are refused before connecting to anyone
-            connect(program.part, rank, transport)
+            connect(program.part, transport)
             for w in range(options["warmup"]):
                 _barrier(DirectoryStore(store_dir), plan, rank, f"warm{w}", options)
                 first = program.run(bufs, transport, tag_base=(w + 1) << 32, timeout=timeout,
@@ -205,7 +207,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         trace = [] if options.get("trace") else None
         if not options.get("warmup"):  # connecting is part of a single transfer's time
             program.check(bufs)
-            connect(program.part, rank, transport)
+            connect(program.part, transport)
         stats = program.run(bufs, transport, timeout=timeout, staging_bytes=staging, trace=trace)
         transport.close()
         if trace is not None:  # (message, stage, peer, out, nbytes, ready, posted, done)
@@ -213,10 +215,9 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         result.update(asdict(stats), ok=True, connect_s=stats.start_s - t0)
         if not trainer:
             if fp8:
-                want = fp8_expected(plan.layout_of(rank), fp8["quantized"].scaled, fp8["held"],
-                                    xp=xp)
+                want = fp8_expected(lay, fp8["quantized"].scaled, fp8["held"], xp=xp)
             else:
-                want = buffers_for(plan, rank, fill=True, xp=xp, held=options.get("held"))
+                want = buffers_of(lay, fill=True, xp=xp, held=options.get("held"))
             result["bit_identical"] = bool(all(
                 xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8)) for k in bufs))
     except TransferError as e:
@@ -282,7 +283,7 @@ def run_ranks(plan_path: str, ranks: list[int], workdir: str, *, options: dict |
 def _pair_main(rank: int, pairs: int, nbytes: int, reps: int, store_dir: str, result_dir: str,
                tls: str | None, cuda_device: int | None = None) -> None:
     """Raw UCX: rank 2k sends ``reps`` messages of ``nbytes`` to rank 2k+1 (no packing)."""
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     xp = np
@@ -342,7 +343,7 @@ def raw_throughput(pairs: int, nbytes: int, reps: int, workdir: str, *, tls: str
 def _await_version(store_dir: str, v: int | None) -> int:
     """Waits until trainer 0 has announced version ``v`` (a job running); returns the newest
     version it has announced then (0: none, or ``v`` is None)."""
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
 
     store = DirectoryStore(store_dir)
 
@@ -365,11 +366,10 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
                  join: dict) -> None:
     """A rollout that joins a running job after ``after_s`` seconds, with the layout of rollout
     ``like`` on node ``node``, and applies every version from the first it is given."""
-    from types import SimpleNamespace
 
     import wb
     from wb.data.plan import Plan
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     if "group" in join:
@@ -386,7 +386,7 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
         lay = wb.Layout(wb.Worker(rank, join.get("node", like.worker.node), "rollout",
                                   like.worker.local_rank), buffers)
         base = buffers_of(lay, fill=True)
-        mapped = mapped_for(SimpleNamespace(layout_of=lambda r: lay), rank)
+        mapped = mapped_of(lay)
         bufs = {k: np.zeros_like(v) for k, v in base.items()}
         store = DirectoryStore(store_dir)
         timeout = options.get("timeout", 60.0)
@@ -414,11 +414,10 @@ def _group_joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: st
     (``wb.ReceiverGroup.join``): ``group`` is ``[(rank, like), ...]``, each rank with the layout
     of rollout ``like`` on node ``node``; applies every version from the first and checks every
     rank's buffers."""
-    from types import SimpleNamespace
 
     import wb
     from wb.data.plan import Plan
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     result: dict = {"rank": rank, "applied": [], "checks": []}
@@ -433,7 +432,7 @@ def _group_joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: st
                             dict(like.buffers))
             lays.append(lay)
             base[r] = buffers_of(lay, fill=True)
-            mapped[r] = mapped_for(SimpleNamespace(layout_of=lambda q, lay=lay: lay), r)
+            mapped[r] = mapped_of(lay)
             bufs[r] = {k: np.zeros_like(v) for k, v in base[r].items()}
         store = DirectoryStore(store_dir)
         timeout = options.get("timeout", 60.0)
@@ -474,7 +473,7 @@ class _LossyStore:
 
 
 def _repairs(worker) -> list[dict]:
-    """The attempt records a Sender's or Receiver's versions ran or saw (wb.runtime.finish)."""
+    """The attempt records a Sender's or Receiver's versions ran or saw (wb.runtime.membership.finish)."""
     fin = worker._end.finisher
     return list(fin.repairs) if fin is not None else []
 
@@ -487,7 +486,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
     from wb.data.layout import Role
     from wb.data.plan import Plan
     from wb.errors import TransferError
-    from wb.runtime.rendezvous import DirectoryStore
+    from wb.runtime.transport.stores import DirectoryStore
     from wb.runtime.transport.ucx import UcxTransport
 
     fault = Fault(**options.get("fault", {}))
@@ -498,23 +497,24 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
         return
     try:
         plan = Plan.load(plan_path)
-        trainer = plan.layout_of(rank).worker.role == Role.TRAINER
+        lay = plan.layout_of(rank)
+        trainer = lay.worker.role == Role.TRAINER
         store = DirectoryStore(store_dir)
         if options.get("lose_keys"):  # a store that loses these keys (never keeps them)
             store = _LossyStore(store, set(options["lose_keys"]))
         timeout = options.get("timeout", 60.0)
         if options.get("agree"):  # the set-up of a real job: publish the layout, get the part
-            from wb.runtime.coordinator import agree_parts
+            from wb.runtime.membership.agree import agree_parts
 
-            plan = agree_parts(store, [plan.layout_of(rank)], world=len(plan.ranks),
+            plan = agree_parts(store, [lay], world=len(plan.ranks),
                                name=options.get("agree_name", "agree"), timeout=timeout,
                                chunk_bytes=plan.chunk_bytes)
             result["part_messages"] = int(plan[rank].index.size)
         transport = UcxTransport(rank, store, timeout=timeout)
         if fault.die_after is not None or fault.stop_after is not None:
             transport = _FaultyTransport(transport, fault)
-        base = buffers_for(plan, rank, fill=True)
-        mapped = mapped_for(plan, rank)
+        base = buffers_of(lay, fill=True)
+        mapped = mapped_of(lay)
         kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
         if trainer:
             bufs = {k: v.copy() for k, v in base.items()}

@@ -22,8 +22,7 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
              models_dir=None) -> dict:
     """Builds the preset's maps and plan, simulates it and the baselines; returns the report."""
     from wb.layouts.deployments import deployment
-    from wb.algorithms.planner import plan as make_plan
-    from wb.algorithms.planner import traffic_ratio
+    from wb.algorithms import planner
     from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
     console = Console(quiet=quiet)
@@ -33,11 +32,11 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
     maps_s = time.perf_counter() - t0
     cluster = Cluster()
     with console.status(f"planning {len(dep.trainers)} trainers -> {len(dep.rollouts)} rollouts..."):
-        p = make_plan(dep.trainers, dep.rollouts, cluster)
+        p = planner.plan(dep.trainers, dep.rollouts, cluster)
     plan_s = time.perf_counter() - t0
     rss = _peak_rss_mb()
     with console.status("simulating the plan and the baselines..."):
-        ratio = traffic_ratio(p)
+        ratio = planner.traffic_ratio(p)
         sim, bc, p2p = simulate(p), simulate_broadcast(p), simulate_p2p(p)
     verify_s = None
     if verify:
@@ -93,7 +92,7 @@ def run_setup(preset: str, *, sample: int = 8, quiet: bool = False, models_dir=N
               store_dir=None) -> dict:
     """Set-up of a preset deployment through a real store, every rank simulated in this process.
 
-    Every rank publishes its layout to a :class:`~wb.runtime.rendezvous.DirectoryStore` (in a temp
+    Every rank publishes its layout to a :class:`~wb.runtime.transport.stores.DirectoryStore` (in a temp
     directory unless ``store_dir``); the planner (rank 0) gathers them, plans, and publishes each
     rank's part; every rank's part is fetched (all of them, for the bytes) and ``sample`` of them
     are loaded (the largest parts first, for the load time). The whole plan's ``save``/``load`` is
@@ -114,13 +113,12 @@ def run_setup(preset: str, *, sample: int = 8, quiet: bool = False, models_dir=N
     import io
     import tempfile
 
-    from wb.algorithms.planner import plan as make_plan
+    from wb.algorithms import planner
     from wb.data.layout import Role
-    from wb.data.plan import Plan
-    from wb.data.rankplan import RankPlan
+    from wb.data.plan import Plan, RankPlan
     from wb.layouts.deployments import deployment
-    from wb.runtime.coordinator import gather_layouts, publish_layouts, publish_parts
-    from wb.runtime.rendezvous import CountingStore, DirectoryStore, get_large
+    from wb.runtime.membership.records import gather_layouts, publish_layouts, publish_parts
+    from wb.runtime.transport.stores import CountingStore, DirectoryStore, get_large
 
     console = Console(quiet=quiet)
     with console.status(f"building the source maps of {preset}..."):
@@ -139,8 +137,8 @@ def run_setup(preset: str, *, sample: int = 8, quiet: bool = False, models_dir=N
             everyone = gather_layouts(store, world=world, name="setup", timeout=60)
         gathered_s = time.perf_counter() - t0
         with console.status("planning..."):
-            p = make_plan([x for x in everyone if x.worker.role == Role.TRAINER],
-                          [x for x in everyone if x.worker.role == Role.ROLLOUT])
+            p = planner.plan([x for x in everyone if x.worker.role == Role.TRAINER],
+                             [x for x in everyone if x.worker.role == Role.ROLLOUT])
         planned_s = time.perf_counter() - t0
         with console.status(f"cutting and publishing {world} parts..."):
             parts_bytes = publish_parts(store, p, name="setup")

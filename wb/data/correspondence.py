@@ -480,7 +480,7 @@ def _check(corr: Correspondence, slot_dt: np.ndarray) -> None:
         beyond = (f"; the trainers hold no id from {top} on: rollouts probed against a larger "
                   f"checkpoint, such as an FP8 one's scales, need the conversion declared "
                   f"(wb.FP8Blocks, quantize= on wb.agree_parts and wb.Sender, or "
-                  f"wb.quantize_layouts)" if first_id >= top else "")
+                  f"wb.algorithms.fp8.tasks.quantize_layouts)" if first_id >= top else "")
         raise PlanError(
             f"rollouts[{s.layout}] (rank {s.rank}) needs {n_missing} elements of buffer "
             f"`{s.buffer}` that no trainer holds (first missing id {first_id}); check that every "

@@ -157,7 +157,7 @@ def convert(dst: np.ndarray, src: np.ndarray) -> None:
     (which has no infinity): there it saturates to +-448, as ``torch.Tensor.to`` does. NaN stays
     NaN (its payload is not kept). float64 goes to a dtype narrower than float32 through
     float32 (rounded twice), as ``torch.Tensor.to`` does. The CUDA kernels of
-    :mod:`wb.runtime.casts` do the same.
+    :mod:`wb.runtime.engine.casts` do the same.
 
     Examples:
         >>> out = np.empty(4, dtype_info("float8_e4m3fn").numpy)

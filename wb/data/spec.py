@@ -98,11 +98,6 @@ class CheckpointSpec:
         """Total bytes of the checkpoint in its own dtypes."""
         return int(np.dot(np.diff(self._offsets), self._itemsizes))
 
-    @property
-    def id_bits(self) -> int:
-        """Bits needed to write the largest id."""
-        return max(1, (self.numel - 1).bit_length())
-
     def tensor_of(self, ids: np.ndarray) -> np.ndarray:
         """Index (in :attr:`names`) of the tensor each id belongs to; ids must be in range."""
         return np.searchsorted(self._offsets, ids, side="right") - 1

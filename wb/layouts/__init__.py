@@ -29,8 +29,8 @@ from wb.layouts.fsdp import fsdp_trainer
 from wb.layouts.jax_mesh import jax_trainer
 from wb.layouts.megatron import megatron_trainer
 from wb.layouts.presets import MODELS_DIR, TINY, load_config, spec_from_config
-from wb.layouts.vllm import vllm_rollout
+from wb.layouts.vllm import VOCAB_PADDING, vllm_rollout
 
 __all__ = ["ModelDims", "megatron_trainer", "fsdp_trainer", "jax_trainer", "vllm_rollout",
            "Deployment", "DEPLOYMENTS", "deployment", "load_config", "spec_from_config", "TINY",
-           "MODELS_DIR"]
+           "MODELS_DIR", "VOCAB_PADDING"]

@@ -21,7 +21,7 @@ from wb.data.sourcemap import Blocks, SourceMap
 from wb.data.spec import CheckpointSpec
 
 __all__ = ["broadcast_blocks", "tensor_view", "slice_block", "transposed_block", "buffer_spec",
-           "expert_offsets", "stacked_fc1", "stacked_fc2"]
+           "whole_tensor", "expert_offsets", "stacked_fc1", "stacked_fc2"]
 
 
 def broadcast_blocks(r0, nr, c0, nc, id0, sr, sc) -> Blocks:
@@ -143,6 +143,18 @@ def buffer_spec(shape: Sequence[int], parts: Sequence[Blocks] | Blocks, dtype: s
         b = (Blocks(*(np.concatenate(f) for f in zip(*parts))) if len(parts) > 1
              else parts[0] if parts else Blocks.empty())
     return BufferSpec(SourceMap.from_blocks(tuple(int(s) for s in shape), b, check=False), dtype)
+
+
+def whole_tensor(spec: CheckpointSpec, name: str) -> BufferSpec:
+    """A buffer holding all of tensor ``name``, in the tensor's own shape and dtype (a replicated
+    parameter: norms, routers, latent down-projections).
+
+    Examples:
+        >>> spec = CheckpointSpec({"w": ((4, 3), "float32")})
+        >>> whole_tensor(spec, "w").shape, whole_tensor(spec, "w").dtype
+        ((4, 3), 'float32')
+    """
+    return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
 
 
 def expert_offsets(spec: CheckpointSpec, layer: int, experts: int) -> tuple[np.ndarray, ...]:

@@ -6,20 +6,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
 import numpy as np
 
 from wb.data.layout import BufferSpec, Layout, Role
+from wb.data.spec import CheckpointSpec
 from wb.errors import SpecError
 from wb.layouts.blocks import (broadcast_blocks, buffer_spec, expert_offsets, slice_block,
-                               transposed_block)
+                               transposed_block, whole_tensor)
 from wb.layouts.dims import ModelDims
 from wb.layouts.presets import spec_from_config
 from wb.layouts.shards import (Entry, check_divides, check_positive, check_world, shard_buffers,
                                worker_layouts)
 
 __all__ = ["jax_trainer"]
+
+_FN = "jax_trainer"  # the generator that error messages name
+_FIX_FSDP, _FIX_TP = "change the fsdp axis", "change the tp axis"
+
+#: A mesh axis that shards one dimension of a kernel (None: that dimension is whole).
+_Axis = Literal["fsdp", "tp"] | None
 
 
 def jax_trainer(cfg: Mapping, *, dp: int, fsdp: int, tp: int, nodes: Sequence[str],
@@ -77,152 +87,228 @@ def jax_trainer(cfg: Mapping, *, dp: int, fsdp: int, tp: int, nodes: Sequence[st
         >>> lays[3].buffers["params/layers_1/mlp/experts/wi_0"].shape   # [E/tp, h/fsdp, mi]
         (2, 16, 16)
     """
-    fn = "jax_trainer"
-    d = ModelDims.of(cfg)
+    dims = ModelDims.of(cfg)
     spec = spec_from_config(cfg)
-    world = check_world(fn, nodes, gpus_per_node)
-    check_positive(fn, dp=dp, fsdp=fsdp, tp=tp)
-    if dp * fsdp * tp != world:
-        raise SpecError(f"{fn}: the mesh dp * fsdp * tp = {dp} * {fsdp} * {tp} must equal the "
-                        f"{world} devices of `nodes` ({len(nodes)} x {gpus_per_node})")
-    fix_f, fix_t = "change the fsdp axis", "change the tp axis"
-    check_divides("hidden_size", d.hidden, fsdp, "fsdp", fix_f)
-    check_divides("num_attention_heads", d.heads, tp, "tp", fix_t)
-    if d.mla:
-        if d.q_lora_rank:
-            check_divides("q_lora_rank", d.q_lora_rank, fsdp, "fsdp", fix_f)
-        check_divides("kv_lora_rank", d.kv_lora_rank, fsdp, "fsdp", fix_f)
-    if d.n_dense:
-        check_divides("intermediate_size", d.intermediate, tp, "tp", fix_t)
-    if d.layers > d.n_dense:
-        check_divides("the number of routed experts", d.experts, tp, "tp", fix_t)
-        check_divides("moe_intermediate_size", d.moe_intermediate, fsdp, "fsdp", fix_f)
-        if d.n_shared:
-            check_divides("the shared-expert width", d.shared_width, tp, "tp", fix_t)
-    dt, h = d.dtype, d.hidden
-    hl, Vp = h // fsdp, d.padded_vocab(tp)
-    vl = Vp // tp
-    n = fsdp * tp  # distinct shards; x = fsdp_i * tp + tp_i
-
-    def rep(name: str) -> BufferSpec:  # whole, in the checkpoint tensor's own dtype
-        return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
-
-    def kernel(name: str, split: str) -> Callable[[int], BufferSpec]:
-        """``[in, out]`` kernel of HF weight ``name``: ``split`` "ft" = (fsdp, tp), "tf" =
-        (tp, fsdp), "f-" = (fsdp, None)."""
-        O, I_ = spec.shape(name)
-        ax_in, ax_out = {"ft": (fsdp, tp), "tf": (tp, fsdp), "f-": (fsdp, 1)}[split]
-        il, ol = I_ // ax_in, O // ax_out
-
-        def build(x: int) -> BufferSpec:
-            f, t = divmod(x, tp)
-            i_idx, o_idx = {"ft": (f, t), "tf": (t, f), "f-": (f, 0)}[split]
-            return buffer_spec((il, ol), transposed_block(
-                spec, name, out=(o_idx * ol, (o_idx + 1) * ol),
-                inp=(i_idx * il, (i_idx + 1) * il)), dt)
-        return build
-
-    def heads_in(name: str, heads: int, over_tp: bool) -> Callable[[int], BufferSpec]:
-        """``[h, heads, hd]`` = HF ``[heads * hd, h]`` transposed, P(fsdp, tp or None, None)."""
-        hd = d.head_dim
-        nl = heads // tp if over_tp else heads
-
-        def build(x: int) -> BufferSpec:
-            f, t = divmod(x, tp)
-            n0 = t * nl if over_tp else 0
-            base = spec.offset(name) + n0 * hd * h + f * hl
-            if nl == 1:  # one head: the rows of the 2-D view are consecutive inputs
-                blk = broadcast_blocks(0, hl, 0, hd, base, 1, h)
-            else:  # one block per input row i: rows (i, n) for the nl local heads
-                i = np.arange(hl, dtype=np.int64)
-                blk = broadcast_blocks(i * nl, nl, 0, hd, base + i, hd * h, h)
-            return buffer_spec((hl, nl, hd), blk, dt)
-        return build
-
-    def o_kernel(name: str) -> Callable[[int], BufferSpec]:
-        """``[nh, hd, h]`` of HF o_proj ``[h, nh * hd]``, P(tp, None, fsdp): one block."""
-        nl, nh, hd = d.heads // tp, d.heads, d.head_dim
-
-        def build(x: int) -> BufferSpec:
-            f, t = divmod(x, tp)
-            base = spec.offset(name) + f * hl * nh * hd + t * nl * hd
-            return buffer_spec((nl, hd, hl), broadcast_blocks(0, nl * hd, 0, hl, base, 1, nh * hd),
-                               dt)
-        return build
-
-    def vocab(name: str, transposed: bool) -> Callable[[int], BufferSpec]:
-        def build(x: int) -> BufferSpec:
-            f, t = divmod(x, tp)
-            v, c = (t * vl, (t + 1) * vl), (f * hl, (f + 1) * hl)
-            if transposed:
-                return buffer_spec((hl, vl), transposed_block(spec, name, out=v, inp=c), dt)
-            return buffer_spec((vl, hl), slice_block(spec, name, rows=v, cols=c), dt)
-        return build
-
-    def experts(i: int) -> list[Entry]:
-        gate, up, down = expert_offsets(spec, i, d.experts)
-        mi = d.moe_intermediate
-        el, ml = d.experts // tp, mi // fsdp
-        P = f"params/layers_{i}/mlp/experts/"
-
-        def wi(off: np.ndarray) -> Callable[[int], BufferSpec]:
-            def build(x: int) -> BufferSpec:
-                f, t = divmod(x, tp)
-                j = np.arange(el, dtype=np.int64)
-                return buffer_spec((el, hl, mi), broadcast_blocks(
-                    j * hl, hl, 0, mi, off[t * el:(t + 1) * el] + f * hl, 1, h), dt)
-            return build
-
-        def wo(x: int) -> BufferSpec:
-            f, t = divmod(x, tp)
-            j = np.arange(el, dtype=np.int64)
-            return buffer_spec((el, ml, h), broadcast_blocks(
-                j * ml, ml, 0, h, down[t * el:(t + 1) * el] + f * ml, 1, mi), dt)
-        return [(P + "wi_0", wi(gate)), (P + "wi_1", wi(up)), (P + "wo", wo)]
-
-    entries: list[Entry] = [("params/embed/embedding", vocab("model.embed_tokens.weight", False))]
-    for i in range(d.layers):
-        P, H = f"params/layers_{i}/", f"model.layers.{i}."
-        a = H + "self_attn."
-        entries.append((P + "input_norm/scale", rep(H + "input_layernorm.weight")))
-        if d.mla:
-            if d.q_lora_rank:
-                entries += [(P + "attn/wq_a/kernel", kernel(a + "q_a_proj.weight", "f-")),
-                            (P + "attn/q_norm/scale", rep(a + "q_a_layernorm.weight")),
-                            (P + "attn/wq_b/kernel", kernel(a + "q_b_proj.weight", "ft"))]
-            else:
-                entries.append((P + "attn/wq/kernel", kernel(a + "q_proj.weight", "ft")))
-            entries += [(P + "attn/wkv_a/kernel", kernel(a + "kv_a_proj_with_mqa.weight", "f-")),
-                        (P + "attn/kv_norm/scale", rep(a + "kv_a_layernorm.weight")),
-                        (P + "attn/wkv_b/kernel", kernel(a + "kv_b_proj.weight", "ft")),
-                        (P + "attn/out/kernel", kernel(a + "o_proj.weight", "tf"))]
-        else:
-            kv_tp = d.kv_heads % tp == 0
-            entries += [(P + "attn/q/kernel", heads_in(a + "q_proj.weight", d.heads, True)),
-                        (P + "attn/k/kernel", heads_in(a + "k_proj.weight", d.kv_heads, kv_tp)),
-                        (P + "attn/v/kernel", heads_in(a + "v_proj.weight", d.kv_heads, kv_tp)),
-                        (P + "attn/o/kernel", o_kernel(a + "o_proj.weight")),
-                        (P + "attn/q_norm/scale", rep(a + "q_norm.weight")),
-                        (P + "attn/k_norm/scale", rep(a + "k_norm.weight"))]
-        entries.append((P + "post_norm/scale", rep(H + "post_attention_layernorm.weight")))
-        m = H + "mlp."
-        if i < d.n_dense:
-            entries += [(P + "mlp/wi_0/kernel", kernel(m + "gate_proj.weight", "ft")),
-                        (P + "mlp/wi_1/kernel", kernel(m + "up_proj.weight", "ft")),
-                        (P + "mlp/wo/kernel", kernel(m + "down_proj.weight", "tf"))]
-        else:
-            entries.append((P + "mlp/router/kernel", kernel(m + "gate.weight", "f-")))
-            if d.mla:
-                entries.append((P + "mlp/router/bias", rep(m + "gate.e_score_correction_bias")))
-            entries += experts(i)
-            if d.n_shared:
-                s, j = m + "shared_experts.", P + "mlp/shared_experts/"
-                entries += [(j + "wi_0/kernel", kernel(s + "gate_proj.weight", "ft")),
-                            (j + "wi_1/kernel", kernel(s + "up_proj.weight", "ft")),
-                            (j + "wo/kernel", kernel(s + "down_proj.weight", "tf"))]
-    entries.append(("params/final_norm/scale", rep("model.norm.weight")))
-    if not d.tied:
-        entries.append(("params/lm_head/kernel", vocab("lm_head.weight", True)))
-    shards = shard_buffers(entries, n)
-    return worker_layouts([shards[g % n] for g in range(world)], Role.TRAINER, first_rank,
+    world = _check_mesh(dims, dp=dp, fsdp=fsdp, tp=tp, nodes=nodes, gpus_per_node=gpus_per_node)
+    mesh = _MeshShards(spec, dims, fsdp=fsdp, tp=tp)
+    entries = [*mesh.embedding(),
+               *(entry for i in range(dims.layers) for entry in mesh.decoder_layer(i)),
+               *mesh.head()]
+    distinct = fsdp * tp  # dp replicas share the shards of one (fsdp, tp) plane
+    shards = shard_buffers(entries, distinct)
+    return worker_layouts([shards[g % distinct] for g in range(world)], Role.TRAINER, first_rank,
                           lambda g: (nodes[g // gpus_per_node], g % gpus_per_node))
+
+
+def _check_mesh(dims: ModelDims, *, dp: int, fsdp: int, tp: int, nodes: Sequence[str],
+                gpus_per_node: int) -> int:
+    """The device count of ``nodes``, once the mesh fills it and its axes split the model."""
+    world = check_world(_FN, nodes, gpus_per_node)
+    check_positive(_FN, dp=dp, fsdp=fsdp, tp=tp)
+    if dp * fsdp * tp != world:
+        raise SpecError(f"{_FN}: the mesh dp * fsdp * tp = {dp} * {fsdp} * {tp} must equal the "
+                        f"{world} devices of `nodes` ({len(nodes)} x {gpus_per_node})")
+    check_divides("hidden_size", dims.hidden, fsdp, "fsdp", _FIX_FSDP)
+    check_divides("num_attention_heads", dims.heads, tp, "tp", _FIX_TP)
+    if dims.mla:
+        if dims.q_lora_rank:
+            check_divides("q_lora_rank", dims.q_lora_rank, fsdp, "fsdp", _FIX_FSDP)
+        check_divides("kv_lora_rank", dims.kv_lora_rank, fsdp, "fsdp", _FIX_FSDP)
+    if dims.n_dense:
+        check_divides("intermediate_size", dims.intermediate, tp, "tp", _FIX_TP)
+    if dims.has_moe:
+        check_divides("the number of routed experts", dims.experts, tp, "tp", _FIX_TP)
+        check_divides("moe_intermediate_size", dims.moe_intermediate, fsdp, "fsdp", _FIX_FSDP)
+        if dims.n_shared:
+            check_divides("the shared-expert width", dims.shared_width, tp, "tp", _FIX_TP)
+    return world
+
+
+@dataclass(frozen=True, slots=True)
+class _MeshShards:
+    """The parameters of one ``(fsdp, tp)`` plane of the mesh, one method per kind of tensor.
+
+    Shard ``x = fsdp_i * tp + tp_i`` is the device at mesh coordinates ``(fsdp_i, tp_i)``.
+    ``embedding``, ``decoder_layer`` and ``head`` give :data:`~wb.layouts.shards.Entry` values in
+    module order; the ``*_shard`` methods build the BufferSpec of one shard ``x``.
+    """
+
+    spec: CheckpointSpec
+    dims: ModelDims
+    fsdp: int  # the axis that shards h (or the inner dimension of a kernel)
+    tp: int  # the axis that shards heads, MLP width, experts and the vocabulary
+
+    def embedding(self) -> list[Entry]:
+        """``embed/embedding`` ``[Vp, h]``, P(tp, fsdp)."""
+        return [("params/embed/embedding", self.embedding_shard)]
+
+    def decoder_layer(self, i: int) -> list[Entry]:
+        """Layer ``i``: norms, attention, and the dense MLP or the MoE block."""
+        params, layer = f"params/layers_{i}/", f"model.layers.{i}."
+        return [(params + "input_norm/scale", self.whole(layer + "input_layernorm.weight")),
+                *self.attention(params + "attn/", layer + "self_attn."),
+                (params + "post_norm/scale", self.whole(layer + "post_attention_layernorm.weight")),
+                *(self.dense_mlp(params + "mlp/", layer + "mlp.") if i < self.dims.n_dense
+                  else self.moe_mlp(i))]
+
+    def head(self) -> list[Entry]:
+        """``final_norm/scale`` and (untied) ``lm_head/kernel`` ``[h, Vp]``, P(fsdp, tp)."""
+        entries = [("params/final_norm/scale", self.whole("model.norm.weight"))]
+        if not self.dims.tied:
+            entries.append(("params/lm_head/kernel", self.lm_head_shard))
+        return entries
+
+    @property
+    def hidden_rows(self) -> int:
+        """Rows of ``h`` per fsdp shard."""
+        return self.dims.hidden // self.fsdp
+
+    @property
+    def vocab_rows(self) -> int:
+        """Vocabulary rows per tp shard (the vocabulary padded to a multiple of ``tp``)."""
+        return self.dims.padded_vocab(self.tp) // self.tp
+
+    def whole(self, name: str) -> BufferSpec:
+        """Tensor ``name``, replicated on every device."""
+        return whole_tensor(self.spec, name)
+
+    def embedding_shard(self, x: int) -> BufferSpec:
+        """Shard ``x`` of ``embed_tokens`` ``[Vp, h]``: vocabulary rows over tp, h over fsdp."""
+        f, t = divmod(x, self.tp)
+        v_rows, h_rows = self.vocab_rows, self.hidden_rows
+        return buffer_spec((v_rows, h_rows), slice_block(
+            self.spec, "model.embed_tokens.weight", rows=(t * v_rows, (t + 1) * v_rows),
+            cols=(f * h_rows, (f + 1) * h_rows)), self.dims.dtype)
+
+    def lm_head_shard(self, x: int) -> BufferSpec:
+        """Shard ``x`` of the ``[h, Vp]`` kernel of ``lm_head``: h over fsdp, vocabulary over tp."""
+        f, t = divmod(x, self.tp)
+        v_rows, h_rows = self.vocab_rows, self.hidden_rows
+        return buffer_spec((h_rows, v_rows), transposed_block(
+            self.spec, "lm_head.weight", out=(t * v_rows, (t + 1) * v_rows),
+            inp=(f * h_rows, (f + 1) * h_rows)), self.dims.dtype)
+
+    def kernel(self, name: str, inp: _Axis, out: _Axis) -> partial[BufferSpec]:
+        """The ``[in, out]`` kernel of HF weight ``name``, P(``inp``, ``out``), per shard."""
+        return partial(self.kernel_shard, name, inp, out)
+
+    def kernel_shard(self, name: str, inp: _Axis, out: _Axis, x: int) -> BufferSpec:
+        """Shard ``x`` of the ``[in, out]`` kernel of HF weight ``name`` ``[out, in]``."""
+        f, t = divmod(x, self.tp)
+        size = {"fsdp": self.fsdp, "tp": self.tp, None: 1}
+        index = {"fsdp": f, "tp": t, None: 0}
+        out_rows, in_rows = self.spec.shape(name)
+        in_local, out_local = in_rows // size[inp], out_rows // size[out]
+        i0, o0 = index[inp] * in_local, index[out] * out_local
+        return buffer_spec((in_local, out_local), transposed_block(
+            self.spec, name, out=(o0, o0 + out_local), inp=(i0, i0 + in_local)), self.dims.dtype)
+
+    def attention(self, params: str, prefix: str) -> list[Entry]:
+        """The ``attn/`` parameters of one layer, from HF ``self_attn.`` weights ``prefix``."""
+        if self.dims.mla:
+            return self.mla_attention(params, prefix)
+        return self.gqa_attention(params, prefix)
+
+    def gqa_attention(self, params: str, prefix: str) -> list[Entry]:
+        """qwen3_moe: q/k/v ``[h, heads, hd]``, o ``[nh, hd, h]``, per-head norms whole."""
+        # k/v split over tp only when it divides the kv heads; otherwise each tp rank holds all
+        heads, kv_heads = self.dims.heads, self.dims.kv_heads
+        kv_over_tp = kv_heads % self.tp == 0
+        return [(params + "q/kernel", self.heads_kernel(prefix + "q_proj.weight", heads, True)),
+                (params + "k/kernel",
+                 self.heads_kernel(prefix + "k_proj.weight", kv_heads, kv_over_tp)),
+                (params + "v/kernel",
+                 self.heads_kernel(prefix + "v_proj.weight", kv_heads, kv_over_tp)),
+                (params + "o/kernel", partial(self.o_kernel_shard, prefix + "o_proj.weight")),
+                (params + "q_norm/scale", self.whole(prefix + "q_norm.weight")),
+                (params + "k_norm/scale", self.whole(prefix + "k_norm.weight"))]
+
+    def heads_kernel(self, name: str, heads: int, over_tp: bool) -> partial[BufferSpec]:
+        """``[h, heads, hd]`` = HF ``[heads * hd, h]`` transposed, P(fsdp, tp or None, None)."""
+        return partial(self.heads_kernel_shard, name, heads // self.tp if over_tp else heads,
+                       over_tp)
+
+    def heads_kernel_shard(self, name: str, heads: int, over_tp: bool, x: int) -> BufferSpec:
+        """Shard ``x`` of a ``[h, heads, hd]`` kernel holding ``heads`` heads."""
+        f, t = divmod(x, self.tp)
+        h, hd, h_rows = self.dims.hidden, self.dims.head_dim, self.hidden_rows
+        first_head = t * heads if over_tp else 0
+        base = self.spec.offset(name) + first_head * hd * h + f * h_rows
+        if heads == 1:  # one head: the rows of the 2-D view are consecutive inputs
+            blocks = broadcast_blocks(0, h_rows, 0, hd, base, 1, h)
+        else:  # one block per input row i: rows (i, n) for the local heads n
+            i = np.arange(h_rows, dtype=np.int64)
+            blocks = broadcast_blocks(i * heads, heads, 0, hd, base + i, hd * h, h)
+        return buffer_spec((h_rows, heads, hd), blocks, self.dims.dtype)
+
+    def o_kernel_shard(self, name: str, x: int) -> BufferSpec:
+        """Shard ``x`` of o ``[nh, hd, h]`` (HF ``[h, nh * hd]``), P(tp, None, fsdp)."""
+        f, t = divmod(x, self.tp)
+        nh, hd, h_rows = self.dims.heads, self.dims.head_dim, self.hidden_rows
+        heads = nh // self.tp
+        base = self.spec.offset(name) + f * h_rows * nh * hd + t * heads * hd
+        return buffer_spec((heads, hd, h_rows),
+                           broadcast_blocks(0, heads * hd, 0, h_rows, base, 1, nh * hd),
+                           self.dims.dtype)
+
+    def mla_attention(self, params: str, prefix: str) -> list[Entry]:
+        """deepseek_v3: down-projections P(fsdp, None), up P(fsdp, tp), out P(tp, fsdp)."""
+        if self.dims.q_lora_rank:
+            queries = [
+                (params + "wq_a/kernel", self.kernel(prefix + "q_a_proj.weight", "fsdp", None)),
+                (params + "q_norm/scale", self.whole(prefix + "q_a_layernorm.weight")),
+                (params + "wq_b/kernel", self.kernel(prefix + "q_b_proj.weight", "fsdp", "tp"))]
+        else:
+            queries = [(params + "wq/kernel", self.kernel(prefix + "q_proj.weight", "fsdp", "tp"))]
+        return [*queries,
+                (params + "wkv_a/kernel",
+                 self.kernel(prefix + "kv_a_proj_with_mqa.weight", "fsdp", None)),
+                (params + "kv_norm/scale", self.whole(prefix + "kv_a_layernorm.weight")),
+                (params + "wkv_b/kernel", self.kernel(prefix + "kv_b_proj.weight", "fsdp", "tp")),
+                (params + "out/kernel", self.kernel(prefix + "o_proj.weight", "tp", "fsdp"))]
+
+    def dense_mlp(self, params: str, prefix: str) -> list[Entry]:
+        """``wi_0`` (gate), ``wi_1`` (up) P(fsdp, tp) and ``wo`` (down) P(tp, fsdp)."""
+        return [(params + "wi_0/kernel", self.kernel(prefix + "gate_proj.weight", "fsdp", "tp")),
+                (params + "wi_1/kernel", self.kernel(prefix + "up_proj.weight", "fsdp", "tp")),
+                (params + "wo/kernel", self.kernel(prefix + "down_proj.weight", "tp", "fsdp"))]
+
+    def moe_mlp(self, i: int) -> list[Entry]:
+        """Layer ``i``'s router (and deepseek_v3's bias), routed and shared experts."""
+        params, prefix = f"params/layers_{i}/mlp/", f"model.layers.{i}.mlp."
+        entries = [(params + "router/kernel", self.kernel(prefix + "gate.weight", "fsdp", None))]
+        if self.dims.mla:
+            entries.append((params + "router/bias",
+                            self.whole(prefix + "gate.e_score_correction_bias")))
+        entries += self.routed_experts(i)
+        if self.dims.n_shared:
+            entries += self.dense_mlp(params + "shared_experts/", prefix + "shared_experts.")
+        return entries
+
+    def routed_experts(self, i: int) -> list[Entry]:
+        """Layer ``i``'s experts ``wi_0``, ``wi_1`` and ``wo``, P(tp, fsdp, None)."""
+        gate, up, down = expert_offsets(self.spec, i, self.dims.experts)
+        params = f"params/layers_{i}/mlp/experts/"
+        return [(params + "wi_0", partial(self.experts_in_shard, gate)),
+                (params + "wi_1", partial(self.experts_in_shard, up)),
+                (params + "wo", partial(self.experts_out_shard, down))]
+
+    def experts_in_shard(self, offsets: np.ndarray, x: int) -> BufferSpec:
+        """Shard ``x`` of ``[E, h, mi]`` from gate_proj (or up_proj) first ids ``offsets``."""
+        f, t = divmod(x, self.tp)
+        h, width, h_rows = self.dims.hidden, self.dims.moe_intermediate, self.hidden_rows
+        experts = self.dims.experts // self.tp
+        j = np.arange(experts, dtype=np.int64)
+        return buffer_spec((experts, h_rows, width), broadcast_blocks(
+            j * h_rows, h_rows, 0, width, offsets[t * experts:(t + 1) * experts] + f * h_rows,
+            1, h), self.dims.dtype)
+
+    def experts_out_shard(self, down: np.ndarray, x: int) -> BufferSpec:
+        """Shard ``x`` of ``[E, mi, h]`` from the down_proj first ids ``down``."""
+        f, t = divmod(x, self.tp)
+        h, width = self.dims.hidden, self.dims.moe_intermediate
+        experts, rows = self.dims.experts // self.tp, width // self.fsdp
+        j = np.arange(experts, dtype=np.int64)
+        return buffer_spec((experts, rows, h), broadcast_blocks(
+            j * rows, rows, 0, h, down[t * experts:(t + 1) * experts] + f * rows, 1, width),
+            self.dims.dtype)

@@ -4,11 +4,17 @@ replica has more GPUs than ``tp``) and expert parallelism for routed experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 
 from wb.data.layout import BufferSpec, Layout, Role
+from wb.data.spec import CheckpointSpec
 from wb.errors import SpecError
-from wb.layouts.blocks import buffer_spec, expert_offsets, slice_block, stacked_fc1, stacked_fc2
+from wb.layouts.blocks import (buffer_spec, expert_offsets, slice_block, stacked_fc1, stacked_fc2,
+                               whole_tensor)
 from wb.layouts.dims import ModelDims
 from wb.layouts.presets import spec_from_config
 from wb.layouts.shards import (Entry, check_divides, check_positive, shard_buffers, tp_mlp,
@@ -19,6 +25,14 @@ __all__ = ["vllm_rollout", "VOCAB_PADDING"]
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: ``VocabParallelEmbedding`` pads the vocabulary to a
 #: multiple of it before splitting the rows over TP.
 VOCAB_PADDING = 64
+
+_FN = "vllm_rollout"  # the generator that error messages name
+_FIX_TP = "pick a tensor parallel size that divides it"
+
+#: The buffers of one stretch of modules, as ``n`` shards (``n`` = ``tp`` or the replica's GPU
+#: count): replica GPU ``g`` takes shard ``g % n``, which is its TP rank when ``n = tp`` because
+#: the TP ranks of a group are consecutive GPUs.
+_Segment = list[dict[str, BufferSpec]]
 
 
 def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_replica: int = 1,
@@ -87,161 +101,234 @@ def vllm_rollout(cfg: Mapping, *, tp: int, ep: int, replicas: int, nodes_per_rep
         >>> lays[1].buffers["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape   # [E/ep, 2*mi, h]
         (2, 32, 32)
     """
-    fn = "vllm_rollout"
-    d = ModelDims.of(cfg)
+    dims = ModelDims.of(cfg)
     spec = spec_from_config(cfg)
-    check_positive(fn, tp=tp, ep=ep, replicas=replicas, nodes_per_replica=nodes_per_replica,
-              gpus_per_node=gpus_per_node)
+    gpus = _replica_gpus(tp=tp, ep=ep, replicas=replicas, nodes_per_replica=nodes_per_replica,
+                         gpus_per_replica=gpus_per_replica, gpus_per_node=gpus_per_node)
+    _check_model_splits(dims, tp=tp, ep=ep, gpus=gpus)
+    replica = _ReplicaShards(spec, dims, tp=tp, ep=ep, gpus=gpus)
+    segments = [replica.embedding(),
+                *(segment for i in range(dims.layers) for segment in replica.decoder_layer(i)),
+                replica.head()]
+    per_gpu = [_gpu_buffers(segments, g) for g in range(gpus)]
+    # every replica reuses the first one's BufferSpec objects: only the Worker differs
+    return worker_layouts([per_gpu[q % gpus] for q in range(replicas * gpus)], Role.ROLLOUT,
+                          first_rank,
+                          lambda q: (f"{node_prefix}{q // gpus_per_node}", q % gpus_per_node))
+
+
+def _replica_gpus(*, tp: int, ep: int, replicas: int, nodes_per_replica: int,
+                  gpus_per_replica: int | None, gpus_per_node: int) -> int:
+    """The GPU count of one replica, after checking the parallel sizes against each other."""
+    check_positive(_FN, tp=tp, ep=ep, replicas=replicas, nodes_per_replica=nodes_per_replica,
+                   gpus_per_node=gpus_per_node)
     if gpus_per_replica is None:
-        G = nodes_per_replica * gpus_per_node
+        gpus = nodes_per_replica * gpus_per_node
     else:
-        check_positive(fn, gpus_per_replica=gpus_per_replica)
-        G = gpus_per_replica
-        if G != nodes_per_replica * gpus_per_node and (nodes_per_replica != 1
-                                                       or gpus_per_node % G):
-            raise SpecError(f"{fn}: `gpus_per_replica`={G} packs several replicas on a node, so it "
-                            f"must divide `gpus_per_node`={gpus_per_node} with "
+        check_positive(_FN, gpus_per_replica=gpus_per_replica)
+        gpus = gpus_per_replica
+        if gpus != nodes_per_replica * gpus_per_node and (nodes_per_replica != 1
+                                                          or gpus_per_node % gpus):
+            raise SpecError(f"{_FN}: `gpus_per_replica`={gpus} packs several replicas on a node, "
+                            f"so it must divide `gpus_per_node`={gpus_per_node} with "
                             f"`nodes_per_replica`=1 (got {nodes_per_replica}); for replicas of "
                             f"whole nodes pass `nodes_per_replica` only")
-    if G % tp:
-        raise SpecError(f"{fn}: `tp`={tp} must divide the {G} GPUs of a replica (the rest of the "
-                        f"replica's GPUs are data-parallel attention)")
-    if ep not in (1, G):
-        raise SpecError(f"{fn}: `ep`={ep} must be the replica's GPU count {G} (vLLM expert "
-                        f"parallelism spans TP x DP) or 1 (experts TP-split over the {G} GPUs)")
-    fix = "pick a tensor parallel size that divides it"
-    check_divides("num_attention_heads", d.heads, tp, "tp", fix)
-    if not d.mla and d.kv_heads % tp and tp % d.kv_heads:
-        raise SpecError(f"{fn}: `tp`={tp} and num_key_value_heads={d.kv_heads}: one must divide "
-                        f"the other (vLLM splits or replicates kv heads)")
-    if d.n_dense:
-        check_divides("intermediate_size", d.intermediate, tp, "tp", fix)
-    moe = d.layers > d.n_dense
-    if moe and d.n_shared:
-        check_divides("the shared-expert width", d.shared_width, tp, "tp", fix)
-    if moe and ep == 1:
+    if gpus % tp:
+        raise SpecError(f"{_FN}: `tp`={tp} must divide the {gpus} GPUs of a replica (the rest of "
+                        f"the replica's GPUs are data-parallel attention)")
+    if ep not in (1, gpus):
+        raise SpecError(f"{_FN}: `ep`={ep} must be the replica's GPU count {gpus} (vLLM expert "
+                        f"parallelism spans TP x DP) or 1 (experts TP-split over the {gpus} GPUs)")
+    return gpus
+
+
+def _check_model_splits(dims: ModelDims, *, tp: int, ep: int, gpus: int) -> None:
+    """Checks that ``tp`` (and, with ``ep == 1``, the replica's ``gpus``) split the model evenly."""
+    check_divides("num_attention_heads", dims.heads, tp, "tp", _FIX_TP)
+    if not dims.mla and dims.kv_heads % tp and tp % dims.kv_heads:
+        raise SpecError(f"{_FN}: `tp`={tp} and num_key_value_heads={dims.kv_heads}: one must "
+                        f"divide the other (vLLM splits or replicates kv heads)")
+    if dims.n_dense:
+        check_divides("intermediate_size", dims.intermediate, tp, "tp", _FIX_TP)
+    if dims.has_moe and dims.n_shared:
+        check_divides("the shared-expert width", dims.shared_width, tp, "tp", _FIX_TP)
+    if dims.has_moe and ep == 1:
         check_divides("moe_intermediate_size (experts TP-split over the replica)",
-                      d.moe_intermediate, G, "gpus of a replica",
+                      dims.moe_intermediate, gpus, "gpus of a replica",
                       "use ep equal to the replica's GPU count")
-    dt, h = d.dtype, d.hidden
-    Vp = d.padded_vocab(VOCAB_PADDING)
-    check_divides(f"the vocabulary padded to a multiple of {VOCAB_PADDING}", Vp, tp, "tp", fix)
-    vl = Vp // tp
+    check_divides(f"the vocabulary padded to a multiple of {VOCAB_PADDING}",
+                  dims.padded_vocab(VOCAB_PADDING), tp, "tp", _FIX_TP)
 
-    def rep(name: str) -> BufferSpec:  # whole, in the checkpoint tensor's own dtype
-        return buffer_spec(spec.shape(name), slice_block(spec, name), spec.dtype(name))
 
-    def vocab(name: str) -> Callable[[int], BufferSpec]:
-        return lambda t: buffer_spec((vl, h), slice_block(spec, name, rows=(t * vl, (t + 1) * vl)),
-                                     dt)
+def _gpu_buffers(segments: Sequence[_Segment], g: int) -> dict[str, BufferSpec]:
+    """Replica GPU ``g``'s buffers in module order: shard ``g % n`` of each ``n``-shard segment."""
+    buffers: dict[str, BufferSpec] = {}
+    for shards in segments:
+        buffers.update(shards[g % len(shards)])
+    return buffers
 
-    def mlp(hf: str, w: int) -> list[Entry]:
-        return tp_mlp(spec, hf, (hf + "gate_up_proj.weight", hf + "down_proj.weight"), w, h, dt)
 
-    def attention(a: str) -> list[Entry]:
-        hq = d.heads // tp
-        if d.mla:
-            qk, kvw = d.qk_nope_dim + d.qk_rope_dim, d.qk_nope_dim + d.v_head_dim
-            out: list[Entry] = []
-            if d.q_lora_rank:
-                r = d.q_lora_rank
-                kva = d.kv_lora_rank + d.qk_rope_dim
-                out.append((a + "fused_qkv_a_proj.weight", buffer_spec((r + kva, h), [
-                    slice_block(spec, a + "q_a_proj.weight"),
-                    slice_block(spec, a + "kv_a_proj_with_mqa.weight", at=(r, 0))], dt)))
-                out.append((a + "q_a_layernorm.weight", rep(a + "q_a_layernorm.weight")))
-                out.append((a + "q_b_proj.weight", lambda t: buffer_spec(
-                    (hq * qk, r), slice_block(spec, a + "q_b_proj.weight",
-                                              rows=(t * hq * qk, (t + 1) * hq * qk)), dt)))
-            else:
-                out.append((a + "q_proj.weight", lambda t: buffer_spec(
-                    (hq * qk, h), slice_block(spec, a + "q_proj.weight",
-                                              rows=(t * hq * qk, (t + 1) * hq * qk)), dt)))
-                out.append((a + "kv_a_proj_with_mqa.weight", rep(a + "kv_a_proj_with_mqa.weight")))
-            out.append((a + "kv_a_layernorm.weight", rep(a + "kv_a_layernorm.weight")))
-            out.append((a + "kv_b_proj.weight", lambda t: buffer_spec(
-                (hq * kvw, d.kv_lora_rank), slice_block(spec, a + "kv_b_proj.weight",
-                                                        rows=(t * hq * kvw, (t + 1) * hq * kvw)),
-                dt)))
-            ow = hq * d.v_head_dim
+@dataclass(frozen=True, slots=True)
+class _ReplicaShards:
+    """The buffers of one vLLM replica, one method per kind of tensor.
+
+    ``embedding``, ``decoder_layer`` and ``head`` give the segments of the replica in module
+    order; the other methods give :data:`~wb.layouts.shards.Entry` lists, and the ``*_shard``
+    methods the BufferSpec of one TP rank ``t`` or replica GPU ``g``.
+    """
+
+    spec: CheckpointSpec
+    dims: ModelDims
+    tp: int  # TP size of attention, dense MLPs, shared experts and the vocabulary
+    ep: int  # 1 (every routed expert split over the replica's GPUs) or `gpus` (whole experts)
+    gpus: int  # GPUs of one replica
+
+    def embedding(self) -> _Segment:
+        """``model.embed_tokens.weight``, padded vocabulary rows split over TP."""
+        return shard_buffers([self.tp_rows("model.embed_tokens.weight", self.padded_vocab)],
+                             self.tp)
+
+    def decoder_layer(self, i: int) -> list[_Segment]:
+        """Layer ``i``: attention, norms, MLP or router over TP; experts over the GPUs."""
+        layer = f"model.layers.{i}."
+        entries = [self.whole(layer + "input_layernorm.weight"),
+                   *self.attention(layer + "self_attn."),
+                   self.whole(layer + "post_attention_layernorm.weight")]
+        if i < self.dims.n_dense:
+            return [shard_buffers(entries + self.dense_mlp(layer + "mlp.", self.dims.intermediate),
+                                  self.tp)]
+        segments = [shard_buffers(entries + self.router(layer + "mlp."), self.tp),
+                    shard_buffers(self.routed_experts(i), self.gpus)]
+        if self.dims.n_shared:
+            shared = self.dense_mlp(layer + "mlp.shared_experts.", self.dims.shared_width)
+            segments.append(shard_buffers(shared, self.tp))
+        return segments
+
+    def head(self) -> _Segment:
+        """``model.norm.weight`` and ``lm_head.weight`` (padded vocabulary rows split over TP)."""
+        entries = [self.whole("model.norm.weight")]
+        if not self.dims.tied:  # tied: vLLM's lm_head shares embed_tokens, no buffer of its own
+            entries.append(self.tp_rows("lm_head.weight", self.padded_vocab))
+        return shard_buffers(entries, self.tp)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the LM head: the vocabulary padded as vLLM pads it."""
+        return self.dims.padded_vocab(VOCAB_PADDING)
+
+    def whole(self, name: str) -> Entry:
+        """Tensor ``name``, replicated on every rank."""
+        return name, whole_tensor(self.spec, name)
+
+    def tp_rows(self, name: str, rows: int | None = None) -> Entry:
+        """Tensor ``name`` split in rows over TP (``rows``: the padded row count, if padded)."""
+        rows = self.spec.shape(name)[0] if rows is None else rows
+        return name, partial(self.row_shard, name, rows // self.tp)
+
+    def tp_columns(self, name: str) -> Entry:
+        """Tensor ``name`` split in columns over TP."""
+        return name, partial(self.column_shard, name, self.spec.shape(name)[1] // self.tp)
+
+    def row_shard(self, name: str, rows: int, t: int) -> BufferSpec:
+        """Rows ``[t * rows, (t + 1) * rows)`` of tensor ``name`` (past its end: padding)."""
+        return buffer_spec((rows, self.spec.shape(name)[1]),
+                           slice_block(self.spec, name, rows=(t * rows, (t + 1) * rows)),
+                           self.dims.dtype)
+
+    def column_shard(self, name: str, cols: int, t: int) -> BufferSpec:
+        """Columns ``[t * cols, (t + 1) * cols)`` of tensor ``name``."""
+        return buffer_spec((self.spec.shape(name)[0], cols),
+                           slice_block(self.spec, name, cols=(t * cols, (t + 1) * cols)),
+                           self.dims.dtype)
+
+    def attention(self, prefix: str) -> list[Entry]:
+        """The ``self_attn.`` buffers of one layer."""
+        return self.mla_attention(prefix) if self.dims.mla else self.gqa_attention(prefix)
+
+    def gqa_attention(self, prefix: str) -> list[Entry]:
+        """qwen3_moe: ``qkv_proj`` and ``o_proj`` split on heads, the per-head norms whole."""
+        return [(prefix + "qkv_proj.weight", partial(self.qkv_shard, prefix)),
+                self.tp_columns(prefix + "o_proj.weight"),
+                self.whole(prefix + "q_norm.weight"), self.whole(prefix + "k_norm.weight")]
+
+    def qkv_shard(self, prefix: str, t: int) -> BufferSpec:
+        """TP rank ``t``'s ``qkv_proj``: its q heads, then its k heads, then its v heads."""
+        d, h = self.dims, self.dims.hidden
+        hd, q_heads, kv_heads = d.head_dim, d.heads // self.tp, max(1, d.kv_heads // self.tp)
+        # with tp > kv, kv head k serves the tp // kv consecutive ranks that replicate it
+        k0 = t * kv_heads if self.tp <= d.kv_heads else t // (self.tp // d.kv_heads)
+        kv_rows = (k0 * hd, (k0 + kv_heads) * hd)
+        return buffer_spec(((q_heads + 2 * kv_heads) * hd, h), [
+            slice_block(self.spec, prefix + "q_proj.weight",
+                        rows=(t * q_heads * hd, (t + 1) * q_heads * hd)),
+            slice_block(self.spec, prefix + "k_proj.weight", rows=kv_rows, at=(q_heads * hd, 0)),
+            slice_block(self.spec, prefix + "v_proj.weight", rows=kv_rows,
+                        at=((q_heads + kv_heads) * hd, 0))], d.dtype)
+
+    def mla_attention(self, prefix: str) -> list[Entry]:
+        """deepseek_v3: down-projections and latent norms whole, the rest split on heads."""
+        if self.dims.q_lora_rank:
+            queries = [(prefix + "fused_qkv_a_proj.weight", self.fused_qkv_a(prefix)),
+                       self.whole(prefix + "q_a_layernorm.weight"),
+                       self.tp_rows(prefix + "q_b_proj.weight")]
         else:
-            hd, kv = d.head_dim, d.kv_heads
-            kl = max(1, kv // tp)
+            queries = [self.tp_rows(prefix + "q_proj.weight"),
+                       self.whole(prefix + "kv_a_proj_with_mqa.weight")]
+        return [*queries, self.whole(prefix + "kv_a_layernorm.weight"),
+                self.tp_rows(prefix + "kv_b_proj.weight"),
+                self.tp_columns(prefix + "o_proj.weight")]
 
-            def qkv(t: int) -> BufferSpec:
-                k0 = t * kl if tp <= kv else t // (tp // kv)  # replicated kv head when tp > kv
-                return buffer_spec(((hq + 2 * kl) * hd, h), [
-                    slice_block(spec, a + "q_proj.weight", rows=(t * hq * hd, (t + 1) * hq * hd)),
-                    slice_block(spec, a + "k_proj.weight", rows=(k0 * hd, (k0 + kl) * hd),
-                                at=(hq * hd, 0)),
-                    slice_block(spec, a + "v_proj.weight", rows=(k0 * hd, (k0 + kl) * hd),
-                                at=((hq + kl) * hd, 0))], dt)
-            out = [(a + "qkv_proj.weight", qkv)]
-            ow = hq * hd
-        out.append((a + "o_proj.weight", lambda t: buffer_spec(
-            (h, ow), slice_block(spec, a + "o_proj.weight", cols=(t * ow, (t + 1) * ow)), dt)))
-        if not d.mla:
-            out += [(a + "q_norm.weight", rep(a + "q_norm.weight")),
-                    (a + "k_norm.weight", rep(a + "k_norm.weight"))]
-        return out
+    def fused_qkv_a(self, prefix: str) -> BufferSpec:
+        """``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa] rows, whole."""
+        q_rank = self.dims.q_lora_rank
+        kv_a_rows = self.dims.kv_lora_rank + self.dims.qk_rope_dim
+        return buffer_spec((q_rank + kv_a_rows, self.dims.hidden), [
+            slice_block(self.spec, prefix + "q_a_proj.weight"),
+            slice_block(self.spec, prefix + "kv_a_proj_with_mqa.weight", at=(q_rank, 0))],
+            self.dims.dtype)
 
-    def experts(i: int) -> list[Entry]:
-        E, mi = d.experts, d.moe_intermediate
-        gate, up, down = expert_offsets(spec, i, E)
-        m = f"model.layers.{i}.mlp.experts.routed_experts."
-        if ep == 1:  # every expert TP-split over the G GPUs of the replica
-            ml = mi // G
-            return [(m + "w13_weight", lambda g: buffer_spec(
-                        (E, 2 * ml, h), stacked_fc1(gate, up, (g * ml, (g + 1) * ml), h), dt)),
-                    (m + "w2_weight", lambda g: buffer_spec(
-                        (E, h, ml), stacked_fc2(down, (g * ml, (g + 1) * ml), h, mi), dt))]
-        base, extra = divmod(E, G)
+    def dense_mlp(self, prefix: str, width: int) -> list[Entry]:
+        """A ``width``-wide MLP as ``gate_up_proj`` and ``down_proj``, split over TP."""
+        return tp_mlp(self.spec, prefix, (prefix + "gate_up_proj.weight",
+                                          prefix + "down_proj.weight"),
+                      width // self.tp, self.dims.hidden, self.dims.dtype)
 
-        def local(g: int) -> slice:
-            e0 = g * base + min(g, extra)
-            return slice(e0, e0 + base + (g < extra))
+    def router(self, prefix: str) -> list[Entry]:
+        """``gate.weight`` (and deepseek_v3's ``gate.e_score_correction_bias``), whole."""
+        entries = [self.whole(prefix + "gate.weight")]
+        if self.dims.mla:
+            entries.append(self.whole(prefix + "gate.e_score_correction_bias"))
+        return entries
 
-        def w13(g: int) -> BufferSpec:
-            e = local(g)
-            return buffer_spec((e.stop - e.start, 2 * mi, h),
-                               stacked_fc1(gate[e], up[e], (0, mi), h), dt)
+    def routed_experts(self, i: int) -> list[Entry]:
+        """Layer ``i``'s ``w13_weight`` and ``w2_weight`` stacks, one per replica GPU."""
+        gate, up, down = expert_offsets(self.spec, i, self.dims.experts)
+        prefix = f"model.layers.{i}.mlp.experts.routed_experts."
+        return [(prefix + "w13_weight", partial(self.w13_shard, gate, up)),
+                (prefix + "w2_weight", partial(self.w2_shard, down))]
 
-        def w2(g: int) -> BufferSpec:
-            e = local(g)
-            return buffer_spec((e.stop - e.start, h, mi), stacked_fc2(down[e], (0, mi), h, mi), dt)
-        return [(m + "w13_weight", w13), (m + "w2_weight", w2)]
+    def expert_share(self, g: int) -> tuple[slice, tuple[int, int]]:
+        """GPU ``g``'s routed experts and its rows ``[m0, m1)`` of each one's width."""
+        experts, width = self.dims.experts, self.dims.moe_intermediate
+        if self.ep == 1:  # every expert TP-split over the replica's GPUs
+            rows = width // self.gpus
+            return slice(0, experts), (g * rows, (g + 1) * rows)
+        # vLLM's linear placement: the first `experts % gpus` GPUs hold one expert more
+        base, extra = divmod(experts, self.gpus)
+        first = g * base + min(g, extra)
+        return slice(first, first + base + (g < extra)), (0, width)
 
-    embed: list[Entry] = [("model.embed_tokens.weight", vocab("model.embed_tokens.weight"))]
-    segments = [(shard_buffers(embed, tp), True)]
-    for i in range(d.layers):
-        H = f"model.layers.{i}."
-        dense: list[Entry] = [(H + "input_layernorm.weight", rep(H + "input_layernorm.weight"))]
-        dense += attention(H + "self_attn.")
-        dense.append((H + "post_attention_layernorm.weight",
-                      rep(H + "post_attention_layernorm.weight")))
-        if i < d.n_dense:
-            dense += mlp(H + "mlp.", d.intermediate // tp)
-        else:
-            dense.append((H + "mlp.gate.weight", rep(H + "mlp.gate.weight")))
-            if d.mla:
-                dense.append((H + "mlp.gate.e_score_correction_bias",
-                              rep(H + "mlp.gate.e_score_correction_bias")))
-        # In module order: (shards, True) is indexed by TP rank, (shards, False) by replica GPU.
-        segments.append((shard_buffers(dense, tp), True))
-        if i >= d.n_dense:
-            segments.append((shard_buffers(experts(i), G), False))
-            if d.n_shared:
-                shared = mlp(H + "mlp.shared_experts.", d.shared_width // tp)
-                segments.append((shard_buffers(shared, tp), True))
-    tail: list[Entry] = [("model.norm.weight", rep("model.norm.weight"))]
-    if not d.tied:  # tied: vLLM's lm_head shares embed_tokens, no buffer of its own
-        tail.append(("lm_head.weight", vocab("lm_head.weight")))
-    segments.append((shard_buffers(tail, tp), True))
-    replica: list[dict[str, BufferSpec]] = []
-    for g in range(G):
-        bufs: dict[str, BufferSpec] = {}
-        for shards, by_tp in segments:
-            bufs.update(shards[g % tp if by_tp else g])
-        replica.append(bufs)
-    return worker_layouts([replica[q % G] for q in range(replicas * G)], Role.ROLLOUT, first_rank,
-                          lambda q: (f"{node_prefix}{q // gpus_per_node}", q % gpus_per_node))
+    def w13_shard(self, gate: np.ndarray, up: np.ndarray, g: int) -> BufferSpec:
+        """GPU ``g``'s ``[experts, 2 * rows, h]`` stack: each expert's gate rows, then up rows."""
+        experts, rows = self.expert_share(g)
+        h = self.dims.hidden
+        return buffer_spec((experts.stop - experts.start, 2 * (rows[1] - rows[0]), h),
+                           stacked_fc1(gate[experts], up[experts], rows, h), self.dims.dtype)
+
+    def w2_shard(self, down: np.ndarray, g: int) -> BufferSpec:
+        """GPU ``g``'s ``[experts, h, rows]`` stack of down_proj column shards."""
+        experts, rows = self.expert_share(g)
+        h = self.dims.hidden
+        return buffer_spec((experts.stop - experts.start, h, rows[1] - rows[0]),
+                           stacked_fc2(down[experts], rows, h, self.dims.moe_intermediate),
+                           self.dims.dtype)

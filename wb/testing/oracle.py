@@ -47,7 +47,7 @@ def overlap_pairs(corr: Correspondence) -> set[tuple[Element, Element]]:
 
 def quantize_reference(x: np.ndarray, block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Block-scaled ``float8_e4m3fn`` of a 2-D tensor, written plainly, one block at a time, with
-    ``ml_dtypes``' conversion (not wb's): the oracle of :mod:`wb.data.blockscale`'s rule.
+    ``ml_dtypes``' conversion (not wb's): the oracle of :mod:`wb.data.fp8`'s rule.
 
     Returns:
         ``(q, scale)``: ``q`` of ``x``'s shape (float8_e4m3fn), ``scale`` float32 per block.

@@ -38,10 +38,11 @@ import wb
 from wb.cli.bench.baselines import broadcast_plans, needed_tensors, p2p_plan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.data.layout import Cluster
-from wb.data.rankplan import parts
+from wb.data.plan import parts
 from wb.algorithms.planner import traffic_ratio
 from wb.layouts.presets import TINY, load_config, spec_from_config
 from wb.algorithms.simulate import ideal_s, simulate
+from wb.runtime.endpoints.stats import UpdateStats
 
 __all__ = ["run_bench", "PROFILES"]
 
@@ -113,7 +114,7 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         out_dir: also write ``bench.json`` (and ``bench.png`` with matplotlib) there.
         timeout: seconds allowed per replica count.
         trace: with ``out_dir``, also write ``trace_r{R}.json``: every rank's per-message times in
-            its last wb run (:func:`wb.runtime.executor.execute`'s ``trace``), for finding where an
+            its last wb run (:func:`wb.runtime.engine.executor.execute`'s ``trace``), for finding where an
             update's time goes.
         overrides: any :data:`PROFILES` field.
     """
@@ -379,7 +380,7 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
                           "p2p": simulate(plans["p2p"], measured).ewtt_s})
     agst, stalls = {}, {}
     for mode in modes:
-        stats = [wb.UpdateStats.from_json(s) for x in res.values()
+        stats = [UpdateStats.from_json(s) for x in res.values()
                  for s in x["modes"].get(mode, {}).get("stats", [])]
         bad = [r for r, x in res.items() if mode in x["modes"] and not x["modes"][mode]["ok"]]
         verified &= not bad

@@ -8,7 +8,7 @@ import numpy as np
 
 from wb.data.dtypes import convert, dtype_info
 
-__all__ = ["weight_bits", "buffers_for", "buffers_of", "fp8_expected", "mapped_for",
+__all__ = ["weight_bits", "buffers_for", "buffers_of", "fp8_expected", "mapped_of",
            "version_bits"]
 
 
@@ -82,7 +82,7 @@ def _blocks(sourcemap, xp=np):
 
 def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
     """What a rollout of the FP8 checkpoint holds: the trainers' weights (:func:`weight_bits`
-    of ids, as ``held``) quantised block by block (:func:`wb.data.blockscale.quantize_tensor`,
+    of ids, as ``held``) quantised block by block (:func:`wb.data.fp8.quantize_tensor`,
     made on the host for the blocks this layout reads, :class:`_Quantised`), their scales, and
     the other tensors converted to each buffer's dtype.
 
@@ -171,7 +171,7 @@ def fp8_expected(lay, scaled, held: str, xp=np) -> dict:
 
 class _Quantised:
     """One declared tensor of the trainers' weights (:func:`weight_bits` of its ids, as ``hd``)
-    quantised by :func:`wb.data.blockscale.quantize_tensor` a block-aligned rectangle at a time,
+    quantised by :func:`wb.data.fp8.quantize_tensor` a block-aligned rectangle at a time,
     as reads need them: a block's quantisation depends on its own elements only, so a rectangle
     of whole blocks (cut at the tensor's edges as the whole tensor is) quantises to the same
     bits as those blocks of the whole tensor."""
@@ -200,7 +200,7 @@ class _Quantised:
 
     def _cover(self, gr0, gr1, gc0, gc1) -> None:
         """Quantises blocks ``[gr0, gr1] x [gc0, gc1]`` (inclusive) unless done."""
-        from wb.data.blockscale import quantize_tensor
+        from wb.data.fp8 import quantize_tensor
 
         gr0, gr1, gc0, gc1 = int(gr0), int(gr1) + 1, int(gc0), int(gc1) + 1
         if self.done[gr0:gr1, gc0:gc1].all():
@@ -216,11 +216,10 @@ class _Quantised:
         self.done[gr0:gr1, gc0:gc1] = True
 
 
-def mapped_for(plan, rank: int, xp=np) -> dict:
-    """Which elements of this rank's buffers the source map covers (bool arrays, made on the host
-    or the device block by block: no id per element is ever materialised, so it scales to
+def mapped_of(lay, xp=np) -> dict:
+    """Which elements of layout ``lay``'s buffers the source map covers (bool arrays, made on the
+    host or the device block by block: no id per element is ever materialised, so it scales to
     multi-GB buffers)."""
-    lay = plan.layout_of(rank)
     out = {}
     for name, b in lay.buffers.items():
         m = xp.zeros(b.shape, dtype=bool)

@@ -46,8 +46,8 @@ def barrier(store, key: str, ranks, rank: int, timeout: float, *,
 
 class _Ctx:
     def __init__(self, job):
-        from wb.data.rankplan import RankPlan
-        from wb.runtime.rendezvous import DirectoryStore
+        from wb.data.plan import RankPlan
+        from wb.runtime.transport.stores import DirectoryStore
 
         self.job, self.rank = job, job["rank"]
         self.store = DirectoryStore(job["store_dir"])
@@ -73,16 +73,16 @@ class _Ctx:
 
     def transport(self, session: str, plan):
         """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
-        from wb.runtime.executor import connect, plan_peers
         from wb.cli.bench.shaped import ShapedTransport
+        from wb.runtime.engine.executor import connect
         from wb.runtime.transport.ucx import UcxTransport
 
-        if plan is None or not plan_peers(plan, self.rank):
+        if plan is None or not plan.peers:
             return None
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
                          cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
         # as a Sender/Receiver does at set-up; the measured runs (Program.run) then skip this round
-        connect(plan, self.rank, t)
+        connect(plan, t)
         job = self.job
         if job["links"] == "real":
             return t
@@ -116,15 +116,15 @@ def _same(xp, bufs, want) -> bool:
 
 def _run(c: _Ctx, result: dict) -> None:
     from wb.cli.bench.baselines import FullArena
-    from wb.runtime.program import Program
+    from wb.runtime.engine.program import Program
     from wb.layouts.presets import spec_from_config
-    from wb.cli.bench.weights import buffers_for
+    from wb.cli.bench.weights import buffers_of
 
     job, rank, xp = c.job, c.rank, c.xp
     P = c.plans
     role, lay = _role(P["wb"], rank)
     spec = spec_from_config(job["cfg"])
-    weights = buffers_for(P["wb"], rank, fill=True, xp=xp) if role else {}
+    weights = buffers_of(P["wb"].layout, fill=True, xp=xp) if role else {}
     targets = ({k: xp.zeros_like(v) for k, v in weights.items()} if role == "rollout" else {})
     is_gather = rank == job["gather_rank"]
     arena = None
@@ -155,7 +155,7 @@ def _run(c: _Ctx, result: dict) -> None:
 
     def keep(session: str, key: str):
         t = c.transport(session, P[key])
-        return None if t is None else (t, Program(P[key], rank))
+        return None if t is None else (t, Program(P[key]))
     for rep in range(job["repeats"]):
         for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
             key = f"{rep}/{method}"
@@ -204,9 +204,9 @@ def _run(c: _Ctx, result: dict) -> None:
 
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
     import wb
-    from wb.cli.bench.weights import mapped_for, version_bits
+    from wb.cli.bench.weights import mapped_of, version_bits
 
-    mapped = mapped_for(P["wb"], rank, xp) if role else {}
+    mapped = mapped_of(P["wb"].layout, xp) if role else {}
     for mode in job["modes"]:
         send, recv = wb.MODES[mode]
         t = c.transport(f"mode/{mode}", P["wb"])

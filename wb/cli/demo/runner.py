@@ -29,6 +29,9 @@ import wb
 from wb.cli.demo.checkpoint import random_checkpoint
 from wb.data.layout import BufferSpec, Layout, Worker
 from wb.layouts.presets import TINY, spec_from_config
+from wb.algorithms.fp8.tasks import quantize_layouts
+from wb.data.correspondence import correspond
+from wb.runtime.endpoints.stats import UpdateStats
 
 __all__ = ["run_demo", "run_processes", "jax_layouts", "torch_layouts"]
 
@@ -213,13 +216,13 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     probe_s = time.perf_counter() - t0
     holders = trainers
     if fp8 is not None:  # the trainers quantise: they hold the FP8 checkpoint's ids
-        quantized = wb.quantize_layouts(trainers, fp8.bind(spec_from_config(TINY)))
+        quantized = quantize_layouts(trainers, fp8.bind(spec_from_config(TINY)))
         holders = list(quantized.trainers)
-        from wb.algorithms.blockplan import quantize_buffers
+        from wb.algorithms.fp8.tasks import quantize_buffers
 
         weights = {r: {**w, **quantize_buffers(quantized, r, w)} for r, w in weights.items()}
     t1 = time.perf_counter()
-    corr = wb.correspond(holders, rollouts)
+    corr = correspond(holders, rollouts)
     correspond_s = time.perf_counter() - t1
     with console.status("checking the correspondence element by element..."):
         from wb.testing.oracle import correspondence_pairs, overlap_pairs
@@ -383,7 +386,7 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
     per_mode, all_ok = {}, not errors
     workers = replicas * tp
     for mode in modes:
-        stats = [wb.UpdateStats.from_json(x) for r in results
+        stats = [UpdateStats.from_json(x) for r in results
                  for x in r["modes"].get(mode, {}).get("stats", [])]
         checks = sum(r["modes"].get(mode, {}).get("checks", 0) for r in results)
         bad = sum(r["modes"].get(mode, {}).get("bad", 0) for r in results)

@@ -1,7 +1,7 @@
 """The processes of ``python -m wb demo`` (spawned; importable so ``multiprocessing`` can start them).
 
 Each process probes its own load path, publishes its layouts, gets its workers' parts of the plan
-(:func:`wb.runtime.coordinator.agree_parts`) and then, for each sync mode, runs a small RL loop over
+(:func:`wb.agree_parts`) and then, for each sync mode, runs a small RL loop over
 UCX: the trainer "trains" (an emulated compute step, then a real update of every weight:
 ``w <- -2 w``, exact in any float dtype) and pushes; the rollouts "generate" (emulated decode
 steps), apply each new version between steps, and check every buffer bit for bit against what
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from wb.cli.demo.checkpoint import DEMO_FP8, expected_checkpoint, fp8_checkpoint, random_checkpoint
-from wb.runtime.coordinator import agree_parts
+from wb.runtime.membership.agree import agree_parts
 
 __all__ = ["worker_main"]
 
@@ -75,7 +75,7 @@ def worker_main(job: dict) -> None:
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         from wb.layouts.presets import spec_from_config
-        from wb.runtime.rendezvous import DirectoryStore
+        from wb.runtime.transport.stores import DirectoryStore
 
         store = DirectoryStore(job["store_dir"])
         spec = spec_from_config(job["cfg"])
@@ -115,7 +115,7 @@ def _jax_ucx(rank, store, mode, dev):
 def _zero_copy(workers, arrays) -> tuple[int, int]:
     """``(checked, bad)`` over ``{rank: {name: framework array}}``: each array a worker moves
     must be its buffer itself (the same address: no copy on either side)."""
-    from wb.runtime.buffers import address
+    from wb.runtime.engine.buffers import address
 
     pairs = [(workers[r].buffers[n], a) for r, bufs in arrays.items() for n, a in bufs.items()
              if n in workers[r].buffers]

@@ -4,6 +4,8 @@
 moves bytes between processes and machines over UCX (``ucxx``); :class:`~wb.runtime.transport.local.
 LocalTransport` between threads of one process (notebooks, tests). A buffer is a contiguous
 1-D ``uint8`` array: numpy on the host, or a CUDA array (``__cuda_array_interface__``, e.g. CuPy).
+Processes meet through a key -> bytes store (:mod:`~wb.runtime.transport.stores`): transports
+exchange their addresses there, the membership its records.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Transport(Protocol):
         """Waits until every peer is done (a barrier), then releases endpoints and the worker."""
         ...
 
-    # Optional, for versions that finish without a dead peer (wb.runtime.finish): ``cancel()``
+    # Optional, for versions that finish without a dead peer (wb.runtime.membership.finish): ``cancel()``
     # cancels the requests in flight and keeps the connections, ``add_peers(peers)`` allows
     # ranks of the same session not connected so far, ``forget(peers)`` drops dead ones. A
     # transport without them fails the whole version when a peer dies.

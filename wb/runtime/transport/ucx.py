@@ -2,9 +2,9 @@
 
 Nothing happens at import or construction: the UCX context and worker are created by
 :meth:`UcxTransport.connect`. Each rank publishes its worker address through a rendezvous
-:class:`~wb.runtime.rendezvous.Store` and creates an endpoint from each peer's address. Endpoints are created
+:class:`~wb.runtime.transport.stores.Store` and creates an endpoint from each peer's address. Endpoints are created
 with UCX error handling off on both sides, because UCX's shared-memory transports (which a user
-may allow) need it; a peer that dies is noticed through heartbeats (:mod:`wb.runtime.liveness`).
+may allow) need it; a peer that dies is noticed through heartbeats (:mod:`wb.runtime.membership.liveness`).
 
 UCX moves large tagged messages by zero-copy rendezvous: CUDA IPC between GPUs of one node,
 RDMA over InfiniBand/RoCE when UCX has verbs, cross-memory attach (``cma``) between processes of
@@ -22,7 +22,7 @@ is a ring every local peer writes into, and a peer killed while it writes leaves
 never filled, behind which its receiver waits forever, for every other peer's messages too (a
 kill -9 mid-message of a peer streaming small messages wedged its receiver in 5 of 20 tries;
 with ``tcp,cma,self``, in none). wb finishes versions without dead rollouts
-(:mod:`wb.runtime.finish`), so a survivor's transport must outlive its peers. Where no process
+(:mod:`wb.runtime.membership.finish`), so a survivor's transport must outlive its peers. Where no process
 can die mid-update, ``UCX_TLS=tcp,posix,sysv,self`` is faster for small messages.
 
 PyPI's ``libucx`` wheels are built without InfiniBand verbs. On an InfiniBand cluster, use the
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from wb.errors import TransferError
-from wb.runtime.rendezvous import Store
+from wb.runtime.transport.stores import Store
 
 __all__ = ["UcxTransport", "default_tls", "cma_usable"]
 
@@ -113,7 +113,7 @@ class _UcxRequest:
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
             err = TransferError(f"rank {self.rank}: UCX {self.what} of tag {self.tag:#x} with "
                                 f"peer {self.peer} failed: {type(e).__name__}: {e}")
-            err.peer = self.peer  # the update may go on without it (wb.runtime.finish)
+            err.peer = self.peer  # the update may go on without it (wb.runtime.membership.finish)
             raise err from e
         return True
 
@@ -272,7 +272,7 @@ class UcxTransport:
 
     def cancel(self) -> None:
         """Cancels every request in flight and keeps the connections (a version goes on without
-        its stalled attempt: :mod:`wb.runtime.finish`). What UCX cannot withdraw (a posted
+        its stalled attempt: :mod:`wb.runtime.membership.finish`). What UCX cannot withdraw (a posted
         receive may still be matched by a late message) keeps its buffer alive, never reused,
         until it completes or the transport closes."""
         if self._worker is not None:
@@ -309,7 +309,7 @@ class UcxTransport:
             except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
                 err = TransferError(f"rank {self.rank}: cannot reach peer {peer} over UCX "
                                     f"(TLS={self.tls}): {type(e).__name__}: {e}")
-                err.peer = peer  # dead since it published its address (wb.runtime.finish)
+                err.peer = peer  # dead since it published its address (wb.runtime.membership.finish)
                 raise err from e
             self._eps[peer] = ep
         return ep

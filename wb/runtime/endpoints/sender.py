@@ -1,0 +1,308 @@
+"""A trainer worker's end of a plan: :class:`Sender`, and the two ways a version leaves it.
+
+Without sender staging (:class:`_DirectSend`), ``push`` sends from the live buffers and returns
+when this worker's bytes are sent. With it (:class:`_StagedSend`), ``push`` copies the live
+buffers into staging and returns; a background thread sends the copy while training goes on,
+and the next ``push`` first waits for that send. The way is chosen once, at set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, wait
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from wb.algorithms.fp8.tasks import Quantized, combine_amax, tasks_for
+from wb.data.fp8 import BlockScaled
+from wb.data.layout import Layout, Role
+from wb.data.plan import Plan, RankPlan
+from wb.errors import PlanError, TransferError
+from wb.runtime.engine.buffers import as_array, check_buffers, copy, copy_of
+from wb.runtime.endpoints.endpoint import Endpoint, Transferred, in_thread, take_part
+from wb.runtime.engine.fp8 import Quantiser, amax_bytes, amax_from_bytes
+from wb.runtime.transport.stores import get_large, set_large
+from wb.runtime.endpoints.stats import UpdateStats
+from wb.runtime.endpoints.targets import Live
+from wb.runtime.engine.inflight import abort
+from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
+
+__all__ = ["Sender"]
+
+
+
+class _SendPath(Protocol):
+    """How a pushed version leaves: what ``push`` does after it is announced."""
+
+    def stage(self, live: Live) -> None:
+        """Takes what must be copied before ``push`` returns."""
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        """Sends version ``v`` (``t0``: ``time.perf_counter()`` when ``push`` was called)."""
+
+    def finish(self, *, charge: bool) -> None:
+        """Waits for a version still being sent, records it, raises its error."""
+
+
+class _DirectSend:
+    """Sender staging off: ``push`` joins the version and sends from the live buffers, blocking
+    until this worker's bytes are sent."""
+
+    def __init__(self, end: Endpoint):
+        self.end = end
+
+    def stage(self, live: Live) -> None:
+        pass  # nothing to copy: the live buffers themselves are sent
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        joined = self.end.join(v)
+        ex = self.end.run(v, {n: a for n, (_, a) in live.items()})
+        self.end.record(v, time.perf_counter() - t0, Transferred(joined, ex))
+
+    def finish(self, *, charge: bool) -> None:
+        pass  # nothing runs in the background
+
+
+class _Pending(NamedTuple):
+    """A version being sent in the background."""
+
+    version: int
+    stall_s: float  # what push blocked its caller for (the copy into staging)
+    result: Future  # of Transferred
+
+
+class _StagedSend:
+    """Sender staging on: ``push`` copies the live buffers into staging and returns; a thread
+    joins the version and sends the copy while training goes on."""
+
+    def __init__(self, end: Endpoint, live: Live):
+        self.end = end
+        self.staging = copy_of(live)
+        self.pending: _Pending | None = None
+
+    def stage(self, live: Live) -> None:
+        for n, (xp, a) in live.items():
+            copy(xp, self.staging[n], a)
+
+    def send(self, v: int, live: Live, t0: float) -> None:
+        stall = time.perf_counter() - t0
+        self.pending = _Pending(v, stall, in_thread(self._send, v,
+                                                    name=f"wb-send-{self.end.rank}-v{v}"))
+
+    def _send(self, v: int) -> Transferred:
+        joined = self.end.join(v)
+        return Transferred(joined, self.end.run(v, self.staging))
+
+    def finish(self, *, charge: bool) -> None:
+        """The wait is a stall of the version that caused it when ``push`` waits (``charge``),
+        not when the caller asks to wait (``wait``/``close``: the end of training, not a
+        training step)."""
+        if self.pending is None:
+            return
+        v, stall, fut = self.pending
+        t0 = time.perf_counter()
+        wait([fut])
+        waited = time.perf_counter() - t0
+        self.pending = None
+        e = fut.exception()
+        if e is not None:
+            raise TransferError(f"rank {self.end.rank}: sending version {v} failed: {e}") from e
+        self.end.record(v, stall + (waited if charge else 0.0), fut.result())
+
+
+class Sender:
+    """A trainer worker's end: ``push()`` once per training step.
+
+    Args:
+        plan: this rank's part of the plan (:class:`wb.RankPlan`, all a worker needs), the
+            parts :func:`wb.agree_parts` gave this process (``{rank: RankPlan}``), or the whole
+            :class:`wb.Plan` (its part is cut out here; its trainers' leader then plans repairs
+            and joiners from it).
+        rank: this worker's rank (a trainer of ``plan``).
+        buffers: ``{name: array}`` of this worker's live weights (numpy / DLPack host arrays or CUDA
+            arrays), read at every ``push``.
+        transport: this rank's :class:`wb.runtime.transport.Transport`, kept connected across
+            updates.
+        store: the rendezvous :class:`wb.runtime.transport.stores.Store` every worker shares (joins,
+            versions).
+        staging: sender staging (see :mod:`wb.runtime.endpoints.modes`): ``push`` returns after a local
+            copy.
+        name: keeps the store keys of concurrent sessions apart.
+        staging_bytes: the executor's packing budget.
+        timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
+        wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
+            between generation steps).
+        layout: this worker's layout as it probed it; refused if the plan's differs (a mapping
+            ``{rank: Layout}``: this rank's; what a group of ranks passes).
+        quantize: block-scaled FP8 rollouts: the :class:`~wb.data.fp8.BlockScaled` the plan was
+            made with (``agree_parts(..., quantize=)``; give ``layout=`` too, this worker's own
+            layout), or the :class:`~wb.algorithms.fp8.tasks.Quantized` of
+            :func:`~wb.algorithms.fp8.tasks.quantize_layouts` whose trainer layouts the plan was
+            made from. Every ``push`` first quantises this worker's blocks, from
+            ``buffers``, into buffers the Sender keeps (on the same devices); ``buffers`` are the
+            worker's own.
+
+    Raises:
+        TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
+            another plan (at set-up, before any update).
+
+    Attributes:
+        plan, rank, staging: as given.
+        version: the last version pushed (0 before the first).
+        stats: one :class:`~wb.runtime.endpoints.stats.UpdateStats` per version sent, in order.
+
+    Examples:
+        See ``examples/notebook_session.py`` and :class:`wb.LocalSession`.
+    """
+
+    def __init__(self, plan: Plan | RankPlan | Mapping[int, RankPlan], rank: int,
+                 buffers: Mapping[str, Any], *, transport, store, staging: bool = True,
+                 name: str = "wb",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+                 wait_timeout: float = 600.0, layout: Layout | None = None,
+                 quantize: Quantized | BlockScaled | None = None):
+        if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
+            layout = layout.get(rank)
+        part, roster = take_part(plan, rank, Role.TRAINER)
+        self._quant, self._peers = None, ()
+        if quantize is not None:
+            if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts
+                if layout is None:
+                    raise TransferError(f"rank {rank}: quantize= a declaration needs layout= "
+                                        f"(this worker's own layout, as it probed it)")
+                try:
+                    quantize = tasks_for(quantize, layout, part.layout)
+                except PlanError as e:
+                    raise TransferError(str(e)) from e
+            layout = None  # the plan's layout is the quantised one, not the probed one
+            self._quant = Quantiser(quantize, rank,
+                                    {n: as_array(n, a, rank=rank) for n, a in buffers.items()})
+            buffers = {**buffers, **self._quant.buffers}
+            if self._quant.parts:  # blocks held in part: who else holds parts of them
+                self._peers = _amax_peers(quantize, rank, store, name, wait_timeout)
+        self._end = Endpoint(part, buffers, role=Role.TRAINER, transport=transport,
+                             store=store, name=name, staging_bytes=staging_bytes,
+                             timeout=timeout, wait_timeout=wait_timeout, layout=layout,
+                             roster=roster)
+        self.plan, self.rank = plan, self._end.rank
+        self.stats: list[UpdateStats] = self._end.stats  # one record per version sent, in order
+        self.staging = bool(staging)
+        try:
+            self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
+                                for n in self._end.layout.buffers}
+            self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
+                                     else _DirectSend(self._end))
+        except BaseException:  # no beating or watching thread is left behind
+            self._end.halt()
+            raise
+        self.version = 0
+        self._closed = False
+
+    @property
+    def buffers(self) -> dict[str, Any]:
+        """The live weights as wb reads them: numpy or CuPy views of the given arrays' own
+        memory (no copy; :func:`wb.runtime.engine.buffers.address` gives their addresses)."""
+        return {n: a for n, (_, a) in self._live.items()}
+
+    def push(self, version: int | None = None, *, buffers: Mapping[str, Any] | None = None) -> int:
+        """Sends the live weights as ``version`` (default: the last one + 1); returns it.
+
+        ``buffers`` replaces the live weights from now on (frameworks whose arrays are immutable,
+        like JAX, make new ones every step); they are checked as at set-up.
+
+        Without staging this blocks until this worker's bytes are sent (and its rollout peers
+        joined); with staging it blocks for the previous background send, if still running, and
+        a local copy.
+
+        Raises:
+            TransferError: this or the previous update failed (a peer died or hung), bad
+                ``buffers``, or a version not above the last one.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise TransferError(f"rank {self.rank}: push() after close()")
+        self._path.finish(charge=True)
+        if buffers is not None:
+            if self._quant is not None:
+                buffers = {**buffers, **self._quant.buffers}
+            check_buffers(self._end.layout, buffers)
+            self._live = {n: as_array(n, buffers[n], rank=self.rank) for n in self._live}
+        v = self.version + 1 if version is None else int(version)
+        if v <= self.version:
+            raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
+                                f"was already pushed; versions must increase")
+        if self._quant is not None:
+            self._quant.run(self._live, exchange=lambda keys, amax: self._exchange(v, keys, amax))
+        self._path.stage(self._live)
+        self._end.finisher.admit(v)  # the leader takes in joiners before announcing v
+        self._end.announce(v)
+        self.version = v
+        self._path.send(v, self._live, t0)
+        return v
+
+    def _exchange(self, v: int, keys: np.ndarray, amax: np.ndarray) -> tuple:
+        """Publishes the ``amax`` of this worker's parts of blocks for version ``v`` and returns
+        ``(keys, amax)`` over the whole blocks, with the parts its peers published."""
+        end = self._end
+        set_large(end.store, end.key("amax", v, self.rank), amax_bytes(keys, amax))
+        keys_of = {r: end.key("amax", v, r) for r in self._peers}
+        end.await_keys(keys_of, lambda r: f"rank {self.rank}: trainer {r} did not publish the "
+                                          f"amax of its FP8 block parts for version {v} within "
+                                          f"{end.wait_timeout:.0f} s")
+        parts = [(keys, amax)]
+        parts += [amax_from_bytes(get_large(end.store, key, end.wait_timeout))
+                  for key in keys_of.values()]
+        return combine_amax(parts)
+
+    def wait(self) -> None:
+        """Blocks until the last pushed version is sent (staging); raises if it failed. This wait
+        is not recorded as a stall (the caller chose to wait, e.g. at the end of training).
+
+        Raises:
+            TransferError: the last version failed.
+        """
+        self._path.finish(charge=False)
+
+    def close(self) -> None:
+        """Waits for the last send, then closes the transport (a barrier with the peers; after
+        a failed version it is aborted instead: a peer may be dead, and would hold the barrier).
+
+        Raises:
+            TransferError: the last version failed (the transport is closed all the same).
+        """
+        if self._closed:
+            return
+        failed = True
+        try:
+            self._path.finish(charge=False)
+            failed = False
+        finally:
+            self._closed = True
+            self._end.stop()
+            if failed:
+                abort(self._end.transport)
+            else:
+                self._end.transport.close()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _amax_peers(quantize, rank: int, store, name: str, timeout: float) -> tuple[int, ...]:
+    """The trainers that hold parts of the blocks ``rank`` holds parts of: from the
+    :class:`~wb.algorithms.fp8.tasks.Quantized` given, or as :func:`wb.agree_parts` published them."""
+    if getattr(quantize, "peers", None) is not None:
+        return tuple(quantize.peers.get(rank, ()))
+    try:
+        peers = json.loads(store.get(f"{name}/fp8peers", timeout))
+    except TransferError as e:
+        raise TransferError(f"rank {rank} holds FP8 blocks in part, and no record of who else "
+                            f"does (`{name}/fp8peers`, written by wb.agree_parts(..., "
+                            f"quantize=)): {e}") from e
+    return tuple(peers.get(str(rank), ()))

@@ -1,0 +1,266 @@
+"""A trainer's quantisation before each update: its blocks of the declared tensors, gathered from
+its live buffers, quantised into the buffers the plan sends (:mod:`wb.algorithms.fp8.tasks`).
+Blocks it holds only a part of take two steps: each part's ``amax`` first, then, once the
+caller has exchanged those with the other holders (``exchange``), the part encoded with the
+whole block's ``amax``.
+
+Host buffers use numpy (:func:`wb.algorithms.fp8.tasks.quantize_buffers`). CUDA buffers use one
+CUDA kernel on their device (:data:`_QUANT`, one launch per task), by the rule of
+:mod:`wb.data.fp8` computed in double (exact for every value a block holds; a quotient of
+two floats rounded to double and then to float32 is the float32 quotient): values decoded from
+their raw bits, ``amax`` and ``x / scale`` in double, each rounded to float32 and then to the
+format by the integer and double code of :mod:`wb.runtime.engine.casts` (no flush of subnormals to
+zero). It reads each source element twice and writes it once: no temporaries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from wb.algorithms.fp8.tasks import Quantized, combine_amax, partial_amax, quantize_buffers
+from wb.data.fp8 import FORMATS
+from wb.data.dtypes import dtype_info
+from wb.errors import TransferError
+from wb.runtime.engine.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
+
+__all__ = ["Quantiser", "amax_bytes", "amax_from_bytes", "kernel_source"]
+
+
+class Quantiser:
+    """Trainer ``rank``'s quantisation: its output buffers (zeroed, each on the device and array
+    module of the buffer its blocks are read from) and, on CUDA, its gather indices there.
+
+    Args:
+        q: from :func:`wb.algorithms.fp8.tasks.quantize_layouts`.
+        rank: the trainer's rank.
+        live: ``{name: (xp, array)}`` of its buffers (:func:`wb.runtime.engine.buffers.as_array`).
+        chunk: elements quantised per kernel launch on a GPU.
+
+    Attributes:
+        buffers: ``{name: array}`` to add to the trainer's buffers (what the plan sends).
+    """
+
+    def __init__(self, q: Quantized, rank: int, live: Mapping[str, tuple[Any, Any]], *,
+                 chunk: int = 1 << 24):
+        self.q, self.rank = q, rank
+        bh, bw = q.scaled.decl.block
+        self.step = max(1, chunk // (bh * bw))  # blocks quantised at once on a GPU
+        self.tasks = q.tasks.get(rank, ())
+        shapes = q.shapes(rank)
+        self.buffers: dict[str, Any] = {}
+        self._on: dict[int, tuple] = {}  # task index -> its blocks' arrays on its device
+        for i, task in enumerate(self.tasks):
+            xp, src = live[task.source]
+            for name in (task.weights, task.scales):
+                if name in self.buffers:  # a quantised copy serves every tensor in its buffer
+                    continue
+                shape, dtype = shapes[name]
+                if xp is np:
+                    self.buffers[name] = np.zeros(shape, xp_dtype(np, dtype))
+                else:
+                    with xp.cuda.Device(src.device.id):
+                        self.buffers[name] = xp.zeros(shape, xp_dtype(xp, dtype))
+            if xp is not np:
+                with xp.cuda.Device(src.device.id):
+                    blocks, at, gather, odd, win = task.device_arrays(xp, bh, bw)
+                    # the kernel reads `gather` only for blocks listed there: any array will do
+                    gather = gather.reshape(-1) if gather.size else xp.full(1, -1, np.int64)
+                    amax = xp.zeros(max(task.blocks.size, 1), np.float64)  # parts' amax
+                    self._on[i] = (blocks, at, gather, odd, win, amax)
+        # the tasks whose buffers are on the host (numpy), decided once: devices do not change
+        host = tuple(t for t in self.tasks if live[t.source][0] is np)
+        self._host = Quantized(q.scaled, q.trainers, {rank: host}) if host else None
+
+    @property
+    def parts(self) -> bool:
+        """Whether it holds blocks in part (``run`` then needs ``exchange``)."""
+        return any(t.part for t in self.tasks)
+
+    def run(self, live: Mapping[str, tuple[Any, Any]], exchange=None) -> None:
+        """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
+        same shapes).
+
+        Args:
+            live: ``{name: (xp, array)}`` of its buffers.
+            exchange: where it holds blocks in part: ``exchange(keys, amax)`` gets its parts'
+                ``amax`` (:func:`wb.algorithms.fp8.tasks.partial_amax`) and returns
+                ``(keys, amax)`` over the whole blocks, every other holder's parts included.
+        """
+        amax = None
+        if self.parts:
+            if exchange is None:
+                raise TransferError(f"rank {self.rank} holds FP8 blocks in part: quantising them "
+                                    f"needs the other holders' amax (exchange=)")
+            amax = exchange(*self._partial_amax(live))
+        if self._host is not None:
+            host = self._host.tasks[self.rank]
+            quantize_buffers(self._host, self.rank, {t.source: live[t.source][1] for t in host},
+                             out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)},
+                             amax=amax)
+        for i, task in enumerate(self.tasks):
+            xp, src = live[task.source]
+            if xp is not np:
+                with xp.cuda.Device(src.device.id):
+                    on = self._on[i]
+                    if task.part:  # the whole blocks' amax, where the kernel reads it
+                        on[5][:task.blocks.size] = xp.asarray(
+                            amax[1][np.searchsorted(amax[0], task.keys())])
+                    for lo in range(0, task.blocks.size, self.step):
+                        self._run_cuda(xp, task, on, src, lo, lo + self.step,
+                                       _GIVEN if task.part else _WHOLE)
+
+    def _partial_amax(self, live) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, amax)`` of the parts it holds, on the host and on its devices."""
+        out = []
+        if self._host is not None:
+            host = self._host.tasks[self.rank]
+            out.append(partial_amax(self._host, self.rank,
+                                    {t.source: live[t.source][1] for t in host}))
+        for i, task in enumerate(self.tasks):
+            xp, src = live[task.source]
+            if task.part and xp is not np:
+                with xp.cuda.Device(src.device.id):
+                    for lo in range(0, task.blocks.size, self.step):
+                        self._run_cuda(xp, task, self._on[i], src, lo, lo + self.step, _PARTS)
+                    out.append((task.keys(), xp.asnumpy(self._on[i][5][:task.blocks.size])))
+        return combine_amax(out)
+
+    def _run_cuda(self, cp, task, on, src, lo, hi, mode) -> None:
+        """Blocks ``lo:hi`` of ``task`` in one kernel launch (:data:`_QUANT`): one CUDA block per
+        quantisation block finds its elements, ``amax`` (``mode`` :data:`_PARTS`: only that,
+        into ``on[5]``; :data:`_GIVEN`: read from there) and the scale, then writes each value."""
+        scaled, decl = self.q.scaled, self.q.scaled.decl
+        t = task.tensor
+        src_dtype = scaled.trainer_spec.dtype(scaled.names[t])
+        blocks, at, gather, odd, win, amax = on
+        hi = min(hi, task.blocks.size)
+        if hi <= lo:
+            return
+        bh, bw = decl.block
+        raw = np.dtype(f"u{dtype_info(src_dtype).itemsize}")
+        q = self.buffers[task.weights].reshape(-1)
+        scales = self.buffers[task.scales].reshape(-1)[lo:hi]
+        _quant_kernel(src_dtype, decl.format)(
+            (hi - lo,), (_THREADS,),
+            (src.reshape(-1).view(raw), at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
+             win[lo:hi], np.int64(hi - lo), np.int32(bh), np.int32(bw), np.int64(scaled.rows[t]),
+             np.int64(scaled.cols[t]), np.int64(scaled.grid_cols[t]), np.int32(mode),
+             amax[lo:hi], q.view(np.uint8), scales.view(np.uint32)))
+
+
+def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
+    """``(keys, amax)`` of block parts (:func:`wb.algorithms.fp8.tasks.partial_amax`) as bytes
+    for the store: their count, the int64 keys, the float64 amax (little-endian)."""
+    return (np.int64(keys.size).astype("<i8").tobytes() + keys.astype("<i8").tobytes()
+            + amax.astype("<f8").tobytes())
+
+
+def amax_from_bytes(b: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`amax_bytes`."""
+    n = int(np.frombuffer(b, "<i8", 1)[0])
+    return np.frombuffer(b, "<i8", n, 8), np.frombuffer(b, "<f8", n, 8 + 8 * n)
+
+
+#: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.
+_WHOLE, _PARTS, _GIVEN = 0, 1, 2
+_THREADS = 256  # per CUDA block (one quantisation block each)
+
+#: One CUDA block per quantisation block: its elements' positions in the source buffer (as
+#: :meth:`wb.algorithms.fp8.tasks.Task.positions` computes them: -1 outside the tensor or the
+#: window held), ``amax`` reduced in shared memory (NaN if any element is NaN; ``mode`` 1:
+#: written to ``amax[b]``, and done; ``mode`` 2: read from ``amax[b]`` instead, a part's block),
+#: ``scale = float32(amax / FMAX)``, then every element ``float32(x / scale)`` (0 for a zero
+#: scale, NaN for a non-finite amax) encoded in the format.
+#: Values are decoded from raw bits and rounded with the integer and double code of
+#: :mod:`wb.runtime.engine.casts` (exact: a quotient of two floats rounded to double and then to
+#: float32 is the float32 quotient; no subnormal is flushed to zero).
+_QUANT = r"""
+__device__ long long wb_pos(int k, int bh, int bw, long long br, long long bc, long long rows,
+                            long long cols, long long a0, long long a1, long long a2,
+                            const long long* w, long long o, const long long* gather) {
+    int i = k / bw, j = k % bw;
+    if (o >= 0) return gather[o * (long long)(bh * bw) + k];
+    if (br * bh + i >= rows || bc * bw + j >= cols) return -1;
+    if (i < w[0] || i >= w[1] || j < w[2] || j >= w[3]) return -1;
+    return a0 + (i - w[0]) * a1 + (j - w[2]) * a2;
+}
+extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const long long* keys,
+        const long long* odd, const long long* gather, const long long* win, long long n,
+        int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
+        unsigned char* q, unsigned int* scales) {
+    __shared__ double s_max[THREADS];
+    __shared__ int s_nan[THREADS];
+    long long b = blockIdx.x;
+    if (b >= n) return;
+    int t = threadIdx.x, per = bh * bw;
+    long long key = keys[b], br = key / gc, bc = key % gc, o = odd[b];
+    long long a0 = at[3 * b], a1 = at[3 * b + 1], a2 = at[3 * b + 2];
+    const long long* w = win + 4 * b;
+    double amax = 0.0;
+    if (mode == 2) {
+        amax = given[b];
+    } else {
+        int nan = 0;
+        for (int k = t; k < per; k += THREADS) {
+            long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
+            if (p < 0) continue;
+            double x = DEC(src[p]);
+            if (isnan(x)) nan = 1; else amax = fmax(amax, fabs(x));
+        }
+        s_max[t] = amax;
+        s_nan[t] = nan;
+        __syncthreads();
+        for (int h = THREADS / 2; h > 0; h >>= 1) {
+            if (t < h) { s_max[t] = fmax(s_max[t], s_max[t + h]); s_nan[t] |= s_nan[t + h]; }
+            __syncthreads();
+        }
+        amax = s_nan[0] ? __longlong_as_double(0x7ff8000000000000LL) : s_max[0];
+        if (mode == 1) {
+            if (t == 0) given[b] = amax;
+            return;
+        }
+    }
+    unsigned long long sbits = wb_enc(amax / FMAX, 8, 23, false);
+    double s = wb_dec(sbits, 8, 23, false);
+    if (t == 0) scales[b] = (unsigned int)sbits;
+    bool finite = isfinite(amax);
+    for (int k = t; k < per; k += THREADS) {
+        long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
+        if (p < 0) continue;
+        double x = DEC(src[p]);
+        double y = finite ? (s == 0.0 ? 0.0 : x / s) : __longlong_as_double(0x7ff8000000000000LL);
+        y = wb_dec(wb_enc(y, 8, 23, false), 8, 23, false);
+        q[p] = (unsigned char)ENC(y);
+    }
+}
+"""
+
+
+def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
+    """The CUDA source of :data:`_QUANT` for ``src`` values (raw bits) into ``fmt``, with
+    ``threads`` per block (``tests/test_quant_kernel_host.py`` compiles it for the host too)."""
+    bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+            8: "unsigned long long"}[dtype_info(src).itemsize]
+    if src == "float64":  # rounded to float32 first, as the rule
+        dec = "wb_dec(wb_enc(__longlong_as_double((long long)(X)), 8, 23, false), 8, 23, false)"
+    else:
+        eb, m, fn = FLOAT_BITS[src]
+        dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
+    eb, m, fn = FLOAT_BITS[fmt]
+    defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}\n"
+            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
+    return defs + CAST_DEVICE_CODE + _QUANT
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_kernel(src: str, fmt: str):
+    """The compiled :func:`kernel_source` for ``src`` values into ``fmt``."""
+    import cupy  # only CUDA buffers come here
+
+    k = cupy.RawKernel(kernel_source(src, fmt), "wb_quant")
+    k.compile()
+    return k

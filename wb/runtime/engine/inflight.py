@@ -1,0 +1,109 @@
+"""What an update keeps in flight: requests per peer (:class:`Inflight`), byte ranges of CUDA
+buffers handed to a transport (:class:`DeviceBytes`), strided views of flat buffers
+(:func:`region`), the events that say device work is done (:func:`fencer`), and how a failed
+update lets go of its transport (:func:`abort`)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Inflight", "DeviceBytes", "region", "fencer", "abort"]
+
+log = logging.getLogger(__name__)
+
+
+def fencer(xp):
+    """``fence()`` for the device work queued so far: an object whose ``done`` says it finished,
+    or ``None`` when there is nothing to wait for (host buffers: numpy copies are synchronous).
+
+    On CUDA buffers each pack, unpack or local copy records an event, and the loop acts on it once
+    ``done`` (a non-blocking query) rather than blocking on a stream synchronisation: a GPU
+    time-shared by many processes can keep a kernel waiting, and meanwhile the worker keeps
+    posting and completing its other messages."""
+    if xp is np:
+        return lambda: None
+
+    def fence():
+        ev = xp.cuda.Event(block=False, disable_timing=True)
+        ev.record()
+        return ev
+    return fence
+
+
+class Inflight:
+    """Requests in flight, one FIFO per (peer, direction) in posting order.
+
+    Transfers with one peer mostly complete in the order they were posted, so a poll looks at the
+    first few of each FIFO (``full=False``: O(peers), not O(requests), per poll: a rollout can
+    have thousands of receives posted) and at all of them when asked (the loop does now and then,
+    and when it finds nothing): every completion is seen, a rare late one a few polls later."""
+
+    WINDOW = 8
+
+    def __init__(self):
+        # (peer, outgoing) -> deque of (request, message, staging buffer or None)
+        self.queues: dict[tuple[int, bool], deque] = {}
+        self.n = 0
+
+    def add(self, req, g, buf) -> None:
+        """Adds request ``req`` of message ``g`` (a :class:`~wb.runtime.engine.program.Message`), with
+        its staging buffer ``buf`` (``None``: zero-copy)."""
+        self.queues.setdefault((g.peer, g.out), deque()).append((req, g, buf))
+        self.n += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def completed(self, *, full: bool) -> list[tuple[Any, Any, Any]]:
+        """Takes the completed ``(request, message, staging)`` out (the first ``WINDOW`` of each
+        FIFO, or all with ``full``)."""
+        out = []
+        for q in self.queues.values():
+            limit = len(q) if full else min(len(q), self.WINDOW)
+            i = 0
+            while i < limit:
+                if q[i][0].done():
+                    out.append(q[i])
+                    del q[i]
+                    limit -= 1
+                else:
+                    i += 1
+        self.n -= len(out)
+        return out
+
+    def first(self, k: int) -> list[tuple[Any, Any, Any]]:
+        """Up to ``k`` entries still in flight (for the stall message)."""
+        return [x for q in self.queues.values() for x in list(q)[:k]][:k]
+
+
+class DeviceBytes:
+    """A byte range of a CUDA buffer, as the CUDA array interface: what a transport needs to move
+    it, without slicing a CuPy array per message (tens of microseconds each; an update posts
+    hundreds per rank). Keeps its buffer alive."""
+
+    __slots__ = ("__cuda_array_interface__", "nbytes", "owner")
+
+    def __init__(self, owner, offset: int, nbytes: int):
+        self.owner, self.nbytes = owner, nbytes
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
+                                         "data": (owner.data.ptr + offset, False), "version": 3}
+
+
+def region(xp, flat, f0, na, nb, fa, fb):
+    """A strided (na, nb) view of the flat buffer, element (i, j) at flat[f0 + i*fa + j*fb]."""
+    item = flat.itemsize
+    # a length-1 axis has no step (the line zone's row step is 2**62: meaningless, and too big)
+    strides = (int(fa) * item if na > 1 else 0, int(fb) * item if nb > 1 else 0)
+    return xp.lib.stride_tricks.as_strided(flat[f0:], shape=(int(na), int(nb)), strides=strides)
+
+
+def abort(transport) -> None:
+    """Closes ``transport`` without the closing barrier (after a failure), logging any error."""
+    try:
+        getattr(transport, "abort", transport.close)()
+    except Exception:
+        log.exception("closing the transport after a failure")

@@ -1,0 +1,321 @@
+"""A rank's part of a plan, worked out once: :class:`Program`.
+
+A Sender or Receiver runs the same plan many times, one update per version. Everything about a
+rank's part that does not depend on the buffers' contents is worked out here, once, when the
+program is made: the rank's messages (:class:`Message`), which of them move zero-copy, when each
+should go (:func:`wb.data.plan.schedule`), the forwards each message releases, and the receives
+to post into staging or straight into the buffers. :meth:`Program.run` then runs one update
+(:func:`wb.runtime.engine.update.run_update`): it only posts and completes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from wb.data.dtypes import CODES
+from wb.data.layout import Layout
+from wb.data.plan import RankPlan
+from wb.runtime.engine.buffers import check_buffers, fixed_memory
+from wb.runtime.engine.casts import prepare, prepare_copies
+from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
+
+__all__ = ["Program", "Message", "Span"]
+
+
+class Message:
+    """One message of a rank's program (a plan message this rank sends, receives or copies).
+
+    Attributes:
+        m: its index in ``plan.messages`` (its tag is ``tag_base + m`` on every rank).
+        stage: 1 (trainer -> rollout), 2 or 3 (a forward between rollouts).
+        peer: the other rank (this rank itself for a local copy).
+        nbytes: its size in bytes.
+        ts: ``(k,) int64`` its transfers, in message order.
+        parent: the message that brought its data here (a forward), or -1.
+        zc_src: its transfers are one contiguous range of the source buffer (sent zero-copy).
+        zc_dst: the same in the destination buffer (received zero-copy).
+        out: sent (or copied locally) by this rank.
+        local: source and destination are this rank (a local copy).
+        wire: the dtype its elements travel in (one per message).
+        conv: this rank converts them (from its buffers' dtype when sending, into them when
+            receiving): packed and unpacked, never zero-copy.
+    """
+
+    # slots: the update loop reads these fields a few times per message
+    __slots__ = ("m", "stage", "peer", "nbytes", "ts", "parent", "zc_src", "zc_dst", "out",
+                 "local", "wire", "conv", "spans", "table")
+
+    def __init__(self, m: int, stage: int, peer: int, nbytes: int, ts, parent: int,
+                 zc_src: bool, zc_dst: bool, out: bool, local: bool, wire: str = "",
+                 conv: bool = False):
+        self.m, self.stage, self.peer, self.nbytes, self.ts = m, stage, peer, nbytes, ts
+        self.parent, self.zc_src, self.zc_dst = parent, zc_src, zc_dst
+        self.out, self.local, self.wire, self.conv = out, local, wire, conv
+        self.spans: list | None = None  # Program.spans(self), made on first use
+        self.table: Any = None  # its spans as a device table (wb.runtime.engine.gather), on first use
+
+    def label(self) -> str:
+        return f"message {self.m} (stage {self.stage}, {self.nbytes:,} bytes, peer {self.peer})"
+
+
+class Span(NamedTuple):
+    """Where a stretch of a message lies in one buffer: an (na, nb) region, element (i, j) at
+    ``flat[f0 + i * fa + j * fb]`` of slot ``slot`` (on a local copy, ``d*`` in the destination's
+    slot; else the same as the source's fields)."""
+
+    slot: int
+    f0: int
+    na: int
+    nb: int
+    fa: int
+    fb: int
+    dslot: int
+    d0: int
+    da: int
+    db: int
+
+
+def _is_run(fa, fb, na, nb):
+    """Per transfer: whether its (na, nb) region is one contiguous run of its buffer."""
+    return ((nb == 1) | (fb == 1)) & ((na == 1) | (fa == nb))
+
+
+def _continues(slot, f0, fa, fb, na, nb):
+    """Per transfer (in message order): whether its region is one contiguous run that starts
+    where the previous transfer's run ended, in the same buffer (the first: False)."""
+    run = _is_run(fa, fb, na, nb)
+    out = np.zeros(len(slot), bool)
+    out[1:] = (run[1:] & run[:-1] & (slot[1:] == slot[:-1])
+               & (f0[1:] == f0[:-1] + na[:-1] * nb[:-1]))
+    return out
+
+
+def _run_contiguous(ts, slot, f0, fa, fb, na, nb) -> bool:
+    """Whether the regions of transfers ``ts`` (in message order) are one contiguous range of one
+    buffer: then the message is that range of the buffer itself, no packing."""
+    return bool(_is_run(fa[0], fb[0], na[0], nb[0])
+                and _continues(slot[ts], f0, fa, fb, na, nb)[1:].all())
+
+
+def _spans(src: tuple, dst: tuple | None, na, nb) -> list[Span]:
+    """The regions of a message's transfers in message order, consecutive contiguous runs of one
+    buffer merged into one (a message packed from 1,000 block rows of a tensor is then one copy,
+    not 1,000). ``src``/``dst``: ``(slot, f0, fa, fb)`` arrays of the transfers; with ``dst``
+    (a local copy) a run merges only where both sides continue."""
+    cont = _continues(*src, na, nb)
+    if dst is not None:
+        cont &= _continues(*dst, na, nb)
+    starts = np.flatnonzero(~cont).tolist() + [len(na)]
+    n = na * nb
+    out = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        s0 = (int(src[0][a]), int(src[1][a]))
+        d0 = (int(dst[0][a]), int(dst[1][a])) if dst is not None else s0
+        if b - a == 1:  # as it is
+            sa, sb = int(src[2][a]), int(src[3][a])
+            da, db = ((int(dst[2][a]), int(dst[3][a])) if dst is not None else (sa, sb))
+            out.append(Span(*s0, int(na[a]), int(nb[a]), sa, sb, *d0, da, db))
+        else:  # one run of all their elements
+            k = int(n[a:b].sum())
+            out.append(Span(*s0, 1, k, k, 1, *d0, k, 1))
+    return out
+
+
+class _Checked(NamedTuple):
+    """The arrays a program last checked, held weakly: the same ones again skip the check."""
+
+    layout: Layout | None  # the probed layout the check compared with (None: none)
+    refs: dict[str, tuple[weakref.ref, tuple]]  # name -> (array, (shape, dtype))
+    xp: Any  # their array module
+
+
+class Program:
+    """One rank's part of a plan, worked out once and run by every update.
+
+    A :class:`wb.Sender` / :class:`wb.Receiver` makes its program at set-up and owns it; each
+    update is :meth:`run`. Also remembers the last buffers it checked: an update with the same
+    numpy/CuPy arrays skips the check.
+
+    Args:
+        part: the rank's part of the plan (:class:`wb.RankPlan`).
+        stage_receives: every receive lands in staging and is unpacked, none straight into the
+            buffers (for buffers that are new memory every update: see :class:`wb.Receiver`).
+
+    Attributes:
+        part: the rank's part of the plan, as given (its ``transfers`` and ``pieces``, numbered
+            within the part, are what an update reads).
+        rank: the worker's rank.
+        layout: ``rank``'s layout in the plan.
+        messages: ``{plan message index: Message}`` of the messages this rank sends, receives or
+            copies.
+        children: ``{message: [forwards]}``: the forwards this rank sends once a message landed.
+        when: ``{plan message index: time}`` (:func:`wb.data.plan.schedule`) of this rank's
+            messages.
+        zero_copy_receives: receives straight into the buffers, in schedule order.
+        staged_receives: receives into staging (then unpacked), in schedule order.
+        roots: ``[(when, message)]`` of the sends that wait for no other message, sorted.
+        n_out: how many messages this rank sends or copies.
+        conversions: the ``(from, to)`` dtype pairs this rank converts between.
+
+    Examples:
+        >>> import numpy as np, wb
+        >>> sm = wb.SourceMap.from_indices(np.arange(8))
+        >>> t = wb.Layout(wb.Worker(0, "n", "trainer"), {"w": wb.BufferSpec(sm, "float32")})
+        >>> r = wb.Layout(wb.Worker(1, "n", "rollout"), {"w": wb.BufferSpec(sm, "float32")})
+        >>> prog = Program(wb.RankPlan.of(wb.plan([t], [r]), 1))
+        >>> len(prog.messages), prog.zero_copy_receives, prog.staged_receives
+        (1, [0], [])
+    """
+
+    def __init__(self, part: RankPlan, *, stage_receives: bool = False):
+        # the rank's own transfers and pieces, numbered within the part (what the loop reads)
+        self.part, self.layout, self.rank = part, part.layout, part.rank
+        M, T, P = part.messages, part.transfers, part.pieces
+        self.slot_buf = list(part.slot_buffer)  # slot of the part -> buffer name
+        self.slot_rank = part.slot_rank
+        self.messages: dict[int, Message] = {}  # plan message index -> this rank's Message
+        self.children: dict[int, list[int]] = {}  # message -> the forwards it releases here
+        rank = part.rank
+        self.when: dict[int, float] = {}  # plan message index -> its schedule time
+        self.conversions: set[tuple[str, str]] = set()  # (from, to) dtypes this rank converts
+        slot_dt = [self.dtype_of(s) for s in range(len(self.slot_buf))]
+        for k, m in enumerate(part.index.tolist()):
+            f, c = int(M.first[k]), int(M.count[k])
+            ts = np.arange(f, f + c)
+            out = int(M.src_rank[k]) == rank
+            local = out and int(M.dst_rank[k]) == rank
+            na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+            zc_src = _run_contiguous(ts, T.src_slot, T.src_f0[ts], T.src_fa[ts], T.src_fb[ts],
+                                     na, nb)
+            zc_dst = _run_contiguous(ts, T.dst_slot, T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts],
+                                     na, nb)
+            peer = int(M.dst_rank[k]) if out else int(M.src_rank[k])
+            wire = CODES[int(P.dtype[T.piece[f]])] if c else ""
+            own = {slot_dt[x] for x in np.unique(T.src_slot[ts] if out else T.dst_slot[ts][:1])}
+            conv = own != {wire} or (local and slot_dt[T.dst_slot[f]] != wire)
+            if conv:  # the conversions this rank makes (kernels are prepared before updates)
+                to = slot_dt[T.dst_slot[f]] if local else wire
+                self.conversions |= {(d, to) for d in own} if out else {(wire, d) for d in own}
+            zc_src, zc_dst = zc_src and not conv, zc_dst and not conv and not stage_receives
+            self.messages[m] = Message(m, int(M.stage[k]), peer, int(M.nbytes[k]), ts,
+                                       int(M.parent[k]), zc_src, zc_dst, out, local, wire, conv)
+            self.when[m] = float(part.when[k])
+            if out and M.parent[k] >= 0:
+                self.children.setdefault(int(M.parent[k]), []).append(m)
+        when = self.when
+        order_in = sorted((m for m, g in self.messages.items() if not g.out),
+                          key=lambda m: (when[m], m))  # receives, in schedule order
+        self.zero_copy_receives = [m for m in order_in if self.messages[m].zc_dst]
+        self.staged_receives = [m for m in order_in if not self.messages[m].zc_dst]
+        # (time, message) of the sends that need no other message first, sorted
+        self.roots = sorted((float(when[m]), m) for m, g in self.messages.items()
+                            if g.out and g.parent < 0)
+        self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
+        self._checked: _Checked | None = None
+        self._prepared = False  # the CUDA conversion and copy kernels are loaded
+
+    def spans(self, g: Message) -> list[Span]:
+        """Message ``g``'s regions in its order, contiguous runs merged (on the side this rank
+        packs from or unpacks into; both sides of a local copy), made once and kept."""
+        if g.spans is None:
+            T, P, ts = self.part.transfers, self.part.pieces, g.ts
+            na, nb = P.na[T.piece[ts]], P.nb[T.piece[ts]]
+            src = (T.src_slot[ts], T.src_f0[ts], T.src_fa[ts], T.src_fb[ts])
+            dst = (T.dst_slot[ts], T.dst_f0[ts], T.dst_fa[ts], T.dst_fb[ts])
+            g.spans = _spans(src if g.out else dst, dst if g.local else None, na, nb)
+        return g.spans
+
+    def dtype_of(self, slot: int) -> str:
+        """The dtype of this rank's buffer ``slot`` (a slot of the part); ``""`` for another
+        rank's."""
+        if int(self.slot_rank[slot]) != self.rank:
+            return ""
+        return self.layout.buffers[self.slot_buf[slot]].dtype
+
+    def check(self, buffers: Mapping[str, Any], *,
+              layout: Layout | None = None) -> tuple[dict[str, Any], Any]:
+        """:func:`wb.runtime.engine.buffers.check_buffers` against this rank's layout; skipped when
+        given the very same numpy/CuPy arrays as last time, with the same shapes and dtypes
+        (their memory cannot have moved; framework tensors, whose storage can be swapped, are
+        checked every time). A check against a probed ``layout`` also stands for later checks
+        without one. Holds the arrays only weakly.
+
+        Returns:
+            ``({name: 1-D view}, array module)``.
+
+        Raises:
+            TransferError: as :func:`~wb.runtime.engine.buffers.check_buffers`.
+        """
+        last = self._checked
+        if last is not None and (layout is None or last.layout is layout):
+            flat = {}
+            for n, (ref, shape) in last.refs.items():
+                a = buffers.get(n)
+                if a is None or ref() is not a or (tuple(a.shape), a.dtype) != shape:
+                    break
+                flat[n] = a.reshape(-1)
+            else:
+                return flat, last.xp
+        flat, xp = check_buffers(self.layout, buffers, layout=layout)
+        given = {n: buffers[n] for n in flat}
+        try:
+            refs = {n: (weakref.ref(a), (tuple(a.shape), a.dtype)) for n, a in given.items()
+                    if fixed_memory(a)}
+        except TypeError:  # an array type without weak references: check every time
+            refs = {}
+        self._checked = _Checked(layout, refs, xp) if len(refs) == len(given) else None
+        return flat, xp
+
+    def run(self, buffers: Mapping[str, Any], transport, *, tag_base: int = 0,
+            staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+            trace: list | None = None, layout: Layout | None = None,
+            liveness=None, interrupt=None) -> ExecStats:
+        """Runs one update: this rank's sends, receives, local copies and forwards.
+
+        Args:
+            buffers: ``{buffer name: array}`` of this worker's layout: numpy or DLPack host
+                arrays, or CUDA arrays (packing then runs on the device, with CuPy). Filled in
+                place on rollouts.
+            transport: this rank's transport, connected to its peers, which were checked to run
+                this same plan (:func:`wb.runtime.engine.executor.connect`); left open.
+            tag_base: added to every tag (keeps updates of different versions apart).
+            staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
+            timeout: seconds without any progress before raising :class:`wb.TransferError`.
+            trace: a list to append one :class:`~wb.runtime.engine.update.TraceEntry` per message of
+                this rank to (for finding where an update's time goes).
+            layout: this worker's own layout (as it probed it); refused if the plan's differs.
+            liveness: a :class:`~wb.runtime.membership.liveness.Watch` over the peers' heartbeats: a peer
+                that stops beating fails the update within its grace, not after ``timeout``.
+            interrupt: a callable asked while the update is stalled whether to give up (see
+                :func:`wb.runtime.engine.update.run_update`); with it, lost peers raise
+                :class:`wb.PeersLost` and the transport is kept.
+
+        Returns:
+            :class:`~wb.runtime.engine.update.ExecStats`.
+
+        Raises:
+            TransferError: bad buffers or a plan for other layouts (before any byte moves), a
+                failed or stalled transfer (naming the peer and plan step; the transport is
+                then aborted).
+        """
+        flat, xp = self.check(buffers, layout=layout)
+        if xp is not np and flat and not self._prepared:
+            with next(iter(flat.values())).device:  # compiled once, before the first update
+                prepare(xp, self.conversions)
+                prepare_copies(xp, {a.dtype for a in flat.values()})
+            self._prepared = True
+        if xp is not np and flat:
+            # CuPy's current device is per thread: staging and kernels must go to the buffers'
+            # own device, whichever thread runs this (a Sender's or Receiver's background thread
+            # starts on device 0)
+            with next(iter(flat.values())).device:
+                return run_update(self, flat, xp, transport, tag_base=tag_base,
+                                  staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                                  liveness=liveness, interrupt=interrupt)
+        return run_update(self, flat, xp, transport, tag_base=tag_base,
+                          staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                          liveness=liveness, interrupt=interrupt)

@@ -1,0 +1,451 @@
+"""One update of a rank's :class:`~wb.runtime.engine.program.Program`: post, complete and forward
+its messages until all are done.
+
+The state of one update is :class:`_Update`; :func:`run_update` is its loop. Every turn it
+
+1. posts receives into staging, in schedule order, while the receive budget lasts;
+2. posts sends and local copies whose data is here (a forward once its parent landed), in
+   schedule order; packed ones while the send budget lasts (zero-copy ones and local copies use
+   no staging and go as soon as they are ready);
+3. takes the completions of requests in flight (the head of each peer's FIFO, all of them now
+   and then: :class:`~wb.runtime.engine.inflight.Inflight`), unpacking landed receives and
+   releasing the forwards they feed;
+4. takes device work whose event has passed (CUDA: see
+   :func:`~wb.runtime.engine.inflight.fencer`);
+5. stops when every message is done; else, when nothing moved, yields, then backs off.
+
+Receives and packed sends are posted in plan order, which is topological: the lowest unfinished
+message of the whole plan always has its parent done, its receive posted and staging free at its
+sender, so every plan makes progress whatever the budget. A peer that dies or hangs stops
+completions: after ``timeout`` seconds without any progress the update raises
+:class:`wb.TransferError` naming the peers and plan steps it still waits for, and aborts the
+transport.
+
+Costs per message are what this loop is about (an update posts thousands per rank): the program
+has worked out everything that does not depend on the buffers, and a turn allocates nothing per
+message beyond what moving it takes (its staging, its request, its event and the small tuples
+that queue it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from wb.data.dtypes import dtype_info
+from wb.errors import PeersLost, TransferError
+from wb.runtime.engine import gather
+from wb.runtime.engine.inflight import DeviceBytes, Inflight, abort, fencer, region
+from wb.runtime.engine.casts import assign, xp_dtype
+
+__all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
+
+
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ExecStats:
+    """What one worker did: bytes and messages each way, seconds, staging high-water mark."""
+
+    rank: int  # the worker
+    bytes_sent: int  # to other ranks (local copies not counted)
+    bytes_received: int  # from other ranks
+    bytes_local: int  # copied within this rank
+    messages_sent: int  # to other ranks
+    messages_received: int  # from other ranks
+    start_s: float  # time.time() when the first byte could move (after connecting)
+    end_s: float  # time.time() when the worker's last message completed
+    staging_peak: int  # bytes of packing/unpacking staging in use at most
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+class TraceEntry(NamedTuple):
+    """One message of a rank in one update, timed with ``time.time()`` (comparable across the
+    processes of one host). A tuple: JSON writes it as a list, in this order."""
+
+    message: int  # index in plan.messages
+    stage: int  # 1 from a trainer, 2 between rollout nodes, 3 inside a rollout node
+    peer: int  # the other rank
+    outgoing: bool  # sent (or copied locally) by this rank
+    nbytes: int  # bytes moved
+    ready: float  # its data was here (a forward: its parent landed)
+    posted: float  # handed to the transport (after packing)
+    done: float  # completed (a receive: after unpacking)
+
+
+#: Seconds without progress before a stalled update asks the liveness watch about its peers
+#: (then twice a second): a store lookup per peer waited for. Soon, since the watch places a
+#: peer's last beat by the peer's own clock: a peer that died before this update started is
+#: named at once, not a grace after the first question.
+ASK_AFTER_S = 0.1
+#: Seconds without progress before (and between) asking ``interrupt`` (one store lookup): a
+#: version that went on without this attempt is joined within this much of its record.
+INTERRUPT_EVERY_S = 0.01
+
+
+def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
+               staging_bytes: int, timeout: float, trace: list | None,
+               liveness=None, interrupt: Callable[[], bool] | None = None) -> ExecStats:
+    """Runs one update of ``program`` (a :class:`~wb.runtime.engine.program.Program`) over checked,
+    flattened buffers and a connected transport (see :meth:`Program.run`, which calls this).
+
+    ``liveness`` (a :class:`~wb.runtime.membership.liveness.Watch`): once no progress has been made for
+    :data:`ASK_AFTER_S`, it is asked (twice a second) whether a peer this rank still waits for
+    stopped beating; such a peer fails the update at once, long before ``timeout``.
+
+    ``interrupt``: with it, a silent peer raises :class:`PeersLost` and the transport is kept
+    (what is in flight is cancelled), and once no progress has been made for
+    :data:`INTERRUPT_EVERY_S` it is asked (that often) whether to give up waiting: then
+    :class:`PeersLost` too, with no ranks. The caller (:mod:`wb.runtime.membership.finish`) goes on with
+    the version another way.
+
+    Raises:
+        PeersLost: see ``interrupt``.
+        TransferError: a failed or stalled transfer, or a silent peer (the transport is then
+            aborted).
+    """
+    u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
+                traced=trace is not None)
+    last = polled = time.monotonic()
+    asked = last - 1.0  # the first question comes ASK_AFTER_S into a stall, the next 0.5 s later
+    idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
+    turns = 0
+    can_cancel = hasattr(transport, "cancel")
+    try:
+        u.post_zero_copy_receives()
+        start = time.time()
+        while True:
+            progressed = u.post_staged_receives()
+            progressed |= u.post_ready_sends()
+            turns += 1
+            progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
+            progressed |= u.take_device_work()
+            if u.finished():
+                break
+            now = time.monotonic()
+            if progressed:
+                last, idle = now, 0
+                continue
+            if now - last > timeout:
+                raise TransferError(u.stalled(timeout))
+            if liveness is not None and now - last > ASK_AFTER_S and now - asked > 0.5:
+                asked = now
+                silent = liveness.silent(u.waiting_for())
+                if silent and interrupt is not None and can_cancel:
+                    raise PeersLost(u.silent(silent, now - last), silent)
+                if silent:
+                    raise TransferError(u.silent(silent, now - last))
+            if interrupt is not None and can_cancel and now - last > INTERRUPT_EVERY_S \
+                    and now - polled > INTERRUPT_EVERY_S:
+                polled = now
+                if interrupt():
+                    raise PeersLost(f"rank {program.rank}: interrupted after {now - last:.1f} s "
+                                    f"without progress: the version goes on without this "
+                                    f"attempt; waiting for: " + u.waiting(), {})
+            idle += 1
+            time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
+    except PeersLost:
+        transport.cancel()  # the connection stays: the version goes on over it
+        raise
+    except TransferError as e:
+        peer = getattr(e, "peer", None)  # a request with this peer failed (connection reset)
+        if interrupt is None or peer is None or not hasattr(transport, "cancel"):
+            abort(transport)
+            raise
+        transport.cancel()
+        raise PeersLost(str(e), {int(peer): 0.0}) from e
+    except BaseException:
+        abort(transport)
+        raise
+    end = time.time()
+    if trace is not None:
+        trace.extend(u.trace_entries())
+    return ExecStats(program.rank, u.bytes_sent, u.bytes_received, u.bytes_local,
+                     u.messages_sent, u.messages_received, start, end, u.peak)
+
+
+class _Update:
+    """One update's state: staging in use, requests in flight, the sends whose data is here,
+    device work awaiting its event, counters and trace marks. Each method is one step of
+    :func:`run_update`'s turn and says whether anything moved."""
+
+    __slots__ = ("prog", "msgs", "flat", "xp", "transport", "tag_base", "fence", "T", "P",
+                 "recv_budget", "send_budget", "staged_recv", "staged_send", "peak", "inflight",
+                 "next_in", "ready", "sent_out", "fenced", "done", "marks", "bytes_sent",
+                 "bytes_received", "bytes_local", "messages_sent", "messages_received",
+                 "ptrs")
+
+    def __init__(self, prog, flat, xp, transport, *, tag_base: int, staging_bytes: int,
+                 traced: bool):
+        self.prog, self.msgs, self.flat, self.xp = prog, prog.messages, flat, xp
+        self.transport, self.tag_base = transport, tag_base
+        self.T, self.P = prog.part.transfers, prog.part.pieces
+        # UCX reads and writes device memory outside our CUDA stream, so device work must finish
+        # before a send is posted or a message counts as landed: see `fencer`
+        self.fence = fencer(xp)
+        self.recv_budget = self.send_budget = max(staging_bytes // 2, 1)
+        self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
+        self.inflight = Inflight()
+        self.next_in = 0  # prog.staged_receives[:next_in] are posted
+        # sends whose data is here, as a heap of (schedule time, message); the roots are sorted:
+        # a heap already
+        self.ready: list[tuple[float, int]] = list(prog.roots)
+        self.sent_out = 0  # sends and local copies started
+        self.fenced: list[tuple[Any, Any, Any]] = []  # (event, message, staging) on the device
+        self.done: set[int] = set()
+        self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
+        self.bytes_sent = self.bytes_received = self.bytes_local = 0
+        self.messages_sent = self.messages_received = 0
+        self.ptrs = None  # this update's buffer addresses by slot, on the device (fused copies)
+        for _, m in self.ready:
+            self.mark(m, 0)
+
+    # --- views of the buffers ------------------------------------------------------------------
+    def contiguous_bytes(self, g, *, src: bool):
+        """Message ``g`` as one range of a buffer (zero-copy), as bytes."""
+        t, T = g.ts[0], self.T
+        if src:
+            a, f0 = self.flat[self.prog.slot_buf[T.src_slot[t]]], int(T.src_f0[t])
+        else:
+            a, f0 = self.flat[self.prog.slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
+        if self.xp is np:
+            return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
+        return DeviceBytes(a, f0 * a.itemsize, g.nbytes)
+
+    def view(self, slot, f0, na, nb, fa, fb):
+        """The (na, nb) region of this rank's buffer ``slot`` (see :class:`Span`)."""
+        return region(self.xp, self.flat[self.prog.slot_buf[slot]], f0, na, nb, fa, fb)
+
+    def pack(self, g):
+        """New staging holding message ``g``'s source regions in order, in its travelling dtype
+        (one copy per run of regions contiguous in the buffer; on a GPU without conversion, one
+        kernel launch for all: :mod:`wb.runtime.engine.gather`)."""
+        buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+        if self.fused(g, buf, scatter=False):
+            return buf
+        o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
+        wire = xp_dtype(xp, g.wire) if g.conv else None
+        for sp in self.prog.spans(g):
+            v = self.view(*sp[:6])
+            w = wire or v.dtype
+            n = v.size * w.itemsize
+            assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
+                   dtype_of(sp.slot) if g.conv else g.wire)
+            o += n
+        return buf
+
+    def unpack(self, g, buf) -> None:
+        """Message ``g``'s staging into its destination regions, in their dtype."""
+        if self.fused(g, buf, scatter=True):
+            return
+        o, xp = 0, self.xp
+        mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
+        wire = xp_dtype(xp, g.wire) if g.conv else None
+        for sp in self.prog.spans(g):
+            v = self.view(*sp[:6])
+            w = wire or v.dtype
+            n = v.size * w.itemsize
+            assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
+            o += n
+
+    def fused(self, g, buf, *, scatter: bool) -> bool:
+        """On a GPU, for a message without conversion: packs ``g`` into staging ``buf`` (or,
+        with ``scatter``, unpacks ``buf``) in one kernel launch (:func:`wb.runtime.engine.gather.copy`);
+        ``False`` (nothing done) elsewhere."""
+        if self.xp is np or g.conv:
+            return False
+        xp, prog = self.xp, self.prog
+        if g.table is None:
+            g.table = xp.asarray(gather.table(prog.spans(g)))
+        if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
+            ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
+                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
+            self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
+        gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+        return True
+
+    def copy_local(self, g) -> None:
+        dtype_of = self.prog.dtype_of
+        for sp in self.prog.spans(g):
+            assign(self.xp, self.view(sp.dslot, sp.d0, sp.na, sp.nb, sp.da, sp.db),
+                   self.view(*sp[:6]), dtype_of(sp.dslot) if g.conv else "",
+                   dtype_of(sp.slot) if g.conv else "")
+
+    # --- the steps of a turn -------------------------------------------------------------------
+    def post_zero_copy_receives(self) -> None:
+        """Zero-copy receives cost no staging: all are posted at once, before the loop."""
+        for m in self.prog.zero_copy_receives:
+            g = self.msgs[m]
+            self.inflight.add(self.transport.recv(g.peer, self.contiguous_bytes(g, src=False),
+                                                  self.tag_base + m), g, None)
+            self.mark(m, 1)
+
+    def post_staged_receives(self) -> bool:
+        """Receives into staging, in schedule order, while the receive budget lasts (one at
+        least when none is in flight, however big)."""
+        staged_in, posted = self.prog.staged_receives, False
+        while self.next_in < len(staged_in):
+            g = self.msgs[staged_in[self.next_in]]
+            if self.staged_recv and self.staged_recv + g.nbytes > self.recv_budget:
+                break
+            buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+            self.inflight.add(self.transport.recv(g.peer, buf, self.tag_base + g.m), g, buf)
+            self.mark(g.m, 1)
+            self.staged_recv += g.nbytes
+            self.next_in += 1
+            posted = True
+        return posted
+
+    def post_ready_sends(self) -> bool:
+        """Sends and local copies whose data is here, in schedule order; packed sends while the
+        send budget lasts."""
+        ready, posted = self.ready, False
+        while ready:
+            g = self.msgs[ready[0][1]]
+            packed = not (g.zc_src or g.local)
+            if packed and self.staged_send and self.staged_send + g.nbytes > self.send_budget:
+                break
+            heapq.heappop(ready)
+            self.sent_out += 1
+            posted = True
+            if g.local:
+                self.mark(g.m, 1)
+                self.copy_local(g)
+                self.after(self.fence(), g, None)
+            elif packed:
+                buf = self.pack(g)
+                self.staged_send += g.nbytes
+                self.after(self.fence(), g, buf)
+            else:
+                self.inflight.add(self.transport.send(g.peer, self.contiguous_bytes(g, src=True),
+                                                      self.tag_base + g.m), g, None)
+                self.mark(g.m, 1)
+        self.peak = max(self.peak, self.staged_recv + self.staged_send)
+        return posted
+
+    def take_completions(self, *, full: bool) -> bool:
+        """Completed requests: a send frees its staging; a receive is unpacked (then lands once
+        the unpacking passed its event) or, zero-copy, has landed."""
+        got = self.inflight.completed(full=full)
+        for req, g, buf in got:
+            if g.out:
+                self.bytes_sent += g.nbytes
+                self.messages_sent += 1
+                self.mark(g.m, 2)
+                if buf is not None:
+                    self.staged_send -= g.nbytes
+            elif buf is not None:
+                self.unpack(g, buf)
+                self.after(self.fence(), g, buf)
+            else:
+                self.landed(g, None)
+        return bool(got)
+
+    def take_device_work(self) -> bool:
+        """Does what follows each pack, unpack or local copy whose event has passed."""
+        if not self.fenced:
+            return False
+        waiting, passed = [], False
+        for item in self.fenced:
+            if item[0].done:
+                passed = True
+                self.then(item[1], item[2])
+            else:
+                waiting.append(item)
+        self.fenced = waiting
+        return passed
+
+    def finished(self) -> bool:
+        return (not len(self.inflight) and not self.fenced
+                and self.next_in == len(self.prog.staged_receives)
+                and self.sent_out == self.prog.n_out)
+
+    # --- what follows device work --------------------------------------------------------------
+    def after(self, ev, g, buf) -> None:
+        """Does what follows device work (``ev``) on message ``g``, or queues it until ``ev`` has
+        passed (``None``: nothing to wait for)."""
+        if ev is None:
+            self.then(g, buf)
+        else:
+            self.fenced.append((ev, g, buf))
+
+    def then(self, g, buf) -> None:
+        """What follows a local copy (done), a pack (post the send) or an unpack (landed)."""
+        if g.local:
+            self.bytes_local += g.nbytes
+            self.mark(g.m, 2)
+            self.complete(g.m)
+        elif g.out:
+            self.inflight.add(self.transport.send(g.peer, buf, self.tag_base + g.m), g, buf)
+            self.mark(g.m, 1)
+        else:
+            self.landed(g, buf)
+
+    def landed(self, g, buf) -> None:
+        if buf is not None:
+            self.staged_recv -= g.nbytes
+        self.bytes_received += g.nbytes
+        self.messages_received += 1
+        self.mark(g.m, 2)
+        self.complete(g.m)
+
+    def complete(self, m: int) -> None:
+        """Message ``m``'s data is here: the forwards it feeds are ready."""
+        self.done.add(m)
+        for c in self.prog.children.get(m, ()):
+            heapq.heappush(self.ready, (self.prog.when[c], c))
+            self.mark(c, 0)
+
+    # --- records -------------------------------------------------------------------------------
+    def mark(self, m: int, i: int) -> None:
+        """Trace: message ``m`` reached step ``i`` (0 ready, 1 posted, 2 done) now."""
+        if self.marks is not None:
+            self.marks.setdefault(m, [None, None, None])[i] = time.time()
+
+    def trace_entries(self) -> list[TraceEntry]:
+        out = []
+        for m, (r, p, d) in sorted(self.marks.items()):
+            g = self.msgs[m]
+            out.append(TraceEntry(m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p,
+                                  p, d))
+        return out
+
+    def waiting_for(self) -> set[int]:
+        """The peers of the messages not done yet."""
+        me, done = self.prog.rank, self.done
+        return {g.peer for m, g in self.msgs.items() if m not in done and g.peer != me}
+
+    def silent(self, silent: dict[int, float], stalled_s: float) -> str:
+        """The error for peers that stopped beating while this rank waits for them."""
+        who = ", ".join(f"{p} ({s:.1f} s)" for p, s in sorted(silent.items()))
+        return (f"rank {self.prog.rank}: {'peer' if len(silent) == 1 else 'peers'} {who} "
+                f"stopped beating (dead or hung: no heartbeat in the store for that long) while "
+                f"this update waited {stalled_s:.1f} s for it; Waiting for: " + self.waiting())
+
+    def stalled(self, timeout: float) -> str:
+        """The stall error: no progress for ``timeout``, naming peers and plan steps."""
+        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q})
+        return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
+                f"or hung? Waiting for: " + self.waiting())
+
+    def waiting(self) -> str:
+        """What the rank still waits for: requests in flight, staging, forwards."""
+        msgs, ready = self.msgs, self.ready
+        waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}"
+                   for _, g, _ in self.inflight.first(4)]
+        if ready:
+            waiting.append(f"staging budget for {msgs[ready[0][1]].label()}")
+        forwards = [g for g in msgs.values()
+                    if g.out and g.parent >= 0 and g.parent not in self.done]
+        for g in forwards[:2]:
+            waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
+        return "; ".join(waiting)

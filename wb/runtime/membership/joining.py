@@ -1,0 +1,273 @@
+"""Joining a running job, both sides: a rollout's (:func:`request_join`: its layout and join
+request published, then admission awaited) and the trainers' leader's (:class:`Admissions`:
+it admits joiners into the version it pushes next, a process's ranks all together, fed apart in
+that version; :mod:`wb.runtime.membership.finish` takes the new membership up from there).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from wb.algorithms import planner
+from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
+from wb.data.plan import RankPlan
+from wb.errors import PlanError, SpecError, TransferError
+from wb.runtime.membership.liveness import new_incarnation
+from wb.runtime.membership.records import fetch_part, publish_parts
+from wb.runtime.transport.stores import get_large, set_large
+
+__all__ = ["Admission", "request_join", "request_joins", "Admissions", "JOIN_RANGE"]
+
+log = logging.getLogger(__name__)
+
+#: How many ranks after the highest it knows a leader asks for join requests.
+JOIN_RANGE = 16
+#: Seconds a push waits for the joiners' plan before it goes on without admitting them.
+PLAN_WAIT_S = 0.25
+
+
+class Admission(NamedTuple):
+    """A rollout taken into a running job: what it runs and from when."""
+
+    part: RankPlan  # its part of the plan from its first version on
+    first: int  # the first version it receives (whole)
+    epoch: int  # the membership epoch it joins
+    incarnation: str  # what its heartbeat must carry (tells it from a dead process of its rank)
+
+
+def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 600.0,
+                 meanwhile: Callable[[], Any] | None = None) -> Admission:
+    """Asks the running job of ``store`` (session ``name``) to take in rollout ``layout``: a new
+    replica's worker, or a restarted one. Publishes the layout, calls ``meanwhile()`` (set-up that
+    must be done by admission: starting the transport, which publishes its address), publishes
+    the join request, then waits until the trainers' leader admits it, when it pushes the next
+    version.
+
+    Returns:
+        The rank's :class:`Admission`.
+
+    Raises:
+        TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
+    """
+    return request_joins(store, [layout], name=name, timeout=timeout,
+                         meanwhile=meanwhile)[layout.worker.rank]
+
+
+def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
+                  meanwhile: Callable[[], Any] | None = None
+                  ) -> dict[int, Admission]:
+    """:func:`request_join` for several ranks of one process at once: the leader admits them
+    into the same version, all or none (a process's ranks must start together: one of them
+    admitted a version before the others would hold that version up until they are).
+
+    Returns:
+        ``{rank: Admission}``.
+    """
+    lays = {int(lay.worker.rank): lay for lay in layouts}
+    token = new_incarnation()
+    if len(lays) > 1:  # the leader admits none of them until it sees every one's request
+        store.set(f"{name}/joingroup/{token}", json.dumps(sorted(lays)).encode())
+    for rank, layout in lays.items():
+        # beat as this incarnation from now on: the leader takes it for the member it admits
+        store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
+        set_large(store, f"{name}/member/{rank}", layouts_to_bytes([layout]))
+    deadline = time.monotonic() + timeout
+    # before the request: the leader may admit it into the version it pushes next, and the
+    # trainers then reach this rank at once, at the address its transport publishes (a
+    # restarted rank's old one is still in the store until then)
+    if meanwhile is not None:
+        meanwhile()
+    for rank in lays:
+        store.set(f"{name}/joinreq/{rank}", token.encode())
+    # one key the leader reads at every push: it looks for requests only when it changed
+    store.set(f"{name}/joins", f"{token}:{time.time()}".encode())
+    recs = {}
+    for rank in lays:
+        while True:
+            try:
+                rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
+            except TransferError:
+                rec = None
+            if rec is not None and rec["token"] == token:
+                if "refused" in rec:
+                    raise TransferError(f"rank {rank}: the trainers' leader refused to take it "
+                                        f"into session `{name}`: {rec['refused']}")
+                recs[rank] = rec
+                break
+            if time.monotonic() > deadline:
+                raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
+                                    f"{timeout:.0f} s; the trainers' leader admits joiners when "
+                                    f"it pushes a version: is the job pushing versions?")
+            time.sleep(0.05)
+    return {rank: Admission(fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}",
+                                       timeout=timeout), int(rec["version"]), int(rec["epoch"]),
+                            token) for rank, rec in recs.items()}
+
+
+class Admissions:
+    """The trainers' leader's side of joining: the join requests in the store, and their
+    admission into a version it pushes.
+
+    The plan for the new membership is made on a thread (a 1T job's takes seconds): a push
+    waits for it at most :data:`PLAN_WAIT_S`, and one not ready by then admits the joiners at
+    a later push (the trainers' pushes are never held up by a joiner). A plan that the
+    membership changed under meanwhile (a death called) is dropped and made again at the next
+    push; joiners whose layouts cannot be planned are refused.
+
+    Args:
+        fin: the leader's :class:`wb.runtime.membership.finish.Finisher` (its layouts, members, epoch,
+            cluster and endpoint).
+        peek: a store lookup that does not wait (``None`` when the key is missing).
+    """
+
+    def __init__(self, fin, *, peek: Callable[[str], bytes | None]):
+        self.fin, self.peek = fin, peek
+        self.joined: dict[int, str] = {}  # rank -> the join request admitted
+        self._asked: bytes | None = None  # the join marker last read
+        self._rescan = False  # requests were left waiting: read them again at the next push
+        self._planning: _Planning | None = None
+
+    def admit(self, v: int) -> None:
+        """Admits the rollouts that asked to join (all ranks of a process or none) into version
+        ``v``, before the leader announces it, once their plan is made. They run ``v`` fed apart
+        (:func:`wb.plan`'s ``apart``) under a new epoch, whose parts and *start* record are in
+        the store before ``v`` is announced. Reads one key when nobody asked since the last
+        look."""
+        fin, end = self.fin, self.fin.end
+        if self._planning is None:
+            asked = self.peek(end.key("joins"))
+            if asked is None or (asked == self._asked and not self._rescan):
+                return
+            self._asked = asked
+            joiners = self.requests(set())
+            if not joiners:
+                return
+            self._planning = _Planning(fin, joiners)
+        job = self._planning
+        if not job.wait(PLAN_WAIT_S):
+            log.info("version %d: the plan for joiners %s is not made yet; they are admitted "
+                     "at a later push", v, sorted(job.joiners))
+            return
+        self._planning = None
+        # made for another membership (a death was called meanwhile), or a rank asked again
+        # under another token (a missed peek reads None: the request stands): plan again at the
+        # next push
+        if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
+                (raw := self.peek(end.key("joinreq", r))) is not None and raw.decode() != token
+                for r, token in job.joiners.items()):
+            self._rescan = True
+            return
+        if isinstance(job.error, (PlanError, SpecError)):  # the joiners cannot be planned
+            log.error("version %d: joiners %s refused: %s", v, sorted(job.joiners), job.error)
+            for r, token in job.joiners.items():
+                self.joined[r] = token  # not asked again until the rank asks anew
+                end.store.set(end.key("admitted", r), json.dumps(
+                    {"token": token, "refused": f"{type(job.error).__name__}: "
+                                                f"{job.error}"}).encode())
+            return
+        if job.error is not None:  # the store, say: plan again at the next push
+            log.warning("version %d: planning for joiners %s failed (%s); again at the next "
+                        "push", v, sorted(job.joiners), job.error)
+            self._rescan = True
+            return
+        self._admit(v, job)
+
+    def _admit(self, v: int, job: _Planning) -> None:
+        fin, end = self.fin, self.fin.end
+        store, epoch, joiners = end.store, job.epoch, job.joiners
+        # members whose rank asked to join again: their process was restarted, so the
+        # incarnation that was a member is dead (called so now, not a grace later) and the new
+        # one is fed apart in v as any joiner; everyone drops the old one's connection
+        replaced = sorted(set(joiners) & set(fin.rollouts))
+        if replaced:
+            fin.deaths.append({"version": v, "ranks": replaced, "detected_s": time.time(),
+                               "restarted": True})
+        for r, token in joiners.items():
+            self.joined[r] = token
+            store.set(end.key("admitted", r), json.dumps(
+                {"token": token, "epoch": epoch, "version": v}).encode())
+        store.set(end.key("v", v, "start"), json.dumps(
+            {"epoch": epoch, "rollouts": job.rollouts, "joined": sorted(joiners),
+             "apart": sorted(joiners), "replaced": replaced,
+             "planned_s": job.planned_s}).encode())
+        log.warning("version %d: rollouts %s admitted (fed apart in this version)%s", v,
+                    sorted(joiners), f"; {replaced} replace their dead incarnations"
+                    if replaced else "")
+
+    def requests(self, dead: set[int]) -> dict[int, str]:
+        """Rollouts asking to join (:func:`request_join`) not admitted yet: ``{rank: token}``,
+        their layouts read into the finisher's ``layouts``. Asked of every rollout rank the job
+        knows (lost ones, and members: a member asking under a new incarnation was restarted,
+        a launcher restarts a rank once its process ended, and the new one replaces it in
+        :meth:`admit`), of ``dead``, and of the :data:`JOIN_RANGE` ranks after the highest it
+        knows (new replicas number their ranks on from there)."""
+        fin, end = self.fin, self.fin.end
+        self._rescan = False
+        known = set(fin.layouts) | set(self.joined)
+        ranks = (set(fin.layouts) - set(fin.trainers)) | set(dead)
+        top = max(known)
+        out = {}
+        for r in sorted(ranks | set(range(top + 1, top + 1 + JOIN_RANGE))):
+            raw = self.peek(end.key("joinreq", r))
+            if raw is None or raw.decode() == self.joined.get(r):
+                continue
+            try:
+                lay = layouts_from_bytes(get_large(end.store, end.key("member", r),
+                                                   end.wait_timeout))[0]
+            except TransferError as e:
+                log.warning("rank %d asked to join without its layout: %s", r, e)
+                self._rescan = True
+                continue
+            if lay.worker.rank != r or lay.worker.role.value != "rollout":
+                log.warning("a join request for rank %d came with the layout of rank %d (%s)",
+                            r, lay.worker.rank, lay.worker.role.value)
+                continue
+            fin.layouts[r] = lay
+            out[r] = raw.decode()
+        for token in set(out.values()):  # a process's ranks: all of them, or none this time
+            group = self.peek(end.key("joingroup", token))
+            ranks = json.loads(group) if group is not None else []
+            if any(out.get(q) != token for q in ranks):
+                log.info("join request %s: waiting for all of ranks %s", token, ranks)
+                out = {q: t for q, t in out.items() if t != token}
+                self._rescan = True
+        return out
+
+
+class _Planning:
+    """The plan of the trainers and the members with ``joiners`` fed apart, made on a thread
+    from the membership of now (``members``: the epoch and rollouts it was made for) and its
+    parts published under a new epoch (skipped, should the plan be dropped)."""
+
+    def __init__(self, fin, joiners: dict[int, str]):
+        self.joiners = dict(joiners)
+        self.members = (fin.epoch, tuple(fin.rollouts))
+        self.rollouts = sorted(set(fin.rollouts) | set(joiners))
+        self.epoch = fin.new_epoch()
+        self.error: BaseException | None = None
+        self.planned_s = 0.0
+        trainers = [fin.layouts[t] for t in fin.trainers]
+        rollouts = [fin.layouts[r] for r in self.rollouts]
+        cluster, chunk, end = fin.cluster, fin.chunk_bytes, fin.end
+
+        def run():
+            t0 = time.time()
+            try:
+                nxt = planner.plan(trainers, rollouts, cluster, chunk_bytes=chunk,
+                                apart=sorted(self.joiners))
+                publish_parts(end.store, nxt, name=end.key("epoch", self.epoch))
+            except BaseException as e:  # noqa: BLE001 - the push that takes it up refuses them
+                self.error = e
+            self.planned_s = time.time() - t0
+        self._thread = threading.Thread(target=run, name="wb-plan-joiners", daemon=True)
+        self._thread.start()
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the plan is made (or failed), waiting up to ``seconds``."""
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
