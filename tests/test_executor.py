@@ -216,9 +216,9 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     """The CUDA path's deferrals, on host buffers: every pack, unpack and local copy is followed by
     an event the loop polls; a send is posted, and a message counts as landed, only once it passed.
     Everything still arrives, bit for bit."""
-    import wb.runtime.engine.update
+    import wb.runtime.engine.movers
 
-    monkeypatch.setattr(wb.runtime.engine.update, "fencer", lambda xp: _SlowEvent)
+    monkeypatch.setattr(wb.runtime.engine.movers, "fencer", lambda xp: _SlowEvent)
     _SlowEvent.made = []
     bufs, stats = _run_threads(strided_plan, 256 << 20)
     for lay in strided_plan.rollouts:

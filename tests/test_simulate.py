@@ -24,7 +24,7 @@ def test_one_trainer_two_rollout_nodes_by_hand():
     t = [lay(0, "t0", "trainer", w)]
     r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
     p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
-    s = simulate(p)
+    s = simulate(p, message_s=0)
     nic = 50 * GB
     # trainer sends B once; r0 receives B and forwards B to r1: every link carries B
     assert s.ideal_s == pytest.approx(B / nic)
@@ -44,8 +44,31 @@ def test_broadcast_gathers_tp_shards_over_nvlink():
     bc = simulate_broadcast(p)
     B = w.size * 4
     assert bc.ewtt_s == pytest.approx(B / 2 / (450 * GB) + B / (50 * GB))
-    wbs = simulate(p)
+    wbs = simulate(p, message_s=0)
     assert wbs.ewtt_s - wbs.pipeline_s == pytest.approx(B / 2 / (50 * GB))  # each NIC half
+
+
+def test_messages_cost_their_worker_beside_the_bytes_by_hand():
+    """Each worker spends ``message_s`` per message it sends or receives, while bytes move: a GPU
+    takes the larger of its busiest link and its messages; free messages give the bandwidth
+    bound."""
+    w = np.arange(1000 * 1000).reshape(1000, 1000)  # 4 MB
+    B = w.size * 4
+    t = [lay(0, "t0", "trainer", w)]
+    r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
+    p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
+    M = p.messages
+    # the oracle: messages each rank sends or receives, counted one by one
+    count = {r: sum(1 for s, d in zip(M.src_rank, M.dst_rank) if r in (s, d)) for r in (0, 1, 2)}
+    assert count[1] == count[0] + count[2]  # r0 receives everything and forwards it all
+    free = simulate(p, message_s=0)
+    assert free.control_s == 0 and free.free_messages_s == free.ewtt_s
+    cheap = simulate(p, message_s=1e-9)  # the bytes take longer: messages are hidden
+    assert cheap.ewtt_s == pytest.approx(free.ewtt_s) and cheap.busiest != "messages"
+    slow = simulate(p, message_s=1e-3)  # r0's messages take longer than any link
+    assert slow.busiest == "messages" and slow.control_s == pytest.approx(count[1] * 1e-3)
+    assert slow.ewtt_s == pytest.approx(count[1] * 1e-3 + free.pipeline_s)
+    assert slow.free_messages_s == pytest.approx(free.ewtt_s)
 
 
 def test_ewtt_is_never_below_ideal():

@@ -567,3 +567,64 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                       error_at=time.time())
     Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
 
+
+
+def _messages_main(rank: int, nbytes: int, count: int, store_dir: str, result_dir: str,
+                   tls: str | None, cuda_device: int | None) -> None:
+    """Raw UCX, many small messages: rank 0 posts ``count`` sends of ``nbytes`` (each its own
+    range of one buffer, its own tag) to rank 1, which posts as many receives; each then takes
+    its completions. Times from the first post to the last completion."""
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    xp = np
+    if cuda_device is not None:
+        import cupy as xp
+
+        xp.cuda.Device(cuda_device).use()
+    store = DirectoryStore(store_dir)
+    peer = rank ^ 1
+    t = UcxTransport(rank, store, tls=tls, session="msgs", cuda_device=cuda_device)
+    t.connect([peer])
+    buf = xp.full(nbytes * count, 1 if rank == 0 else 0, xp.uint8)
+    post = t.send if rank == 0 else t.recv
+    warm = post(peer, buf[:nbytes], 1 << 40)
+    while not warm.done():
+        time.sleep(1e-5)
+    if cuda_device is not None:
+        from wb.runtime.engine.inflight import DeviceBytes
+
+        views = [DeviceBytes(buf, k * nbytes, nbytes) for k in range(count)]
+    else:
+        views = [buf[k * nbytes:(k + 1) * nbytes] for k in range(count)]
+    barrier(store, "go", range(2), rank, 60.0, start=True)
+    t0 = time.perf_counter()
+    pending = [post(peer, v, k) for k, v in enumerate(views)]
+    posted = time.perf_counter()
+    while pending:
+        pending = [q for q in pending if not q.done()]
+    t1 = time.perf_counter()
+    t.close()
+    Path(result_dir, f"msgs{rank}.json").write_text(json.dumps(
+        {"seconds": t1 - t0, "post_seconds": posted - t0}))
+
+
+def raw_messages(nbytes: int, count: int, workdir: str, *, tls: str | None = None,
+                 cuda_device: int | None = None) -> dict:
+    """Seconds one process takes to send ``count`` messages of ``nbytes`` over UCX and another to
+    receive them (each from its first post to its last completion): ``{"send", "recv"}``, and the
+    posting alone (``send_post``, ``recv_post``)."""
+    ctx = mp.get_context("spawn")
+    store_dir, result_dir = Path(workdir, "store"), Path(workdir, "res")
+    store_dir.mkdir(parents=True, exist_ok=True)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    procs = [ctx.Process(target=_messages_main, args=(r, nbytes, count, str(store_dir),
+                                                      str(result_dir), tls, cuda_device),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    res = [json.loads(Path(result_dir, f"msgs{r}.json").read_text()) for r in range(2)]
+    return {"send": res[0]["seconds"], "recv": res[1]["seconds"],
+            "send_post": res[0]["post_seconds"], "recv_post": res[1]["post_seconds"]}

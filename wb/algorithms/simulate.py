@@ -3,8 +3,10 @@
 The model: every GPU has a NIC (out and in) and NVLink (out and in) at the :class:`wb.Cluster`
 bandwidths; all links run concurrently at full rate and the fabric has full bisection, so a
 schedule takes as long as its busiest link, plus one chunk per hop of its deepest forwarding chain
-(pipeline fill). Local copies on one GPU cost nothing. This is the bandwidth bound that pipelined,
-balanced transfers approach; it ignores per-message overheads and congestion inside the fabric.
+(pipeline fill). Local copies on one GPU cost nothing. Messages cost their rank's worker
+``message_s`` each (posting, completing, launching their packing: :data:`MESSAGE_S` by default,
+as measured), spent while the bytes of others move: a GPU takes as long as the larger of its
+busiest link and its worker's messages. It ignores congestion inside the fabric.
 
 Baselines, modelled on what RL frameworks do:
 
@@ -26,7 +28,13 @@ from wb.data.layout import Cluster
 from wb.data.plan import Plan
 from wb.algorithms.planner import bound_parts
 
-__all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p"]
+__all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p", "MESSAGE_S"]
+
+#: Seconds a rank's worker spends per message it sends or receives (posting it, completing it,
+#: packing or unpacking it on the device): the cost :func:`simulate` charges by default, from
+#: ``bench/bench_executor.py --cuda`` on an H200 (the executor over UCX with CUDA buffers, per
+#: message end to end; ``bench/results/executor/COMMAND.md``).
+MESSAGE_S = 23e-6
 
 
 class Simulation(NamedTuple):
@@ -34,9 +42,11 @@ class Simulation(NamedTuple):
 
     ewtt_s: float  # estimated end-to-end weight transfer time
     ideal_s: float  # lower-bound bytes over the busiest link class, perfectly balanced
-    busiest: str  # which link bounds ewtt_s
+    busiest: str  # which link (or "messages": a worker's control) bounds ewtt_s
     link_s: dict  # {link class: (n,) seconds per GPU}: "trainer_nic_out", "rollout_nic_in", ...
     pipeline_s: float  # the pipeline-fill part of ewtt_s
+    control_s: float = 0.0  # the busiest worker's messages times message_s
+    free_messages_s: float = 0.0  # ewtt_s were messages free (message_s = 0)
 
     @property
     def ratio(self) -> float:
@@ -99,20 +109,25 @@ def ideal_s(plan: Plan, cluster: Cluster | None = None) -> float:
     return out
 
 
-def simulate(plan: Plan, cluster: Cluster | None = None) -> Simulation:
+def simulate(plan: Plan, cluster: Cluster | None = None, *,
+             message_s: float = MESSAGE_S) -> Simulation:
     """Estimated EWTT of ``plan`` under ``cluster``, and the ideal.
 
-    Every link (each GPU's NIC in and out, NVLink) moves its bytes at its rate, all at once; the
-    busiest one bounds the transfer, plus the time to fill the forwarding pipeline (one piece per
-    hop). It assumes full bisection and free messages: a model to compare plans, not a measurement.
+    Every link (each GPU's NIC in and out, NVLink) moves its bytes at its rate, all at once, and
+    every GPU's worker spends ``message_s`` on each message it sends or receives, meanwhile; the
+    busiest GPU bounds the transfer, plus the time to fill the forwarding pipeline (one piece per
+    hop). It assumes full bisection: a model to compare plans, not a measurement.
 
     Args:
         plan: the plan.
         cluster: link rates (default: the plan's own :class:`wb.Cluster`).
+        message_s: seconds per message and side (default :data:`MESSAGE_S`, measured; 0: free
+            messages, the bandwidth bound alone).
 
     Returns:
         :class:`Simulation` with ``ewtt_s``, ``ideal_s`` (the lower-bound bytes over the busiest
-        link class, perfectly balanced) and the per-link times.
+        link class, perfectly balanced), the per-link times, the busiest worker's
+        ``control_s`` and ``free_messages_s`` (``ewtt_s`` with free messages).
 
     Examples:
         >>> import numpy as np, wb
@@ -132,7 +147,34 @@ def simulate(plan: Plan, cluster: Cluster | None = None) -> Simulation:
     depth = _depth(T.after)
     piece_s = float(plan.pieces.nbytes.max(initial=0)) / float(nic.min()) if nic.size else 0.0
     pipe = depth * piece_s
-    return Simulation(busy + pipe, ideal_s(plan, cluster), name, times, pipe)
+    free = busy + pipe
+    control = _control_s(plan, message_s)
+    gpu_s = _gpu_seconds(loads, nic, nvl)
+    rank_gpu = np.zeros(int(tab.rank.max(initial=-1)) + 1, np.int64)
+    rank_gpu[tab.rank] = tab.gpu
+    gpu_control = np.bincount(rank_gpu[np.arange(control.size)], weights=control,
+                              minlength=n_gpus)
+    both = np.maximum(gpu_s, gpu_control)
+    if both.size and both.max() > busy:
+        busy, name = float(both.max()), "messages"
+    return Simulation(busy + pipe, ideal_s(plan, cluster), name, times, pipe,
+                      float(control.max(initial=0.0)), free)
+
+
+def _control_s(plan: Plan, message_s: float) -> np.ndarray:
+    """``(ranks,)`` seconds each rank's worker spends on its messages (sends, receives and local
+    copies: each once)."""
+    M = plan.messages
+    n = int(max(M.src_rank.max(initial=-1), M.dst_rank.max(initial=-1))) + 1
+    count = np.bincount(M.src_rank, minlength=n)
+    count += np.bincount(M.dst_rank[M.dst_rank != M.src_rank], minlength=n)
+    return count.astype(np.float64) * message_s
+
+
+def _gpu_seconds(loads: dict, nic: np.ndarray, nvl: np.ndarray) -> np.ndarray:
+    """``(gpus,)`` seconds of each GPU's busiest link."""
+    return np.maximum.reduce([loads["nic_out"] / nic, loads["nic_in"] / nic,
+                              loads["nvlink_out"] / nvl, loads["nvlink_in"] / nvl])
 
 
 def _depth(after: np.ndarray) -> int:

@@ -150,6 +150,7 @@ class Endpoint:
 
     def adopt(self, part: RankPlan) -> None:
         """Runs ``part`` (this rank's part of a plan for new membership) from the next version."""
+        self.program.release()
         self.part = part
         self.program = Program(part, stage_receives=self.stage_receives)
         self.peers = list(part.peers)
@@ -247,6 +248,9 @@ class Endpoint:
         grace) and its watch's following."""
         self.heartbeat.stop()
         self.watch.stop()
+        program = getattr(self, "program", None)  # halted before it was made: nothing kept
+        if program is not None:
+            program.release()
 
     def record(self, v: int, stall_s: float, t: Transferred) -> None:
         """Records version ``v``: ``stall_s`` seconds blocked the caller."""

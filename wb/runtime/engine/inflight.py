@@ -52,7 +52,10 @@ class Inflight:
     def add(self, req, g, buf) -> None:
         """Adds request ``req`` of message ``g`` (a :class:`~wb.runtime.engine.program.Message`), with
         its staging buffer ``buf`` (``None``: zero-copy)."""
-        self.queues.setdefault((g.peer, g.out), deque()).append((req, g, buf))
+        q = self.queues.get((g.peer, g.out))
+        if q is None:
+            q = self.queues[(g.peer, g.out)] = deque()
+        q.append((req, g, buf))
         self.n += 1
 
     def __len__(self) -> int:
@@ -64,8 +67,11 @@ class Inflight:
         out = []
         for q in self.queues.values():
             limit = len(q) if full else min(len(q), self.WINDOW)
-            i = 0
-            while i < limit:
+            while limit and q[0][0].done():  # in posting order: the common case
+                out.append(q.popleft())
+                limit -= 1
+            i = 1
+            while i < limit:  # one that completed out of order
                 if q[i][0].done():
                     out.append(q[i])
                     del q[i]

@@ -21,6 +21,7 @@ from wb.data.layout import Layout
 from wb.data.plan import RankPlan
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
+from wb.runtime.engine.movers import Mover, mover_for, new_pool
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
 
 __all__ = ["Program", "Message", "Span"]
@@ -207,6 +208,9 @@ class Program:
             if out and M.parent[k] >= 0:
                 self.children.setdefault(int(M.parent[k]), []).append(m)
         when = self.when
+        #: ``{message: [(schedule time, forward)]}``: what :attr:`children` releases, as the
+        #: update loop queues it
+        self.forwards = {m: [(when[c], c) for c in cs] for m, cs in self.children.items()}
         order_in = sorted((m for m, g in self.messages.items() if not g.out),
                           key=lambda m: (when[m], m))  # receives, in schedule order
         self.zero_copy_receives = [m for m in order_in if self.messages[m].zc_dst]
@@ -217,6 +221,18 @@ class Program:
         self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
         self._checked: _Checked | None = None
         self._prepared = False  # the CUDA conversion and copy kernels are loaded
+        #: staging no message uses, by size, reused by every update (see
+        #: :mod:`wb.runtime.engine.movers`)
+        self.staging_pool = new_pool()
+        #: views of the buffers by message (:mod:`wb.runtime.engine.movers`), for as long as
+        #: updates run on the same buffers: emptied when :meth:`check` is given others
+        self.view_cache: dict = {}
+
+    def release(self) -> None:
+        """Lets go of the memory kept between updates: staging in the pool and views of the
+        buffers (the worker is closing, or runs another program from now on)."""
+        self.staging_pool = new_pool()
+        self.view_cache = {}
 
     def spans(self, g: Message) -> list[Span]:
         """Message ``g``'s regions in its order, contiguous runs merged (on the side this rank
@@ -242,7 +258,8 @@ class Program:
         given the very same numpy/CuPy arrays as last time, with the same shapes and dtypes
         (their memory cannot have moved; framework tensors, whose storage can be swapped, are
         checked every time). A check against a probed ``layout`` also stands for later checks
-        without one. Holds the arrays only weakly.
+        without one. The arrays are held only weakly by the check; :attr:`view_cache` holds
+        views of them (as their Sender or Receiver holds them) until other buffers come.
 
         Returns:
             ``({name: 1-D view}, array module)``.
@@ -261,6 +278,7 @@ class Program:
             else:
                 return flat, last.xp
         flat, xp = check_buffers(self.layout, buffers, layout=layout)
+        self.view_cache = {}  # other buffers (or ones that may have moved): no view stands
         given = {n: buffers[n] for n in flat}
         try:
             refs = {n: (weakref.ref(a), (tuple(a.shape), a.dtype)) for n, a in given.items()
@@ -270,10 +288,10 @@ class Program:
         self._checked = _Checked(layout, refs, xp) if len(refs) == len(given) else None
         return flat, xp
 
-    def run(self, buffers: Mapping[str, Any], transport, *, tag_base: int = 0,
+    def run(self, buffers: Mapping[str, Any] | None, transport, *, tag_base: int = 0,
             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
             trace: list | None = None, layout: Layout | None = None,
-            liveness=None, interrupt=None) -> ExecStats:
+            liveness=None, interrupt=None, mover: Mover | None = None) -> ExecStats:
         """Runs one update: this rank's sends, receives, local copies and forwards.
 
         Args:
@@ -293,6 +311,10 @@ class Program:
             interrupt: a callable asked while the update is stalled whether to give up (see
                 :func:`wb.runtime.engine.update.run_update`); with it, lost peers raise
                 :class:`wb.PeersLost` and the transport is kept.
+            mover: how bytes move (a :class:`~wb.runtime.engine.movers.Mover`); default: made
+                for ``buffers`` (numpy on the host, CUDA kernels for CuPy arrays). With a mover
+                of one's own, ``buffers`` are not checked (a benchmark's mover that moves nothing
+                takes ``None``).
 
         Returns:
             :class:`~wb.runtime.engine.update.ExecStats`.
@@ -302,6 +324,10 @@ class Program:
                 failed or stalled transfer (naming the peer and plan step; the transport is
                 then aborted).
         """
+        kw = dict(tag_base=tag_base, staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                  liveness=liveness, interrupt=interrupt)
+        if mover is not None:
+            return run_update(self, mover, transport, **kw)
         flat, xp = self.check(buffers, layout=layout)
         if xp is not np and flat and not self._prepared:
             with next(iter(flat.values())).device:  # compiled once, before the first update
@@ -313,9 +339,5 @@ class Program:
             # own device, whichever thread runs this (a Sender's or Receiver's background thread
             # starts on device 0)
             with next(iter(flat.values())).device:
-                return run_update(self, flat, xp, transport, tag_base=tag_base,
-                                  staging_bytes=staging_bytes, timeout=timeout, trace=trace,
-                                  liveness=liveness, interrupt=interrupt)
-        return run_update(self, flat, xp, transport, tag_base=tag_base,
-                          staging_bytes=staging_bytes, timeout=timeout, trace=trace,
-                          liveness=liveness, interrupt=interrupt)
+                return run_update(self, mover_for(self, flat, xp), transport, **kw)
+        return run_update(self, mover_for(self, flat, xp), transport, **kw)

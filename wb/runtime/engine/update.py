@@ -35,13 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from wb.data.dtypes import dtype_info
 from wb.errors import PeersLost, TransferError
-from wb.runtime.engine import gather
-from wb.runtime.engine.inflight import DeviceBytes, Inflight, abort, fencer, region
-from wb.runtime.engine.casts import assign, xp_dtype
+from wb.runtime.engine.inflight import Inflight, abort
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
 
@@ -92,11 +87,12 @@ ASK_AFTER_S = 0.1
 INTERRUPT_EVERY_S = 0.01
 
 
-def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
-               staging_bytes: int, timeout: float, trace: list | None,
-               liveness=None, interrupt: Callable[[], bool] | None = None) -> ExecStats:
-    """Runs one update of ``program`` (a :class:`~wb.runtime.engine.program.Program`) over checked,
-    flattened buffers and a connected transport (see :meth:`Program.run`, which calls this).
+def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
+               timeout: float, trace: list | None, liveness=None,
+               interrupt: Callable[[], bool] | None = None) -> ExecStats:
+    """Runs one update of ``program`` (a :class:`~wb.runtime.engine.program.Program`) whose
+    bytes ``mover`` moves (a :class:`~wb.runtime.engine.movers.Mover` over its checked buffers)
+    over a connected transport (see :meth:`Program.run`, which calls this).
 
     ``liveness`` (a :class:`~wb.runtime.membership.liveness.Watch`): once no progress has been made for
     :data:`ASK_AFTER_S`, it is asked (twice a second) whether a peer this rank still waits for
@@ -113,7 +109,7 @@ def run_update(program, flat: dict[str, Any], xp, transport, *, tag_base: int,
         TransferError: a failed or stalled transfer, or a silent peer (the transport is then
             aborted).
     """
-    u = _Update(program, flat, xp, transport, tag_base=tag_base, staging_bytes=staging_bytes,
+    u = _Update(program, mover, transport, tag_base=tag_base, staging_bytes=staging_bytes,
                 traced=trace is not None)
     last = polled = time.monotonic()
     asked = last - 1.0  # the first question comes ASK_AFTER_S into a stall, the next 0.5 s later
@@ -178,20 +174,18 @@ class _Update:
     device work awaiting its event, counters and trace marks. Each method is one step of
     :func:`run_update`'s turn and says whether anything moved."""
 
-    __slots__ = ("prog", "msgs", "flat", "xp", "transport", "tag_base", "fence", "T", "P",
-                 "recv_budget", "send_budget", "staged_recv", "staged_send", "peak", "inflight",
-                 "next_in", "ready", "sent_out", "fenced", "done", "marks", "bytes_sent",
-                 "bytes_received", "bytes_local", "messages_sent", "messages_received",
-                 "ptrs")
+    __slots__ = ("prog", "msgs", "mover", "transport", "tag_base", "fence", "recv_budget",
+                 "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
+                 "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
+                 "bytes_local", "messages_sent", "messages_received")
 
-    def __init__(self, prog, flat, xp, transport, *, tag_base: int, staging_bytes: int,
+    def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
-        self.prog, self.msgs, self.flat, self.xp = prog, prog.messages, flat, xp
+        self.prog, self.msgs, self.mover = prog, prog.messages, mover
         self.transport, self.tag_base = transport, tag_base
-        self.T, self.P = prog.part.transfers, prog.part.pieces
         # UCX reads and writes device memory outside our CUDA stream, so device work must finish
         # before a send is posted or a message counts as landed: see `fencer`
-        self.fence = fencer(xp)
+        self.fence = mover.fence
         self.recv_budget = self.send_budget = max(staging_bytes // 2, 1)
         self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
         self.inflight = Inflight()
@@ -205,89 +199,20 @@ class _Update:
         self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
         self.bytes_sent = self.bytes_received = self.bytes_local = 0
         self.messages_sent = self.messages_received = 0
-        self.ptrs = None  # this update's buffer addresses by slot, on the device (fused copies)
         for _, m in self.ready:
             self.mark(m, 0)
-
-    # --- views of the buffers ------------------------------------------------------------------
-    def contiguous_bytes(self, g, *, src: bool):
-        """Message ``g`` as one range of a buffer (zero-copy), as bytes."""
-        t, T = g.ts[0], self.T
-        if src:
-            a, f0 = self.flat[self.prog.slot_buf[T.src_slot[t]]], int(T.src_f0[t])
-        else:
-            a, f0 = self.flat[self.prog.slot_buf[T.dst_slot[t]]], int(T.dst_f0[t])
-        if self.xp is np:
-            return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
-        return DeviceBytes(a, f0 * a.itemsize, g.nbytes)
-
-    def view(self, slot, f0, na, nb, fa, fb):
-        """The (na, nb) region of this rank's buffer ``slot`` (see :class:`Span`)."""
-        return region(self.xp, self.flat[self.prog.slot_buf[slot]], f0, na, nb, fa, fb)
-
-    def pack(self, g):
-        """New staging holding message ``g``'s source regions in order, in its travelling dtype
-        (one copy per run of regions contiguous in the buffer; on a GPU without conversion, one
-        kernel launch for all: :mod:`wb.runtime.engine.gather`)."""
-        buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
-        if self.fused(g, buf, scatter=False):
-            return buf
-        o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
-        wire = xp_dtype(xp, g.wire) if g.conv else None
-        for sp in self.prog.spans(g):
-            v = self.view(*sp[:6])
-            w = wire or v.dtype
-            n = v.size * w.itemsize
-            assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
-                   dtype_of(sp.slot) if g.conv else g.wire)
-            o += n
-        return buf
-
-    def unpack(self, g, buf) -> None:
-        """Message ``g``'s staging into its destination regions, in their dtype."""
-        if self.fused(g, buf, scatter=True):
-            return
-        o, xp = 0, self.xp
-        mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
-        wire = xp_dtype(xp, g.wire) if g.conv else None
-        for sp in self.prog.spans(g):
-            v = self.view(*sp[:6])
-            w = wire or v.dtype
-            n = v.size * w.itemsize
-            assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
-            o += n
-
-    def fused(self, g, buf, *, scatter: bool) -> bool:
-        """On a GPU, for a message without conversion: packs ``g`` into staging ``buf`` (or,
-        with ``scatter``, unpacks ``buf``) in one kernel launch (:func:`wb.runtime.engine.gather.copy`);
-        ``False`` (nothing done) elsewhere."""
-        if self.xp is np or g.conv:
-            return False
-        xp, prog = self.xp, self.prog
-        if g.table is None:
-            g.table = xp.asarray(gather.table(prog.spans(g)))
-        if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
-            ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
-                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
-            self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
-        gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
-        return True
-
-    def copy_local(self, g) -> None:
-        dtype_of = self.prog.dtype_of
-        for sp in self.prog.spans(g):
-            assign(self.xp, self.view(sp.dslot, sp.d0, sp.na, sp.nb, sp.da, sp.db),
-                   self.view(*sp[:6]), dtype_of(sp.dslot) if g.conv else "",
-                   dtype_of(sp.slot) if g.conv else "")
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
         """Zero-copy receives cost no staging: all are posted at once, before the loop."""
+        msgs, recv, target, add = self.msgs, self.transport.recv, self.mover.target, \
+            self.inflight.add
+        base, marks = self.tag_base, self.marks
         for m in self.prog.zero_copy_receives:
-            g = self.msgs[m]
-            self.inflight.add(self.transport.recv(g.peer, self.contiguous_bytes(g, src=False),
-                                                  self.tag_base + m), g, None)
-            self.mark(m, 1)
+            g = msgs[m]
+            add(recv(g.peer, target(g), base + m), g, None)
+            if marks is not None:
+                self.mark(m, 1)
 
     def post_staged_receives(self) -> bool:
         """Receives into staging, in schedule order, while the receive budget lasts (one at
@@ -297,7 +222,7 @@ class _Update:
             g = self.msgs[staged_in[self.next_in]]
             if self.staged_recv and self.staged_recv + g.nbytes > self.recv_budget:
                 break
-            buf = self.xp.empty(g.nbytes, dtype=self.xp.uint8)
+            buf = self.mover.staging(g.nbytes)
             self.inflight.add(self.transport.recv(g.peer, buf, self.tag_base + g.m), g, buf)
             self.mark(g.m, 1)
             self.staged_recv += g.nbytes
@@ -308,27 +233,33 @@ class _Update:
     def post_ready_sends(self) -> bool:
         """Sends and local copies whose data is here, in schedule order; packed sends while the
         send budget lasts."""
-        ready, posted = self.ready, False
+        ready, msgs, posted, marks = self.ready, self.msgs, False, self.marks
+        send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
+            heapq.heappop
         while ready:
-            g = self.msgs[ready[0][1]]
-            packed = not (g.zc_src or g.local)
-            if packed and self.staged_send and self.staged_send + g.nbytes > self.send_budget:
+            g = msgs[ready[0][1]]
+            if g.zc_src and not g.local:  # the common case: straight from the buffer
+                pop(ready)
+                add(send(g.peer, source(g), self.tag_base + g.m), g, None)
+                self.sent_out += 1
+                posted = True
+                if marks is not None:
+                    self.mark(g.m, 1)
+                continue
+            if not g.local and self.staged_send and \
+                    self.staged_send + g.nbytes > self.send_budget:
                 break
-            heapq.heappop(ready)
+            pop(ready)
             self.sent_out += 1
             posted = True
             if g.local:
                 self.mark(g.m, 1)
-                self.copy_local(g)
+                self.mover.copy_local(g)
                 self.after(self.fence(), g, None)
-            elif packed:
-                buf = self.pack(g)
+            else:
+                buf = self.mover.pack(g)
                 self.staged_send += g.nbytes
                 self.after(self.fence(), g, buf)
-            else:
-                self.inflight.add(self.transport.send(g.peer, self.contiguous_bytes(g, src=True),
-                                                      self.tag_base + g.m), g, None)
-                self.mark(g.m, 1)
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
 
@@ -336,15 +267,18 @@ class _Update:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
         the unpacking passed its event) or, zero-copy, has landed."""
         got = self.inflight.completed(full=full)
+        marks = self.marks
         for req, g, buf in got:
             if g.out:
                 self.bytes_sent += g.nbytes
                 self.messages_sent += 1
-                self.mark(g.m, 2)
+                if marks is not None:
+                    self.mark(g.m, 2)
                 if buf is not None:
                     self.staged_send -= g.nbytes
+                    self.mover.release(buf)
             elif buf is not None:
-                self.unpack(g, buf)
+                self.mover.unpack(g, buf)
                 self.after(self.fence(), g, buf)
             else:
                 self.landed(g, None)
@@ -393,17 +327,23 @@ class _Update:
     def landed(self, g, buf) -> None:
         if buf is not None:
             self.staged_recv -= g.nbytes
+            self.mover.release(buf)
         self.bytes_received += g.nbytes
         self.messages_received += 1
-        self.mark(g.m, 2)
+        if self.marks is not None:
+            self.mark(g.m, 2)
         self.complete(g.m)
 
     def complete(self, m: int) -> None:
         """Message ``m``'s data is here: the forwards it feeds are ready."""
         self.done.add(m)
-        for c in self.prog.children.get(m, ()):
-            heapq.heappush(self.ready, (self.prog.when[c], c))
-            self.mark(c, 0)
+        forwards = self.prog.forwards.get(m)
+        if forwards:
+            ready = self.ready
+            for item in forwards:  # (schedule time, message)
+                heapq.heappush(ready, item)
+                if self.marks is not None:
+                    self.mark(item[1], 0)
 
     # --- records -------------------------------------------------------------------------------
     def mark(self, m: int, i: int) -> None:

@@ -1,0 +1,202 @@
+"""How an update touches bytes: a *mover* packs, unpacks and copies a rank's messages, gives the
+transport the byte ranges of zero-copy ones, and hands out staging.
+
+The update loop (:mod:`wb.runtime.engine.update`) decides *when* each message moves; the mover
+decides *how* its bytes do. :class:`HostMover` works on numpy arrays; :class:`DeviceMover` on
+CuPy arrays, with one kernel launch per message where no conversion is needed
+(:mod:`wb.runtime.engine.gather`) and an event per piece of device work (the loop acts on it
+once it has passed, never blocking on a stream). Both reuse staging: a message's staging goes
+back to a pool of its size when the message is done, so an update touches fresh memory only for
+what it holds in flight at once (a fresh host buffer costs a page fault per 4 KiB on its first
+write; UCX maps device memory it has not seen before).
+
+A mover is anything with these methods (:class:`Mover`); a benchmark passes one that moves
+nothing to time the loop alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Protocol
+
+import numpy as np
+
+from wb.data.dtypes import dtype_info
+from wb.runtime.engine import gather
+from wb.runtime.engine.casts import assign, xp_dtype
+from wb.runtime.engine.inflight import DeviceBytes, fencer, region
+
+__all__ = ["Mover", "HostMover", "DeviceMover", "mover_for", "new_pool"]
+
+
+class Mover(Protocol):
+    """The byte work of one rank's messages (``g``: a :class:`~wb.runtime.engine.program.
+    Message` of the program the mover was made for)."""
+
+    def source(self, g) -> Any:
+        """A zero-copy message's bytes in its source buffer (what the transport sends)."""
+
+    def target(self, g) -> Any:
+        """A zero-copy message's bytes in its destination buffer (where it is received)."""
+
+    def staging(self, nbytes: int) -> Any:
+        """``nbytes`` of staging for a message to be received into."""
+
+    def release(self, buf: Any) -> None:
+        """Staging from :meth:`staging` or :meth:`pack` that is no longer in use."""
+
+    def pack(self, g) -> Any:
+        """New staging holding ``g``'s source regions in order, in its travelling dtype."""
+
+    def unpack(self, g, buf: Any) -> None:
+        """``g``'s staging ``buf`` into its destination regions, in their dtype."""
+
+    def copy_local(self, g) -> None:
+        """A local copy's source regions into its destination regions."""
+
+    def fence(self) -> Any:
+        """An event for the work queued so far (``.done`` once it has passed), or ``None`` when
+        the work is done already."""
+
+
+class HostMover:
+    """A :class:`Mover` over numpy arrays: copies are done when they return.
+
+    Args:
+        prog: the :class:`~wb.runtime.engine.program.Program` whose messages move.
+        flat: ``{buffer name: 1-D array}`` of this rank's buffers (checked).
+        xp: the array module (numpy here; CuPy for :class:`DeviceMover`).
+    """
+
+    def __init__(self, prog, flat: dict[str, Any], xp=np):
+        self.prog, self.flat, self.xp = prog, flat, xp
+        self.T = prog.part.transfers
+        self.pool = prog.staging_pool  # {nbytes: [free staging]}, kept across updates
+        # views of the buffers by message, kept while the program runs on the same buffers
+        self.cache = prog.view_cache
+        self.fence = fencer(xp)
+
+    def _range(self, g, *, src: bool):
+        """The buffer and first element of a zero-copy message's range."""
+        t, T = g.ts[0], self.T
+        slot, f0 = (T.src_slot[t], T.src_f0[t]) if src else (T.dst_slot[t], T.dst_f0[t])
+        return self.flat[self.prog.slot_buf[slot]], int(f0)
+
+    def _bytes(self, g, *, src: bool):
+        a, f0 = self._range(g, src=src)
+        return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
+
+    def source(self, g):
+        v = self.cache.get((g.m, 0))
+        if v is None:
+            v = self.cache[(g.m, 0)] = self._bytes(g, src=True)
+        return v
+
+    def target(self, g):
+        v = self.cache.get((g.m, 1))
+        if v is None:
+            v = self.cache[(g.m, 1)] = self._bytes(g, src=False)
+        return v
+
+    def regions(self, g) -> list:
+        """Message ``g``'s regions of this rank's buffers, in message order (for a local copy,
+        ``(source, destination)`` pairs), made once while the buffers stay the same."""
+        v = self.cache.get((g.m, 2))
+        if v is None:
+            if g.local:
+                v = [(self.view(*sp[:6]), self.view(sp.dslot, sp.d0, sp.na, sp.nb, sp.da, sp.db))
+                     for sp in self.prog.spans(g)]
+            else:
+                v = [self.view(*sp[:6]) for sp in self.prog.spans(g)]
+            self.cache[(g.m, 2)] = v
+        return v
+
+    def staging(self, nbytes: int):
+        free = self.pool.get(nbytes)
+        return free.pop() if free else self.xp.empty(nbytes, dtype=self.xp.uint8)
+
+    def release(self, buf) -> None:
+        self.pool[buf.nbytes].append(buf)
+
+    def view(self, slot, f0, na, nb, fa, fb):
+        """The (na, nb) region of this rank's buffer ``slot`` (see
+        :class:`~wb.runtime.engine.program.Span`)."""
+        return region(self.xp, self.flat[self.prog.slot_buf[slot]], f0, na, nb, fa, fb)
+
+    def pack(self, g):
+        buf = self.staging(g.nbytes)
+        o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
+        wire = xp_dtype(xp, g.wire) if g.conv else None
+        for sp, v in zip(self.prog.spans(g), self.regions(g)):
+            w = wire or v.dtype
+            n = v.size * w.itemsize
+            assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
+                   dtype_of(sp.slot) if g.conv else g.wire)
+            o += n
+        return buf
+
+    def unpack(self, g, buf) -> None:
+        o, xp = 0, self.xp
+        mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
+        wire = xp_dtype(xp, g.wire) if g.conv else None
+        for v in self.regions(g):
+            w = wire or v.dtype
+            n = v.size * w.itemsize
+            assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
+            o += n
+
+    def copy_local(self, g) -> None:
+        dtype_of = self.prog.dtype_of
+        for sp, (src, dst) in zip(self.prog.spans(g), self.regions(g)):
+            assign(self.xp, dst, src, dtype_of(sp.dslot) if g.conv else "",
+                   dtype_of(sp.slot) if g.conv else "")
+
+
+class DeviceMover(HostMover):
+    """A :class:`Mover` over CuPy arrays: a message without conversion is packed or unpacked in
+    one kernel launch (:func:`wb.runtime.engine.gather.copy`); zero-copy ranges go to the
+    transport as CUDA array interfaces (:class:`~wb.runtime.engine.inflight.DeviceBytes`: no
+    CuPy slice per message)."""
+
+    def __init__(self, prog, flat: dict[str, Any], xp):
+        super().__init__(prog, flat, xp)
+        self.ptrs = None  # this rank's buffer addresses by slot, on the device (fused copies)
+
+    def _bytes(self, g, *, src: bool):
+        a, f0 = self._range(g, src=src)
+        return DeviceBytes(a, f0 * a.itemsize, g.nbytes)
+
+    def pack(self, g):
+        if g.conv:
+            return super().pack(g)
+        buf = self.staging(g.nbytes)
+        self._fused(g, buf, scatter=False)
+        return buf
+
+    def unpack(self, g, buf) -> None:
+        if g.conv:
+            super().unpack(g, buf)
+        else:
+            self._fused(g, buf, scatter=True)
+
+    def _fused(self, g, buf, *, scatter: bool) -> None:
+        """Packs ``g`` into ``buf`` (or, with ``scatter``, unpacks ``buf``) in one launch."""
+        xp, prog = self.xp, self.prog
+        if g.table is None:
+            g.table = xp.asarray(gather.table(prog.spans(g)))
+        if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
+            ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
+                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
+            self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
+        gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+
+
+def mover_for(prog, flat: dict[str, Any], xp) -> HostMover:
+    """The mover for buffers of array module ``xp``: :class:`HostMover` for numpy,
+    :class:`DeviceMover` for CuPy."""
+    return HostMover(prog, flat) if xp is np else DeviceMover(prog, flat, xp)
+
+
+def new_pool() -> defaultdict:
+    """An empty staging pool: ``{nbytes: [free buffers]}``."""
+    return defaultdict(list)
