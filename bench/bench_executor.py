@@ -7,7 +7,8 @@ run:
   ``tiny`` preset with ``--chunk`` byte pieces) runs through :meth:`Program.run
   <wb.runtime.engine.program.Program.run>` over a transport whose requests complete at once and
   move no bytes; per side (trainers send, rollouts receive and forward), the rank's update time
-  over its messages.
+  over its messages. ``loop_framed``: the same with small messages framed, as over a real
+  transport (:mod:`wb.runtime.engine.frames`: the loop then copies them into frames).
 - ``transport``: the real transport between two processes on this host, ``--messages`` messages
   of ``--message-bytes`` each, posted and completed through :class:`wb.UcxTransport` alone (no
   executor): per side, the time from the first post to the last completion over the messages.
@@ -87,10 +88,11 @@ class NullMover:
 
 class NullTransport:
     """A :class:`wb.Transport` whose requests complete at once and move no bytes: what is left of
-    an update is wb's own loop."""
+    an update is wb's own loop. Its messages cost nothing, so programs over it do not frame small
+    messages (``frames``; with ``frames=True`` they do, as over a real transport)."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, *, frames: bool = False):
+        self.rank, self.frames = rank, frames
 
     def connect(self, peers, *, hello: bytes = b"") -> dict[int, bytes]:
         return {int(p): hello for p in peers if int(p) != self.rank}
@@ -108,8 +110,9 @@ class NullTransport:
         pass
 
 
-def loop_layer(chunk: int, repeat: int) -> dict:
-    """wb's loop alone: every rank of the ``tiny`` preset planned with ``chunk``-byte pieces."""
+def loop_layer(chunk: int, repeat: int, *, frames: bool = False) -> dict:
+    """wb's loop alone: every rank of the ``tiny`` preset planned with ``chunk``-byte pieces
+    (``frames``: small messages framed, as over a real transport: copies the loop then makes)."""
     import wb
     from wb.cli.bench.weights import buffers_of
     from wb.layouts import deployment
@@ -119,12 +122,12 @@ def loop_layer(chunk: int, repeat: int) -> dict:
     plan = wb.plan(dep.trainers, dep.rollouts, chunk_bytes=chunk)
     out: dict[str, list] = {"trainer": [], "rollout": []}
     for part in wb.data.plan.parts(plan):
-        prog = Program(part)
+        prog = Program(part, frames=frames)
         n = len(prog.messages)
         if not n:
             continue
         bufs = buffers_of(part.layout, fill=part.role.value == "trainer")
-        transport = NullTransport(part.rank)
+        transport = NullTransport(part.rank, frames=frames)
         best = float("inf")
         for k in range(repeat + 1):  # the first run checks the buffers and warms up
             t0 = time.perf_counter()
@@ -190,7 +193,7 @@ def k2_layer(models_dir: str | None = None) -> dict:
         ranks = [r for r in plan.ranks if roles[r] == side]
         counts = per_rank[ranks]
         heaviest = ranks[int(np.argmax(counts))]
-        prog = Program(wb.RankPlan.of(plan, heaviest))
+        prog = Program(wb.RankPlan.of(plan, heaviest), frames=False)  # as over NullTransport
         transport, mover = NullTransport(heaviest), NullMover()
         best = float("inf")
         for k in range(3):
@@ -225,6 +228,7 @@ def main() -> None:
     rep: dict = {"device": f"cuda:{a.cuda}" if a.cuda is not None else "cpu",
                  "time": time.strftime("%Y-%m-%d %H:%M")}
     rep["loop"] = loop_layer(a.chunk, a.repeat)
+    rep["loop_framed"] = loop_layer(a.chunk, a.repeat, frames=True)
     if not a.skip_transport:
         rep.update(transport_layers(a.message_bytes, a.messages, a.cuda, a.tls))
     if a.k2:

@@ -102,8 +102,10 @@ def test_any_staging_budget_delivers_every_byte(which, staging_bytes, request):
         want = buffers_for(plan, r, fill=True)
         for k, a in want.items():
             np.testing.assert_array_equal(bufs[r][k].view(np.uint8), a.view(np.uint8))
-    # the budget bounds staging in flight (a message bigger than the budget still goes alone)
-    biggest = int(plan.messages.nbytes.max())
+    # the budget bounds staging in flight (a message, or a frame of small ones, bigger than the
+    # budget still goes alone)
+    biggest = max(g.nbytes for r in plan.ranks
+                  for g in Program(RankPlan.of(plan, r)).units.values())
     for s in stats.values():
         assert s.staging_peak <= staging_bytes + 2 * biggest
     if which == "strided_plan":  # the staging path really ran
@@ -224,9 +226,10 @@ def test_device_work_waits_for_its_event(strided_plan, monkeypatch):
     for lay in strided_plan.rollouts:
         want = buffers_for(strided_plan, lay.worker.rank, fill=True)
         np.testing.assert_array_equal(bufs[lay.worker.rank]["w"], want["w"])
-    # every message of this plan is packed at its sender and unpacked at its receiver, and the
-    # loop waited for each of those events to pass
-    assert len(_SlowEvent.made) == 2 * strided_plan.messages.nbytes.size
+    # every message (or frame of small ones) of this plan is packed at its sender and unpacked
+    # at its receiver, and the loop waited for each of those events to pass
+    units = sum(len(Program(RankPlan.of(strided_plan, r)).units) for r in strided_plan.ranks)
+    assert len(_SlowEvent.made) == units
     assert all(ev.queries >= 4 for ev in _SlowEvent.made)
 
 

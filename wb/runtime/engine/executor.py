@@ -31,6 +31,7 @@ from typing import Any
 from wb.data.layout import Layout
 from wb.data.plan import RankPlan
 from wb.errors import TransferError
+from wb.runtime.engine.frames import framing
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats
@@ -59,13 +60,15 @@ def connect(part: RankPlan, transport) -> list[int]:
             aborted).
     """
     peers = list(part.peers)
-    fp = part.fingerprint.encode()
+    # the plan, and whether this rank frames small messages: peers must do as it does
+    fp = f"{part.fingerprint}:frames={int(framing(transport))}".encode()
     wrong = sorted(p for p, h in transport.connect(peers, hello=fp).items() if h != fp)
     if wrong:
         abort(transport)
         raise TransferError(f"rank {part.rank}: peers {wrong} run a different plan (fingerprint "
-                            f"mismatch); refusing before sending anything; give every worker the "
-                            f"same plan")
+                            f"mismatch), or frame small messages otherwise (a transport of "
+                            f"another kind); refusing before sending anything; give every worker "
+                            f"the same plan and the same kind of transport")
     prepare = getattr(transport, "prepare", None)
     if prepare is not None:
         prepare(peers)
@@ -106,7 +109,7 @@ def execute(part: RankPlan, buffers: Mapping[str, Any], transport, *,
         TransferError: bad buffers or a plan for other layouts (before any byte moves), a peer running another plan (before sending), a failed or stalled transfer
             (naming the peer and plan step).
     """
-    program = Program(part)
+    program = Program(part, frames=framing(transport))
     program.check(buffers, layout=layout)  # refuse bad buffers before connecting to anyone
     connect(part, transport)
     stats = program.run(buffers, transport, tag_base=tag_base, staging_bytes=staging_bytes,

@@ -24,6 +24,7 @@ import numpy as np
 from wb.data.dtypes import dtype_info
 from wb.runtime.engine import gather
 from wb.runtime.engine.casts import assign, xp_dtype
+from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import DeviceBytes, fencer, region
 
 __all__ = ["Mover", "HostMover", "DeviceMover", "mover_for", "new_pool"]
@@ -82,9 +83,14 @@ class HostMover:
         slot, f0 = (T.src_slot[t], T.src_f0[t]) if src else (T.dst_slot[t], T.dst_f0[t])
         return self.flat[self.prog.slot_buf[slot]], int(f0)
 
-    def _bytes(self, g, *, src: bool):
+    def _slice(self, g, *, src: bool):
+        """A zero-copy message's range of its buffer, as an array of bytes."""
         a, f0 = self._range(g, src=src)
-        return a[f0:f0 + g.nbytes // a.itemsize].view(np.uint8)
+        return a[f0:f0 + g.nbytes // a.itemsize].view(self.xp.uint8)
+
+    def _bytes(self, g, *, src: bool):
+        """A zero-copy message's range as the transport takes it."""
+        return self._slice(g, src=src)
 
     def source(self, g):
         v = self.cache.get((g.m, 0))
@@ -125,6 +131,18 @@ class HostMover:
 
     def pack(self, g):
         buf = self.staging(g.nbytes)
+        if g.__class__ is Frame:
+            for member, at in zip(g.members, g.offsets):
+                self.pack_into(member, buf[at:at + member.nbytes])
+        else:
+            self.pack_into(g, buf)
+        return buf
+
+    def pack_into(self, g, buf) -> None:
+        """Message ``g``'s source regions into ``buf`` (its bytes), in its travelling dtype."""
+        if g.zc_src:  # one range of a buffer
+            self.xp.copyto(buf, self._slice(g, src=True))
+            return
         o, xp, dtype_of = 0, self.xp, self.prog.dtype_of
         wire = xp_dtype(xp, g.wire) if g.conv else None
         for sp, v in zip(self.prog.spans(g), self.regions(g)):
@@ -133,9 +151,19 @@ class HostMover:
             assign(xp, buf[o:o + n].view(w).reshape(v.shape), v, g.wire,
                    dtype_of(sp.slot) if g.conv else g.wire)
             o += n
-        return buf
 
     def unpack(self, g, buf) -> None:
+        if g.__class__ is Frame:
+            for member, at in zip(g.members, g.offsets):
+                self.unpack_from(member, buf[at:at + member.nbytes])
+        else:
+            self.unpack_from(g, buf)
+
+    def unpack_from(self, g, buf) -> None:
+        """Message ``g``'s bytes ``buf`` into its destination regions, in their dtype."""
+        if g.zc_dst:  # one range of a buffer
+            self.xp.copyto(self._slice(g, src=False), buf)
+            return
         o, xp = 0, self.xp
         mine = self.prog.dtype_of(self.T.dst_slot[g.ts[0]]) if g.conv else g.wire
         wire = xp_dtype(xp, g.wire) if g.conv else None
@@ -180,10 +208,14 @@ class DeviceMover(HostMover):
             self._fused(g, buf, scatter=True)
 
     def _fused(self, g, buf, *, scatter: bool) -> None:
-        """Packs ``g`` into ``buf`` (or, with ``scatter``, unpacks ``buf``) in one launch."""
+        """Packs ``g`` (a message or a frame) into ``buf`` (or, with ``scatter``, unpacks
+        ``buf``) in one launch: a frame's members' regions lie one after another, as its
+        members do."""
         xp, prog = self.xp, self.prog
         if g.table is None:
-            g.table = xp.asarray(gather.table(prog.spans(g)))
+            spans = ([sp for member in g.members for sp in prog.spans(member)]
+                     if g.__class__ is Frame else prog.spans(g))
+            g.table = xp.asarray(gather.table(spans))
         if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
             ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
                     for b, r in zip(prog.slot_buf, prog.slot_rank)]

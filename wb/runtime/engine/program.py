@@ -21,6 +21,8 @@ from wb.data.layout import Layout
 from wb.data.plan import RankPlan
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
+from wb.runtime.engine.frames import Frame
+from wb.runtime.engine.frames import frames as frames_of
 from wb.runtime.engine.movers import Mover, mover_for, new_pool
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
 
@@ -127,11 +129,13 @@ def _spans(src: tuple, dst: tuple | None, na, nb) -> list[Span]:
 
 
 class _Checked(NamedTuple):
-    """The arrays a program last checked, held weakly: the same ones again skip the check."""
+    """The arrays a program last checked, held weakly (their 1-D views strongly, as the view
+    cache holds them, until :meth:`Program.release`): the same ones again skip the check."""
 
     layout: Layout | None  # the probed layout the check compared with (None: none)
     refs: dict[str, tuple[weakref.ref, tuple]]  # name -> (array, (shape, dtype))
     xp: Any  # their array module
+    flat: dict[str, Any]  # name -> the 1-D view the check returned (as the view cache holds)
 
 
 class Program:
@@ -145,6 +149,9 @@ class Program:
         part: the rank's part of the plan (:class:`wb.RankPlan`).
         stage_receives: every receive lands in staging and is unpacked, none straight into the
             buffers (for buffers that are new memory every update: see :class:`wb.Receiver`).
+        frames: small messages that are ready together travel as one
+            (:mod:`wb.runtime.engine.frames`); what the transport says
+            (:func:`~wb.runtime.engine.frames.framing`): both ends of a pair must agree.
 
     Attributes:
         part: the rank's part of the plan, as given (its ``transfers`` and ``pieces``, numbered
@@ -153,13 +160,15 @@ class Program:
         layout: ``rank``'s layout in the plan.
         messages: ``{plan message index: Message}`` of the messages this rank sends, receives or
             copies.
+        units: what an update moves: ``{index: Message or Frame}``, the small messages that
+            travel together as a :class:`~wb.runtime.engine.frames.Frame` keyed by the first.
         children: ``{message: [forwards]}``: the forwards this rank sends once a message landed.
         when: ``{plan message index: time}`` (:func:`wb.data.plan.schedule`) of this rank's
             messages.
-        zero_copy_receives: receives straight into the buffers, in schedule order.
-        staged_receives: receives into staging (then unpacked), in schedule order.
-        roots: ``[(when, message)]`` of the sends that wait for no other message, sorted.
-        n_out: how many messages this rank sends or copies.
+        zero_copy_receives: receives straight into the buffers, in schedule order (units).
+        staged_receives: receives into staging (then unpacked), in schedule order (units).
+        roots: ``[(when, unit)]`` of the sends that wait for no other message, sorted.
+        n_out: how many units this rank sends or copies.
         conversions: the ``(from, to)`` dtype pairs this rank converts between.
 
     Examples:
@@ -172,7 +181,7 @@ class Program:
         (1, [0], [])
     """
 
-    def __init__(self, part: RankPlan, *, stage_receives: bool = False):
+    def __init__(self, part: RankPlan, *, stage_receives: bool = False, frames: bool = True):
         # the rank's own transfers and pieces, numbered within the part (what the loop reads)
         self.part, self.layout, self.rank = part, part.layout, part.rank
         M, T, P = part.messages, part.transfers, part.pieces
@@ -208,17 +217,27 @@ class Program:
             if out and M.parent[k] >= 0:
                 self.children.setdefault(int(M.parent[k]), []).append(m)
         when = self.when
-        #: ``{message: [(schedule time, forward)]}``: what :attr:`children` releases, as the
-        #: update loop queues it
-        self.forwards = {m: [(when[c], c) for c in cs] for m, cs in self.children.items()}
-        order_in = sorted((m for m, g in self.messages.items() if not g.out),
+        # what an update moves: a message, or a frame of small ones (keyed by its first member)
+        self.units: dict[int, Message | Frame] = dict(self.messages)
+        for members in (frames_of(self.messages, when) if frames else ()):
+            for m in members[1:]:
+                del self.units[m]
+            self.units[members[0]] = Frame([self.messages[m] for m in members])
+        units = self.units
+        #: ``{message: [(schedule time, forward)]}``: the units a landed message releases here
+        #: (a frame's first member's time), as the update loop queues them
+        self.forwards: dict[int, list[tuple[float, int]]] = {}
+        for m, g in units.items():
+            if g.out and g.parent >= 0:
+                self.forwards.setdefault(g.parent, []).append((when[m], m))
+        order_in = sorted((m for m, g in units.items() if not g.out),
                           key=lambda m: (when[m], m))  # receives, in schedule order
-        self.zero_copy_receives = [m for m in order_in if self.messages[m].zc_dst]
-        self.staged_receives = [m for m in order_in if not self.messages[m].zc_dst]
-        # (time, message) of the sends that need no other message first, sorted
-        self.roots = sorted((float(when[m]), m) for m, g in self.messages.items()
+        self.zero_copy_receives = [m for m in order_in if units[m].zc_dst]
+        self.staged_receives = [m for m in order_in if not units[m].zc_dst]
+        # (time, unit) of the sends that need no other message first, sorted
+        self.roots = sorted((float(when[m]), m) for m, g in units.items()
                             if g.out and g.parent < 0)
-        self.n_out = sum(g.out for g in self.messages.values())  # sends and local copies
+        self.n_out = sum(g.out for g in units.values())  # sends and local copies
         self._checked: _Checked | None = None
         self._prepared = False  # the CUDA conversion and copy kernels are loaded
         #: staging no message uses, by size, reused by every update (see
@@ -233,6 +252,7 @@ class Program:
         buffers (the worker is closing, or runs another program from now on)."""
         self.staging_pool = new_pool()
         self.view_cache = {}
+        self._checked = None
 
     def spans(self, g: Message) -> list[Span]:
         """Message ``g``'s regions in its order, contiguous runs merged (on the side this rank
@@ -269,14 +289,12 @@ class Program:
         """
         last = self._checked
         if last is not None and (layout is None or last.layout is layout):
-            flat = {}
             for n, (ref, shape) in last.refs.items():
                 a = buffers.get(n)
-                if a is None or ref() is not a or (tuple(a.shape), a.dtype) != shape:
+                if a is None or ref() is not a or (a.shape, a.dtype) != shape:
                     break
-                flat[n] = a.reshape(-1)
             else:
-                return flat, last.xp
+                return dict(last.flat), last.xp
         flat, xp = check_buffers(self.layout, buffers, layout=layout)
         self.view_cache = {}  # other buffers (or ones that may have moved): no view stands
         given = {n: buffers[n] for n in flat}
@@ -285,7 +303,8 @@ class Program:
                     if fixed_memory(a)}
         except TypeError:  # an array type without weak references: check every time
             refs = {}
-        self._checked = _Checked(layout, refs, xp) if len(refs) == len(given) else None
+        self._checked = (_Checked(layout, refs, xp, dict(flat)) if len(refs) == len(given)
+                         else None)
         return flat, xp
 
     def run(self, buffers: Mapping[str, Any] | None, transport, *, tag_base: int = 0,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from wb.errors import PeersLost, TransferError
+from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import Inflight, abort
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
@@ -181,7 +182,7 @@ class _Update:
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
-        self.prog, self.msgs, self.mover = prog, prog.messages, mover
+        self.prog, self.msgs, self.mover = prog, prog.units, mover
         self.transport, self.tag_base = transport, tag_base
         # UCX reads and writes device memory outside our CUDA stream, so device work must finish
         # before a send is posted or a message counts as landed: see `fencer`
@@ -199,8 +200,9 @@ class _Update:
         self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
         self.bytes_sent = self.bytes_received = self.bytes_local = 0
         self.messages_sent = self.messages_received = 0
-        for _, m in self.ready:
-            self.mark(m, 0)
+        if traced:
+            for _, m in self.ready:
+                self.mark(m, 0)
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -247,7 +249,8 @@ class _Update:
                     self.mark(g.m, 1)
                 continue
             if not g.local and self.staged_send and \
-                    self.staged_send + g.nbytes > self.send_budget:
+                    self.staged_send + g.nbytes > self.send_budget and \
+                    not self.lowest_in_flight(ready[0]):
                 break
             pop(ready)
             self.sent_out += 1
@@ -263,6 +266,18 @@ class _Update:
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
 
+    def lowest_in_flight(self, item: tuple[float, int]) -> bool:
+        """Whether unit ``item`` (``(schedule time, unit)``) comes before every packed send in
+        flight: then it goes even over the send budget. Units are sent and received in one
+        order everywhere; a forward becomes ready when its parent lands, possibly after later
+        units went, and the lowest unfinished unit of the whole plan must never wait for
+        staging that later ones hold (its receiver waits for it first): that is what keeps
+        every budget deadlock-free. Later units still wait, so staging in flight stays within
+        the budget and the few units posted ahead of it."""
+        when = self.prog.when
+        return all(item < (when[g.m], g.m) for q in self.inflight.queues.values()
+                   for _, g, buf in q if g.out and buf is not None)
+
     def take_completions(self, *, full: bool) -> bool:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
         the unpacking passed its event) or, zero-copy, has landed."""
@@ -271,7 +286,7 @@ class _Update:
         for req, g, buf in got:
             if g.out:
                 self.bytes_sent += g.nbytes
-                self.messages_sent += 1
+                self.messages_sent += len(g.members) if g.__class__ is Frame else 1
                 if marks is not None:
                     self.mark(g.m, 2)
                 if buf is not None:
@@ -329,6 +344,13 @@ class _Update:
             self.staged_recv -= g.nbytes
             self.mover.release(buf)
         self.bytes_received += g.nbytes
+        if g.__class__ is Frame:
+            self.messages_received += len(g.members)
+            if self.marks is not None:
+                self.mark(g.m, 2)
+            for member in g.members:
+                self.complete(member.m)
+            return
         self.messages_received += 1
         if self.marks is not None:
             self.mark(g.m, 2)
@@ -347,14 +369,17 @@ class _Update:
 
     # --- records -------------------------------------------------------------------------------
     def mark(self, m: int, i: int) -> None:
-        """Trace: message ``m`` reached step ``i`` (0 ready, 1 posted, 2 done) now."""
+        """Trace: unit ``m`` (each message of a frame) reached step ``i`` (0 ready, 1 posted, 2
+        done) now."""
         if self.marks is not None:
-            self.marks.setdefault(m, [None, None, None])[i] = time.time()
+            now, g = time.time(), self.msgs.get(m)
+            for k in ([x.m for x in g.members] if g.__class__ is Frame else [m]):
+                self.marks.setdefault(k, [None, None, None])[i] = now
 
     def trace_entries(self) -> list[TraceEntry]:
         out = []
         for m, (r, p, d) in sorted(self.marks.items()):
-            g = self.msgs[m]
+            g = self.prog.messages[m]
             out.append(TraceEntry(m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p,
                                   p, d))
         return out

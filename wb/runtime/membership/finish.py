@@ -49,6 +49,7 @@ from wb.algorithms import planner
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan
 from wb.errors import PeersLost, PlanError, TransferError
+from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import ExecStats
 from wb.runtime.membership.joining import Admissions
@@ -222,7 +223,8 @@ class Finisher:
                 part = fetch_part(end.store, end.rank, name=self._key(v, "part", a),
                                   timeout=self._patience)
                 _call(end.transport, "add_peers", part.peers)
-                prog = Program(part, stage_receives=end.stage_receives)
+                prog = Program(part, stage_receives=end.stage_receives,
+                               frames=framing(end.transport))
             elif ok:  # done before the repair: nothing more to receive
                 self.pending_final = v
                 return _since(total, first)
