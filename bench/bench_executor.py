@@ -85,6 +85,9 @@ class NullMover:
     def fence(self):
         return None
 
+    def wait(self, g):
+        return None
+
 
 class NullTransport:
     """A :class:`wb.Transport` whose requests complete at once and move no bytes: what is left of

@@ -303,3 +303,43 @@ def test_staged_receives_land_every_message_through_staging(plan):
         assert stats[r].staging_peak > 0
         for k, a in buffers_for(plan, r, fill=True).items():
             np.testing.assert_array_equal(bufs[r][k].view(np.uint8), a.view(np.uint8))
+
+
+@pytest.mark.timeout(120)
+def test_sends_from_a_buffer_still_being_written_wait_for_its_event(plan):
+    """``ready`` (an FP8 quantiser's events, per buffer it writes): a message sent straight from
+    such a buffer is posted only once that buffer's event has passed, while the other buffers'
+    messages go at once; everything arrives, bit for bit."""
+    trainer = plan.trainers[0].worker.rank
+    part = RankPlan.of(plan, trainer)
+    prog = Program(part, frames=False)  # small messages apart: sent straight from the buffers
+    names = list(part.layout.buffers)
+    slow = set(names[::2])  # every other buffer is "still being written"
+    events = {n: _SlowEvent() for n in slow}
+    posted: list[tuple[int, bool]] = []  # (message, its buffer's event had passed)
+    T = part.transfers
+
+    class Watching(LocalTransport):
+        def send(self, peer, buf, tag):
+            g = prog.units[int(tag) & 0xFFFFFFFF]
+            name = prog.slot_buf[T.src_slot[g.ts[0]]]
+            if g.zc_src and name in slow:
+                posted.append((g.m, events[name].queries > 3))
+            return super().send(peer, buf, tag)
+
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+
+    def run(r):
+        t = (Watching if r == trainer else LocalTransport)(r, hub, timeout=20)
+        p = prog if r == trainer else Program(RankPlan.of(plan, r), frames=False)
+        connect(p.part, t)
+        p.run(bufs[r], t, timeout=20, ready=events if r == trainer else None)
+        t.close()
+    assert not run_each(run, plan.ranks)
+    assert posted and all(ok for _, ok in posted), posted  # none went before its event passed
+    for lay in plan.rollouts:
+        want = buffers_for(plan, lay.worker.rank, fill=True)
+        for k, a in want.items():
+            np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
+                                          a.view(np.uint8))

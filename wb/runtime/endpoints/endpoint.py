@@ -230,10 +230,11 @@ class Endpoint:
         return joined
 
     # --- the transfer ----------------------------------------------------------------------------
-    def run(self, v: int, arrays: Mapping[str, Any]) -> ExecStats:
+    def run(self, v: int, arrays: Mapping[str, Any], *, ready: dict | None = None) -> ExecStats:
         """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
-        at set-up, joined for ``v``)."""
-        return self.finisher.run(v, arrays)
+        at set-up, joined for ``v``; ``ready``: see :meth:`Program.run
+        <wb.runtime.engine.program.Program.run>`)."""
+        return self.finisher.run(v, arrays, ready=ready)
 
     def stop(self) -> None:
         """Stops beating (the worker is closing), once it knows which peers died (the closing

@@ -40,8 +40,10 @@ class _SendPath(Protocol):
     def stage(self, live: Live) -> None:
         """Takes what must be copied before ``push`` returns."""
 
-    def send(self, v: int, live: Live, t0: float) -> None:
-        """Sends version ``v`` (``t0``: ``time.perf_counter()`` when ``push`` was called)."""
+    def send(self, v: int, live: Live, t0: float, ready: dict) -> None:
+        """Sends version ``v`` (``t0``: ``time.perf_counter()`` when ``push`` was called;
+        ``ready``: device work still writing buffers, as :meth:`Quantiser.launch
+        <wb.runtime.engine.fp8.Quantiser.launch>` gives it)."""
 
     def finish(self, *, charge: bool) -> None:
         """Waits for a version still being sent, records it, raises its error."""
@@ -57,9 +59,9 @@ class _DirectSend:
     def stage(self, live: Live) -> None:
         pass  # nothing to copy: the live buffers themselves are sent
 
-    def send(self, v: int, live: Live, t0: float) -> None:
+    def send(self, v: int, live: Live, t0: float, ready: dict) -> None:
         joined = self.end.join(v)
-        ex = self.end.run(v, {n: a for n, (_, a) in live.items()})
+        ex = self.end.run(v, {n: a for n, (_, a) in live.items()}, ready=ready)
         self.end.record(v, time.perf_counter() - t0, Transferred(joined, ex))
 
     def finish(self, *, charge: bool) -> None:
@@ -76,25 +78,30 @@ class _Pending(NamedTuple):
 
 class _StagedSend:
     """Sender staging on: ``push`` copies the live buffers into staging and returns; a thread
-    joins the version and sends the copy while training goes on."""
+    joins the version and sends the copy while training goes on. Buffers the Sender itself
+    writes at each push (``own``: an FP8 quantiser's) are sent as they are: nothing else writes
+    them until the next push, which waits for this send first."""
 
-    def __init__(self, end: Endpoint, live: Live):
-        self.end = end
-        self.staging = copy_of(live)
+    def __init__(self, end: Endpoint, live: Live, own: frozenset = frozenset()):
+        self.end, self.own = end, own
+        self.staging = copy_of({n: x for n, x in live.items() if n not in own})
+        self.sent: dict[str, Any] = {}  # what the background send reads
         self.pending: _Pending | None = None
 
     def stage(self, live: Live) -> None:
         for n, (xp, a) in live.items():
-            copy(xp, self.staging[n], a)
+            if n not in self.own:
+                copy(xp, self.staging[n], a)
+        self.sent = {**self.staging, **{n: live[n][1] for n in self.own}}
 
-    def send(self, v: int, live: Live, t0: float) -> None:
+    def send(self, v: int, live: Live, t0: float, ready: dict) -> None:
         stall = time.perf_counter() - t0
-        self.pending = _Pending(v, stall, in_thread(self._send, v,
+        self.pending = _Pending(v, stall, in_thread(self._send, v, ready,
                                                     name=f"wb-send-{self.end.rank}-v{v}"))
 
-    def _send(self, v: int) -> Transferred:
+    def _send(self, v: int, ready: dict) -> Transferred:
         joined = self.end.join(v)
-        return Transferred(joined, self.end.run(v, self.staging))
+        return Transferred(joined, self.end.run(v, self.sent, ready=ready))
 
     def finish(self, *, charge: bool) -> None:
         """The wait is a stall of the version that caused it when ``push`` waits (``charge``),
@@ -193,7 +200,8 @@ class Sender:
         try:
             self._live: Live = {n: as_array(n, buffers[n], rank=self.rank)
                                 for n in self._end.layout.buffers}
-            self._path: _SendPath = (_StagedSend(self._end, self._live) if self.staging
+            own = frozenset(self._quant.buffers) if self._quant is not None else frozenset()
+            self._path: _SendPath = (_StagedSend(self._end, self._live, own) if self.staging
                                      else _DirectSend(self._end))
         except BaseException:  # no beating or watching thread is left behind
             self._end.halt()
@@ -234,13 +242,19 @@ class Sender:
         if v <= self.version:
             raise TransferError(f"rank {self.rank}: push(version={v}) but version {self.version} "
                                 f"was already pushed; versions must increase")
-        if self._quant is not None:
-            self._quant.run(self._live, exchange=lambda keys, amax: self._exchange(v, keys, amax))
+        ready: dict = {}
+        if self._quant is not None:  # queued on the device, sent as each buffer is written
+            ready = self._quant.launch(
+                self._live, exchange=lambda keys, amax: self._exchange(v, keys, amax),
+                order=self._end.program.first_sent())
+            if self.staging:  # the caller's step may overwrite what the kernels still read
+                for ev in ready.values():
+                    ev.synchronize()
         self._path.stage(self._live)
         self._end.finisher.admit(v)  # the leader takes in joiners before announcing v
         self._end.announce(v)
         self.version = v
-        self._path.send(v, self._live, t0)
+        self._path.send(v, self._live, t0, ready)
         return v
 
     def _exchange(self, v: int, keys: np.ndarray, amax: np.ndarray) -> tuple:

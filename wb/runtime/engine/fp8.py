@@ -82,13 +82,31 @@ class Quantiser:
 
     def run(self, live: Mapping[str, tuple[Any, Any]], exchange=None) -> None:
         """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
-        same shapes).
+        same shapes), finished when this returns.
 
         Args:
             live: ``{name: (xp, array)}`` of its buffers.
             exchange: where it holds blocks in part: ``exchange(keys, amax)`` gets its parts'
                 ``amax`` (:func:`wb.algorithms.fp8.tasks.partial_amax`) and returns
                 ``(keys, amax)`` over the whole blocks, every other holder's parts included.
+        """
+        for ev in self.launch(live, exchange).values():
+            ev.synchronize()
+
+    def launch(self, live: Mapping[str, tuple[Any, Any]], exchange=None, *,
+               order: list[str] | None = None) -> dict[str, Any]:
+        """Starts filling :attr:`buffers` from the ``live`` buffers: host tasks are done when
+        this returns; CUDA tasks are queued, one after another, and each output buffer gets the
+        event after the last task that writes it (what an update waits for before it sends
+        from that buffer: :meth:`wb.runtime.engine.program.Program.run`'s ``ready``).
+
+        Args:
+            live, exchange: as :meth:`run` (blocks held in part are exchanged first, at once).
+            order: output buffer names in the order an update first sends from them: their
+                tasks are queued in that order (others after).
+
+        Returns:
+            ``{output buffer name: event}`` of the CUDA tasks (``.done``, ``.synchronize()``).
         """
         amax = None
         if self.parts:
@@ -101,7 +119,13 @@ class Quantiser:
             quantize_buffers(self._host, self.rank, {t.source: live[t.source][1] for t in host},
                              out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)},
                              amax=amax)
-        for i, task in enumerate(self.tasks):
+        first = {n: k for k, n in enumerate(order or ())}
+        tasks = sorted(range(len(self.tasks)), key=lambda i: (
+            min(first.get(self.tasks[i].weights, len(first)),
+                first.get(self.tasks[i].scales, len(first))), i))
+        ready: dict[str, Any] = {}
+        for i in tasks:
+            task = self.tasks[i]
             xp, src = live[task.source]
             if xp is not np:
                 with xp.cuda.Device(src.device.id):
@@ -112,6 +136,10 @@ class Quantiser:
                     for lo in range(0, task.blocks.size, self.step):
                         self._run_cuda(xp, task, on, src, lo, lo + self.step,
                                        _GIVEN if task.part else _WHOLE)
+                    ev = xp.cuda.Event(block=False, disable_timing=True)
+                    ev.record()
+                    ready[task.weights] = ready[task.scales] = ev
+        return ready
 
     def _partial_amax(self, live) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, amax)`` of the parts it holds, on the host and on its devices."""
@@ -175,14 +203,44 @@ _THREADS = 256  # per CUDA block (one quantisation block each)
 #: written to ``amax[b]``, and done; ``mode`` 2: read from ``amax[b]`` instead, a part's block),
 #: ``scale = float32(amax / FMAX)``, then every element ``float32(x / scale)`` (0 for a zero
 #: scale, NaN for a non-finite amax) encoded in the format.
-#: Values are decoded from raw bits and rounded with the integer and double code of
-#: :mod:`wb.runtime.engine.casts` (exact: a quotient of two floats rounded to double and then to
-#: float32 is the float32 quotient; no subnormal is flushed to zero).
+#: In float32, as fast as memory allows: every value of the source dtypes but float64 is a
+#: float32, the amax is one of them, and a quotient of two float32 rounded once to float32
+#: (``__fdiv_rn``) is the quotient rounded to double and then to float32, as the rule computes
+#: it; the format's encoding rounds a float32's bits with integers (:func:`wb_enc_f`), as
+#: :mod:`wb.runtime.engine.casts` does a double (no subnormal is flushed to zero).
 _QUANT = r"""
+__device__ unsigned int wb_enc_f(float v, int EB, int M, bool fn) {
+    unsigned int u = __float_as_uint(v), e32 = (u >> 23) & 0xffu, m32 = u & 0x7fffffu;
+    unsigned int sign = (u >> 31) << (EB + M), emask = (1u << EB) - 1u, inf = emask << M;
+    unsigned int top = fn ? ((emask << M) | ((1u << M) - 2u))
+                          : (((emask - 1u) << M) | ((1u << M) - 1u));
+    int bias = (1 << (EB - 1)) - 1, emin = 1 - bias;
+    if (e32 == 0xffu) {
+        if (m32) return fn ? ((emask << M) | ((1u << M) - 1u)) : (inf | (1u << (M - 1)));
+        return sign | (fn ? top : inf);
+    }
+    /* zero, and float32 subnormals (below 2**-126: less than half of any 8-bit format's least
+       subnormal): zero of the sign */
+    if (e32 == 0u) return sign;
+    unsigned int sig = m32 | 0x800000u;
+    int ue = (int)e32 - 127, E = ue > emin ? ue : emin;
+    int shift = 23 - M + (E - ue);  /* the significand in units of 2**(E - M), ties to even */
+    unsigned int q;
+    if (shift >= 25) q = 0u;
+    else {
+        unsigned int rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        q = sig >> shift;
+        if (rem > half || (rem == half && (q & 1u))) q += 1u;
+    }
+    if (q >= (1u << (M + 1))) { E += 1; q >>= 1; }
+    unsigned int bits = q < (1u << M) ? q : ((unsigned int)(E - emin + 1) << M) | (q - (1u << M));
+    if (bits > top) bits = fn ? top : inf;
+    return sign | bits;
+}
 __device__ long long wb_pos(int k, int bh, int bw, long long br, long long bc, long long rows,
                             long long cols, long long a0, long long a1, long long a2,
                             const long long* w, long long o, const long long* gather) {
-    int i = k / bw, j = k % bw;
+    int i = k / bw, j = k - (k / bw) * bw;
     if (o >= 0) return gather[o * (long long)(bh * bw) + k];
     if (br * bh + i >= rows || bc * bw + j >= cols) return -1;
     if (i < w[0] || i >= w[1] || j < w[2] || j >= w[3]) return -1;
@@ -192,7 +250,7 @@ extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const l
         const long long* odd, const long long* gather, const long long* win, long long n,
         int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
         unsigned char* q, unsigned int* scales) {
-    __shared__ double s_max[THREADS];
+    __shared__ float s_max[THREADS];
     __shared__ int s_nan[THREADS];
     long long b = blockIdx.x;
     if (b >= n) return;
@@ -200,40 +258,38 @@ extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const l
     long long key = keys[b], br = key / gc, bc = key % gc, o = odd[b];
     long long a0 = at[3 * b], a1 = at[3 * b + 1], a2 = at[3 * b + 2];
     const long long* w = win + 4 * b;
-    double amax = 0.0;
+    float amax = 0.0f;
     if (mode == 2) {
-        amax = given[b];
+        amax = (float)given[b];  /* a float32, exchanged as a double */
     } else {
         int nan = 0;
         for (int k = t; k < per; k += THREADS) {
             long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
             if (p < 0) continue;
-            double x = DEC(src[p]);
-            if (isnan(x)) nan = 1; else amax = fmax(amax, fabs(x));
+            float x = DEC(src[p]);
+            if (isnan(x)) nan = 1; else amax = fmaxf(amax, fabsf(x));
         }
         s_max[t] = amax;
         s_nan[t] = nan;
         __syncthreads();
         for (int h = THREADS / 2; h > 0; h >>= 1) {
-            if (t < h) { s_max[t] = fmax(s_max[t], s_max[t + h]); s_nan[t] |= s_nan[t + h]; }
+            if (t < h) { s_max[t] = fmaxf(s_max[t], s_max[t + h]); s_nan[t] |= s_nan[t + h]; }
             __syncthreads();
         }
-        amax = s_nan[0] ? __longlong_as_double(0x7ff8000000000000LL) : s_max[0];
+        amax = s_nan[0] ? __uint_as_float(0x7fc00000u) : s_max[0];
         if (mode == 1) {
-            if (t == 0) given[b] = amax;
+            if (t == 0) given[b] = (double)amax;
             return;
         }
     }
-    unsigned long long sbits = wb_enc(amax / FMAX, 8, 23, false);
-    double s = wb_dec(sbits, 8, 23, false);
-    if (t == 0) scales[b] = (unsigned int)sbits;
+    float s = __fdiv_rn(amax, FMAX);
+    if (t == 0) scales[b] = isnan(s) ? 0x7fc00000u : __float_as_uint(s);
     bool finite = isfinite(amax);
     for (int k = t; k < per; k += THREADS) {
         long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
         if (p < 0) continue;
-        double x = DEC(src[p]);
-        double y = finite ? (s == 0.0 ? 0.0 : x / s) : __longlong_as_double(0x7ff8000000000000LL);
-        y = wb_dec(wb_enc(y, 8, 23, false), 8, 23, false);
+        float x = DEC(src[p]);
+        float y = finite ? (s == 0.0f ? 0.0f : __fdiv_rn(x, s)) : __uint_as_float(0x7fc00000u);
         q[p] = (unsigned char)ENC(y);
     }
 }
@@ -245,14 +301,18 @@ def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
     ``threads`` per block (``tests/test_quant_kernel_host.py`` compiles it for the host too)."""
     bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
             8: "unsigned long long"}[dtype_info(src).itemsize]
-    if src == "float64":  # rounded to float32 first, as the rule
-        dec = "wb_dec(wb_enc(__longlong_as_double((long long)(X)), 8, 23, false), 8, 23, false)"
-    else:
+    if src == "bfloat16":  # the upper half of a float32
+        dec = "__uint_as_float(((unsigned int)(X)) << 16)"
+    elif src == "float32":
+        dec = "__uint_as_float((unsigned int)(X))"
+    elif src == "float64":  # rounded to float32 first, as the rule (to nearest, ties to even)
+        dec = "(float)__longlong_as_double((long long)(X))"
+    else:  # exact in float32
         eb, m, fn = FLOAT_BITS[src]
-        dec = f"wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
+        dec = f"(float)wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
     eb, m, fn = FLOAT_BITS[fmt]
-    defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}\n"
-            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc(Y, {eb}, {m}, {str(fn).lower()})\n")
+    defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}f\n"
+            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc_f(Y, {eb}, {m}, {str(fn).lower()})\n")
     return defs + CAST_DEVICE_CODE + _QUANT
 
 

@@ -59,6 +59,10 @@ class Mover(Protocol):
         """An event for the work queued so far (``.done`` once it has passed), or ``None`` when
         the work is done already."""
 
+    def wait(self, g) -> Any:
+        """The device work a zero-copy message's source must wait for before it may leave (an
+        event, as :meth:`fence` gives: a quantiser writing its buffer), or ``None``."""
+
 
 class HostMover:
     """A :class:`Mover` over numpy arrays: copies are done when they return.
@@ -67,10 +71,13 @@ class HostMover:
         prog: the :class:`~wb.runtime.engine.program.Program` whose messages move.
         flat: ``{buffer name: 1-D array}`` of this rank's buffers (checked).
         xp: the array module (numpy here; CuPy for :class:`DeviceMover`).
+        ready: ``{buffer name: event}``: device work still writing a buffer (an FP8
+            quantiser's), which a message sent straight from it waits for (:meth:`wait`).
     """
 
-    def __init__(self, prog, flat: dict[str, Any], xp=np):
+    def __init__(self, prog, flat: dict[str, Any], xp=np, ready: dict | None = None):
         self.prog, self.flat, self.xp = prog, flat, xp
+        self.ready = ready or {}
         self.T = prog.part.transfers
         self.pool = prog.staging_pool  # {nbytes: [free staging]}, kept across updates
         # views of the buffers by message, kept while the program runs on the same buffers
@@ -82,6 +89,12 @@ class HostMover:
         t, T = g.ts[0], self.T
         slot, f0 = (T.src_slot[t], T.src_f0[t]) if src else (T.dst_slot[t], T.dst_f0[t])
         return self.flat[self.prog.slot_buf[slot]], int(f0)
+
+    def wait(self, g):
+        if not self.ready:
+            return None
+        ev = self.ready.get(self.prog.slot_buf[self.T.src_slot[g.ts[0]]])
+        return None if ev is None or ev.done else ev
 
     def _slice(self, g, *, src: bool):
         """A zero-copy message's range of its buffer, as an array of bytes."""
@@ -186,8 +199,8 @@ class DeviceMover(HostMover):
     transport as CUDA array interfaces (:class:`~wb.runtime.engine.inflight.DeviceBytes`: no
     CuPy slice per message)."""
 
-    def __init__(self, prog, flat: dict[str, Any], xp):
-        super().__init__(prog, flat, xp)
+    def __init__(self, prog, flat: dict[str, Any], xp, ready: dict | None = None):
+        super().__init__(prog, flat, xp, ready)
         self.ptrs = None  # this rank's buffer addresses by slot, on the device (fused copies)
 
     def _bytes(self, g, *, src: bool):
@@ -223,10 +236,10 @@ class DeviceMover(HostMover):
         gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
 
 
-def mover_for(prog, flat: dict[str, Any], xp) -> HostMover:
+def mover_for(prog, flat: dict[str, Any], xp, ready: dict | None = None) -> HostMover:
     """The mover for buffers of array module ``xp``: :class:`HostMover` for numpy,
-    :class:`DeviceMover` for CuPy."""
-    return HostMover(prog, flat) if xp is np else DeviceMover(prog, flat, xp)
+    :class:`DeviceMover` for CuPy (``ready``: see :class:`HostMover`)."""
+    return HostMover(prog, flat, xp, ready) if xp is np else DeviceMover(prog, flat, xp, ready)
 
 
 def new_pool() -> defaultdict:

@@ -247,6 +247,15 @@ class Program:
         #: updates run on the same buffers: emptied when :meth:`check` is given others
         self.view_cache: dict = {}
 
+    def first_sent(self) -> list[str]:
+        """This rank's buffer names in the order its update first sends from them (schedule
+        order): the order a quantiser writes them in."""
+        order: dict[str, None] = {}
+        T = self.part.transfers
+        for _, m in sorted((self.when[m], m) for m, g in self.messages.items() if g.out):
+            order.setdefault(self.slot_buf[T.src_slot[self.messages[m].ts[0]]], None)
+        return list(order)
+
     def release(self) -> None:
         """Lets go of the memory kept between updates: staging in the pool and views of the
         buffers (the worker is closing, or runs another program from now on)."""
@@ -310,7 +319,8 @@ class Program:
     def run(self, buffers: Mapping[str, Any] | None, transport, *, tag_base: int = 0,
             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
             trace: list | None = None, layout: Layout | None = None,
-            liveness=None, interrupt=None, mover: Mover | None = None) -> ExecStats:
+            liveness=None, interrupt=None, mover: Mover | None = None,
+            ready: Mapping[str, Any] | None = None) -> ExecStats:
         """Runs one update: this rank's sends, receives, local copies and forwards.
 
         Args:
@@ -334,6 +344,9 @@ class Program:
                 for ``buffers`` (numpy on the host, CUDA kernels for CuPy arrays). With a mover
                 of one's own, ``buffers`` are not checked (a benchmark's mover that moves nothing
                 takes ``None``).
+            ready: ``{buffer name: event}`` of device work still writing a buffer (an FP8
+                quantiser's, launched before this update): what is sent straight from it
+                leaves once the event has passed; the rest moves meanwhile.
 
         Returns:
             :class:`~wb.runtime.engine.update.ExecStats`.
@@ -358,5 +371,5 @@ class Program:
             # own device, whichever thread runs this (a Sender's or Receiver's background thread
             # starts on device 0)
             with next(iter(flat.values())).device:
-                return run_update(self, mover_for(self, flat, xp), transport, **kw)
-        return run_update(self, mover_for(self, flat, xp), transport, **kw)
+                return run_update(self, mover_for(self, flat, xp, ready), transport, **kw)
+        return run_update(self, mover_for(self, flat, xp, ready), transport, **kw)

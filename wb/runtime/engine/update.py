@@ -238,13 +238,18 @@ class _Update:
         ready, msgs, posted, marks = self.ready, self.msgs, False, self.marks
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
+        wait = self.mover.wait
         while ready:
             g = msgs[ready[0][1]]
             if g.zc_src and not g.local:  # the common case: straight from the buffer
                 pop(ready)
-                add(send(g.peer, source(g), self.tag_base + g.m), g, None)
                 self.sent_out += 1
                 posted = True
+                ev = wait(g)
+                if ev is not None:  # its buffer is still being written: sent once it is
+                    self.fenced.append((ev, g, None))
+                    continue
+                add(send(g.peer, source(g), self.tag_base + g.m), g, None)
                 if marks is not None:
                     self.mark(g.m, 1)
                 continue
@@ -333,8 +338,9 @@ class _Update:
             self.bytes_local += g.nbytes
             self.mark(g.m, 2)
             self.complete(g.m)
-        elif g.out:
-            self.inflight.add(self.transport.send(g.peer, buf, self.tag_base + g.m), g, buf)
+        elif g.out:  # packed (``buf``), or zero-copy once its buffer was written (None)
+            src = buf if buf is not None else self.mover.source(g)
+            self.inflight.add(self.transport.send(g.peer, src, self.tag_base + g.m), g, buf)
             self.mark(g.m, 1)
         else:
             self.landed(g, buf)

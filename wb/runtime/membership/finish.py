@@ -180,8 +180,10 @@ class Finisher:
             return None
 
     # --- one version ------------------------------------------------------------------------------
-    def run(self, v: int, arrays) -> ExecStats:
-        """Version ``v`` for this worker, over as many attempts as it takes."""
+    def run(self, v: int, arrays, *, ready: dict | None = None) -> ExecStats:
+        """Version ``v`` for this worker, over as many attempts as it takes (``ready``: device
+        work still writing ``arrays``, see :meth:`Program.run
+        <wb.runtime.engine.program.Program.run>`; later attempts find it done)."""
         end, a, prog = self.end, 0, self.end.program
         total: ExecStats | None = None
         first = None  # when a failed attempt started: the version's stats run from there
@@ -192,7 +194,8 @@ class Finisher:
                 try:
                     ex = prog.run(arrays, end.transport, tag_base=tag_base(v, a),
                                   staging_bytes=end.staging_bytes, timeout=end.timeout,
-                                  liveness=end.watch, interrupt=lambda: self._stop(v, a))
+                                  liveness=end.watch, interrupt=lambda: self._stop(v, a),
+                                  ready=ready)
                     total, ok = _merged(total, ex), True
                 except PeersLost as e:
                     log.warning("version %d, attempt %d: %s", v, a, e)
