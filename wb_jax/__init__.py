@@ -32,6 +32,7 @@ import numpy as np
 import wb
 from wb.algorithms.probing import HostArrays
 from wb.runtime.engine import dlpack
+from wb_jax.devices import use_cpu_devices
 from wb_jax.probing import DeviceArrays
 from wb.data.dtypes import canonical_dtype, dtype_info
 
@@ -43,33 +44,6 @@ __all__ = ["probe", "layouts", "checkpoint_layouts", "buffers", "Sender", "Recei
            "leaves", "shard_maps", "device_maps", "device_arrays", "use_cpu_devices"]
 
 Ranks = Union[int, Mapping[Any, int]]
-
-
-def use_cpu_devices(n: int) -> int:
-    """Asks JAX for ``n`` emulated CPU devices (for meshes on one machine); returns how many exist.
-
-    Works before JAX starts its backend (the first computation). Afterwards the devices that
-    exist are kept: enough of them is fine, too few is an error.
-
-    Args:
-        n: the number of CPU devices wanted.
-
-    Returns:
-        The number of devices JAX has.
-
-    Raises:
-        wb.SpecError: JAX has already started with fewer than ``n`` devices.
-    """
-    try:
-        jax.config.update("jax_num_cpu_devices", max(int(n), 1))
-    except RuntimeError as e:  # the backend has started (a notebook, a test session)
-        have = len(jax.devices())
-        if have < n:
-            raise wb.SpecError(
-                f"JAX has already started with {have} devices, fewer than the {n} asked for; "
-                f"call use_cpu_devices({n}) before the first JAX computation, or set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n}") from e
-    return len(jax.devices())
 
 
 def leaves(params: Any) -> dict[str, Any]:
@@ -276,6 +250,12 @@ def buffers(params: Any, ranks: Ranks) -> dict[int, dict[str, Any]]:
     by_dev = _devices(params, ranks)
     out: dict[int, dict[str, Any]] = {r: {} for r in by_dev.values()}
     for key, leaf in leaves(params).items():
+        devs = leaf.sharding.device_set
+        if len(devs) == 1:  # the array is its one shard (no Shard objects made per step)
+            (dev,) = devs
+            if dev in by_dev:
+                out[by_dev[dev]][key] = _host_or_device(leaf)
+            continue
         for shard in leaf.addressable_shards:
             if shard.device in by_dev:
                 out[by_dev[shard.device]][key] = _host_or_device(shard.data)
@@ -379,6 +359,7 @@ class _Arrays:
 
     def __init__(self, layouts: Mapping[int, wb.Layout], params: Any, ranks: Ranks):
         self.layouts, self.ranks = layouts, _devices(params, ranks)
+        self._treedef, self._keys = None, []  # the leaves' names by pytree structure
 
     def buffers(self, params: Any) -> dict[int, dict[str, Any]]:
         # a rank without a layout keeps all its arrays: the group refuses it, naming the plan's
@@ -428,25 +409,39 @@ class _Arrays:
         each is a DLPack export of wb's memory (see :meth:`allocator`), made a ``jax.Array`` of
         the same memory by ``jax.dlpack.from_dlpack``; other arrays are placed with
         ``jax.device_put`` (which aliases 64-byte aligned host memory on the CPU backend)."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flat, treedef = jax.tree_util.tree_flatten(params)
+        if self._treedef is None or treedef != self._treedef:  # leaves' names, once per structure
+            self._treedef = treedef
+            self._keys = [jax.tree_util.keystr(path)
+                          for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         out = []
-        for path, leaf in flat:
-            key = jax.tree_util.keystr(path)
+        for key, leaf in zip(self._keys, flat):
+            sharding = leaf.sharding
+            if isinstance(sharding, jax.sharding.SingleDeviceSharding):  # the array is its shard
+                (dev,) = sharding.device_set
+                r = self.ranks.get(dev)
+                out.append(self._shard(leaf, dev, bufs.get(r, {}).get(key) if r is not None
+                                       else None))
+                continue
             shards = []
             for shard in leaf.addressable_shards:
                 r = self.ranks.get(shard.device)
                 buf = bufs.get(r, {}).get(key) if r is not None else None
-                if buf is None:
-                    shards.append(shard.data)
-                elif isinstance(buf, jax.Array) and buf.devices() == {shard.device}:
-                    shards.append(buf)
-                elif isinstance(buf, dlpack.Export):
-                    shards.append(jax.dlpack.from_dlpack(buf, device=shard.device, copy=False))
-                else:
-                    shards.append(jax.device_put(buf, shard.device))
-            out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding,
-                                                                shards))
+                shards.append(self._shard(shard.data, shard.device, buf))
+            out.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards))
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    @staticmethod
+    def _shard(old: Any, device: Any, buf: Any) -> Any:
+        """The array of one device's shard: ``old`` where nothing was received for it, else the
+        received buffer as a ``jax.Array`` on ``device`` (no copy: see :meth:`received`)."""
+        if buf is None:
+            return old
+        if isinstance(buf, jax.Array) and buf.devices() == {device}:
+            return buf
+        if isinstance(buf, dlpack.Export):
+            return jax.dlpack.from_dlpack(buf, device=device, copy=False)
+        return jax.device_put(buf, device)
 
 
 class Sender(wb.SenderGroup):
