@@ -178,7 +178,7 @@ class _Update:
     __slots__ = ("prog", "msgs", "mover", "transport", "tag_base", "fence", "recv_budget",
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
-                 "bytes_local", "messages_sent", "messages_received")
+                 "bytes_local", "messages_sent", "messages_received", "packed", "packed_done")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
@@ -200,6 +200,10 @@ class _Update:
         self.marks: dict[int, list] | None = {} if traced else None  # m -> [ready, posted, done]
         self.bytes_sent = self.bytes_received = self.bytes_local = 0
         self.messages_sent = self.messages_received = 0
+        # packed sends staged and not yet complete: a heap of (schedule time, unit), with the
+        # completed ones dropped from its top as they come up
+        self.packed: list[tuple[float, int]] = []
+        self.packed_done: set[int] = set()
         if traced:
             for _, m in self.ready:
                 self.mark(m, 0)
@@ -267,6 +271,7 @@ class _Update:
             else:
                 buf = self.mover.pack(g)
                 self.staged_send += g.nbytes
+                heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 self.after(self.fence(), g, buf)
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
@@ -279,9 +284,10 @@ class _Update:
         staging that later ones hold (its receiver waits for it first): that is what keeps
         every budget deadlock-free. Later units still wait, so staging in flight stays within
         the budget and the few units posted ahead of it."""
-        when = self.prog.when
-        return all(item < (when[g.m], g.m) for q in self.inflight.queues.values()
-                   for _, g, buf in q if g.out and buf is not None)
+        packed, done = self.packed, self.packed_done
+        while packed and packed[0][1] in done:
+            done.discard(heapq.heappop(packed)[1])
+        return not packed or item < packed[0]
 
     def take_completions(self, *, full: bool) -> bool:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
@@ -296,6 +302,7 @@ class _Update:
                     self.mark(g.m, 2)
                 if buf is not None:
                     self.staged_send -= g.nbytes
+                    self.packed_done.add(g.m)
                     self.mover.release(buf)
             elif buf is not None:
                 self.mover.unpack(g, buf)
