@@ -126,8 +126,9 @@ def test_save_load_round_trip_without_pickle(good):
     back = wb.Plan.load(f)
     assert back == good
     back.verify()
-    f.seek(0)
-    with np.load(f, allow_pickle=False) as z:
+    from wb.data.sealed import unseal
+    payload = unseal("plan", f.getvalue(), where="test")  # the sealed file holds an npz
+    with np.load(io.BytesIO(payload), allow_pickle=False) as z:
         assert all(z[k].dtype != object for k in z.files)
 
 
@@ -209,14 +210,19 @@ def test_layouts_bytes_share_one_spec_between_replicas():
 
 def test_old_plan_format_is_refused_with_a_fix(good, tmp_path):
     import json
+    from wb.data.sealed import seal, unseal_stream
     good.save(tmp_path / "p.npz")
-    with np.load(tmp_path / "p.npz") as z:
+    stream = unseal_stream("plan", (tmp_path / "p.npz").read_bytes(), where="test")
+    with np.load(stream) as z:
         data = {k: z[k] for k in z.files}
     header = json.loads(bytes(data["header"]).decode())
     header["version"] = 1
     data["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
-    np.savez(tmp_path / "old.npz", **data)
-    with pytest.raises(wb.PlanError, match="make the plan again"):
+    f = io.BytesIO()
+    np.savez(f, **data)
+    (tmp_path / "old.npz").write_bytes(seal("plan", f.getvalue()))  # sealed, of format 1
+    with pytest.raises(wb.PlanError, match="of format 1, this wb reads format 4; make the plan "
+                                           "again"):
         wb.Plan.load(tmp_path / "old.npz")
 
 
@@ -247,8 +253,11 @@ def test_old_layouts_bytes_are_refused_with_a_fix():
     from wb.data.layout import layouts_from_bytes
     f = io.BytesIO()
     np.savez(f, header=np.frombuffer(json.dumps([{"rank": 0}]).encode(), np.uint8))
-    with pytest.raises(wb.SpecError, match="older version"):
-        layouts_from_bytes(f.getvalue())
+    with pytest.raises(wb.SpecError, match="not a layout list sealed by this wb"):
+        layouts_from_bytes(f.getvalue())  # unsealed: written before layouts were sealed
+    from wb.data.sealed import seal
+    with pytest.raises(wb.SpecError, match="older version"):  # sealed, of format 1
+        layouts_from_bytes(seal("layout list", f.getvalue()))
 
 
 def test_small_ranges_travel_packed_large_ones_in_place():

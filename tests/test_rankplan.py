@@ -114,7 +114,7 @@ def test_a_part_of_another_format_is_refused(plan):
     import json
 
     from wb.data.plan.part import _pack, _unpack
-    header, arrays = _unpack(RankPlan.of(plan, 2).to_bytes())
+    header, arrays = _unpack(RankPlan.of(plan, 2).to_bytes(), "part")
     with pytest.raises(wb.PlanError, match="make the plan again"):
         RankPlan.from_bytes(_pack({**header, "format": 99}, arrays))
     f = io.BytesIO()
@@ -122,13 +122,13 @@ def test_a_part_of_another_format_is_refused(plan):
     with pytest.raises(wb.PlanError, match="make the plan again"):
         RankPlan.from_bytes(f.getvalue())
     with pytest.raises(wb.PlanError, match="dtype"):
-        _unpack(_pack(header, {**arrays, "index": np.array(["a"], object)}))
+        _unpack(_pack(header, {**arrays, "index": np.array(["a"], object)}), "part")
     import zlib
 
-    from wb.data.plan.part import _MAGIC
-    head = json.dumps({"header": {**header, "format": 3}, "arrays": []}).encode()
-    with pytest.raises(wb.PlanError, match="make the plan again"):  # format 3: index raw
-        RankPlan.from_bytes(_MAGIC + len(head).to_bytes(8, "little") + head + zlib.compress(b""))
+    head = json.dumps({"header": {**header, "format": 4}, "arrays": []}).encode()
+    old = b"WBPART\n" + zlib.compress(len(head).to_bytes(8, "little") + head)  # format 4: unsealed
+    with pytest.raises(wb.PlanError, match="store key `k` is not a rank part sealed by this wb"):
+        RankPlan.from_bytes(old, where="store key `k`")
 
 
 def test_a_parts_index_is_deflated_with_its_arrays(plan):

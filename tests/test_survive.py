@@ -136,9 +136,9 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
     if "group" in joiner:
         assert j["firsts"] == {"8": first, "9": first}, j
     store = DirectoryStore(str(tmp_path / "run" / "store"))
-    import json
+    from wb.runtime.transport.stores import get_record
 
-    start = json.loads(store.get(f"wb/v/{first}/start", 1.0))
+    start = get_record(store, f"wb/v/{first}/start", 1.0)
     assert set(start["apart"]) == joiners == set(start["joined"]), start
     for r in (4, 5, 6, 7):  # the members' parts of that version's epoch: nothing with a joiner
         part = fetch_part(store, r, name=f"wb/epoch/{start['epoch']}", timeout=1.0)
@@ -327,7 +327,7 @@ def test_a_process_joining_with_several_ranks_is_admitted_all_or_none():
 
     from wb.data.layout import layouts_to_bytes
     from wb.runtime.membership.joining import Admissions
-    from wb.runtime.transport.stores import MemoryStore, set_large
+    from wb.runtime.transport.stores import MemoryStore, set_large, set_record
 
     sm = wb.SourceMap.from_indices(np.arange(8))
     lay = {r: wb.Layout(wb.Worker(r, f"n{r}", "trainer" if r == 0 else "rollout"),
@@ -348,7 +348,7 @@ def test_a_process_joining_with_several_ranks_is_admitted_all_or_none():
     def ask(r, token):
         set_large(store, f"wb/member/{r}", layouts_to_bytes([lay[r]]))
         store.set(f"wb/joinreq/{r}", token.encode())
-    store.set("wb/joingroup/t1", b"[2, 3]")
+    set_record(store, "wb/joingroup/t1", [2, 3])
     ask(2, "t1")
     assert adm.requests(set()) == {}
     ask(3, "t1")

@@ -26,6 +26,8 @@ import numpy as np
 
 from wb.data.layout import Cluster
 from wb.data.plan import Plan
+from wb.data.plan.plan import need_plan
+from wb.errors import PlanError
 from wb.algorithms.planner import bound_parts
 
 __all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p", "MESSAGE_S"]
@@ -110,6 +112,17 @@ def ideal_s(plan: Plan, cluster: Cluster | None = None) -> float:
     return out
 
 
+def _cluster(plan, cluster, who: str) -> Cluster:
+    """The cluster to simulate ``plan`` under (its own by default), both checked."""
+    need_plan(plan, who)
+    if cluster is None:
+        return plan.cluster
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"{who}: cluster must be a wb.Cluster or None, got "
+                        f"{type(cluster).__name__}")
+    return cluster
+
+
 def simulate(plan: Plan, cluster: Cluster | None = None, *,
              message_s: float = MESSAGE_S) -> Simulation:
     """Estimated EWTT of ``plan`` under ``cluster``, and the ideal.
@@ -138,7 +151,9 @@ def simulate(plan: Plan, cluster: Cluster | None = None, *,
         >>> sim.busiest, sim.ewtt_s >= sim.ideal_s > 0
         ('trainer_nic_out', True)
     """
-    cluster = cluster or plan.cluster
+    cluster = _cluster(plan, cluster, "simulate")
+    if not message_s >= 0:
+        raise PlanError(f"simulate: message_s must be >= 0 seconds, got {message_s}")
     tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
     T = plan.transfers
     nbytes = plan.pieces.nbytes[T.piece].astype(np.float64)
@@ -188,7 +203,7 @@ def _depth(after: np.ndarray) -> int:
 
 def simulate_broadcast(plan: Plan, cluster: Cluster | None = None) -> Simulation:
     """EWTT of the broadcast baseline for the same layouts (see the module docstring)."""
-    cluster = cluster or plan.cluster
+    cluster = _cluster(plan, cluster, "simulate_broadcast")
     tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
     corr = plan.corr
     b = bound_parts(corr, tab, nodes)
@@ -220,7 +235,7 @@ def simulate_broadcast(plan: Plan, cluster: Cluster | None = None) -> Simulation
 
 def simulate_p2p(plan: Plan, cluster: Cluster | None = None) -> Simulation:
     """EWTT of the naive P2P baseline for the same layouts (see the module docstring)."""
-    cluster = cluster or plan.cluster
+    cluster = _cluster(plan, cluster, "simulate_p2p")
     tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
     corr = plan.corr
     role = tab.role[corr.inc_slot]

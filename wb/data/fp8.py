@@ -75,7 +75,10 @@ class FP8Blocks:
     rounding: str = "nearest-even"  # the only rounding
 
     def __post_init__(self):
-        tensors = (self.tensors,) if isinstance(self.tensors, str) else tuple(self.tensors)
+        try:
+            tensors = (self.tensors,) if isinstance(self.tensors, str) else tuple(self.tensors)
+        except TypeError:
+            tensors = ()
         if not tensors or not all(isinstance(t, str) and t for t in tensors):
             raise SpecError(f"FP8Blocks.tensors must name at least one tensor (names or fnmatch "
                             f"patterns), got {self.tensors!r}")

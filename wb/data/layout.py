@@ -12,8 +12,9 @@ from types import MappingProxyType
 import numpy as np
 
 from wb.data.dtypes import canonical_dtype, dtype_info
-from wb.errors import SpecError
+from wb.data.sealed import DECODE_ERRORS, seal, unseal_stream
 from wb.data.sourcemap import MAX_ID, Blocks, SourceMap
+from wb.errors import SpecError, WbError
 
 __all__ = [
     "BufferSpec",
@@ -68,6 +69,13 @@ class Worker:
             object.__setattr__(self, "role", Role(self.role))
         except ValueError:
             raise SpecError(f"Worker.role must be 'trainer' or 'rollout', got {self.role!r}") from None
+        for what in ("rank", "local_rank"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise SpecError(f"Worker.{what} must be an int, got {v!r}")
+            object.__setattr__(self, what, int(v))
+        if not isinstance(self.node, str):
+            raise SpecError(f"Worker.node must be a str (the machine's name), got {self.node!r}")
         if self.rank < 0 or self.local_rank < 0:
             raise SpecError(f"Worker rank and local_rank must be >= 0, got {self.rank}, "
                             f"{self.local_rank}")
@@ -107,6 +115,11 @@ class Layout:
     buffers: Mapping[str, BufferSpec] = field(default_factory=dict)  # name -> spec, read-only
 
     def __post_init__(self):
+        if not isinstance(self.worker, Worker):
+            raise SpecError(f"Layout.worker must be a wb.Worker, got {type(self.worker).__name__}")
+        if not isinstance(self.buffers, Mapping):
+            raise SpecError(f"Layout.buffers must map buffer names to BufferSpecs, got "
+                            f"{type(self.buffers).__name__}")
         for name, b in self.buffers.items():
             if not isinstance(b, BufferSpec):
                 raise SpecError(f"Layout buffer `{name}` of rank {self.worker.rank} must be a "
@@ -282,7 +295,8 @@ def layouts_from_arrays(header: Mapping, arrays: Mapping[str, np.ndarray]) -> li
 
 
 def layouts_to_bytes(layouts) -> bytes:
-    """Layouts as ``.npz`` bytes (numpy arrays and a JSON header; no pickle).
+    """Layouts as sealed ``.npz`` bytes (numpy arrays and a JSON header, no pickle, with a digest
+    of the whole: :mod:`wb.data.sealed`).
 
     Examples:
         >>> sm = SourceMap.from_indices(np.arange(6).reshape(2, 3))
@@ -293,15 +307,29 @@ def layouts_to_bytes(layouts) -> bytes:
     header, arrays = layouts_to_arrays(layouts)
     f = io.BytesIO()
     np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
-    return f.getvalue()
+    return seal("layout list", f.getvalue())
 
 
-def layouts_from_bytes(data: bytes) -> list[Layout]:
-    """The layouts :func:`layouts_to_bytes` wrote (``allow_pickle=False``).
+def layouts_from_bytes(data: bytes, *, where: str = "layouts' bytes") -> list[Layout]:
+    """The layouts :func:`layouts_to_bytes` wrote (``allow_pickle=False``), once their digest
+    matches.
+
+    Args:
+        data: the bytes.
+        where: where they came from, for errors (e.g. the store key).
 
     Raises:
-        SpecError: bytes of an older format (see :func:`layouts_from_arrays`).
+        SpecError: the bytes changed since they were written (a flipped bit, cut short), or
+            are of an older format (see :func:`layouts_from_arrays`); names ``where``.
     """
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    return layouts_from_arrays(json.loads(bytes(arrays.pop("header")).decode()), arrays)
+    again = "publish the layouts again (the store is corrupt?)"
+    stream = unseal_stream("layout list", data, where=where, error=SpecError, remedy=again)
+    try:
+        with np.load(stream, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        return layouts_from_arrays(json.loads(bytes(arrays.pop("header")).decode()), arrays)
+    except SpecError:
+        raise
+    except (*DECODE_ERRORS, WbError) as e:
+        raise SpecError(f"{where} cannot be read as layouts ({type(e).__name__}: {e}); "
+                        f"{again}") from e

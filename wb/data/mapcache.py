@@ -4,7 +4,9 @@ A probe costs passes over the whole checkpoint; its result depends only on the c
 on the buffers the load function writes (their names, shapes, dtypes and device kind) and on what
 the caller says distinguishes one rank from another (rank, TP degree, ...). :func:`fingerprint`
 hashes exactly those; :class:`MapCache` is the maps with that hash, saved as one ``.npz`` of plain
-integer arrays plus a JSON header (no pickle: ``np.load(allow_pickle=False)`` reads it back). Which
+integer arrays plus a JSON header (no pickle: ``np.load(allow_pickle=False)`` reads it back),
+sealed with a digest of the whole file that is checked before anything is decoded
+(:mod:`wb.data.sealed`). Which
 file a cache argument names is :func:`cache_file`'s rule. Deciding whether to trust a file is the
 prober's (:func:`wb.probe`); this module only writes and reads values.
 """
@@ -12,6 +14,7 @@ prober's (:func:`wb.probe`); this module only writes and reads values.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -22,14 +25,15 @@ from typing import Any
 
 import numpy as np
 
+from wb.data.sealed import seal_head, unseal_stream
 from wb.data.sourcemap import SourceMap
 from wb.data.spec import CheckpointSpec
 from wb.errors import SpecError
 
 __all__ = ["MapCache", "BufferInfo", "fingerprint", "cache_file", "FORMAT"]
 
-#: Version of the file layout; a file of another version is stale.
-FORMAT = 1
+#: Version of the file layout; a file of another version is stale (2: sealed).
+FORMAT = 2
 
 #: ``(shape, dtype name, device kind)`` of one probed buffer: ``((64, 32), "bfloat16", "cuda")``.
 BufferInfo = tuple[tuple[int, ...], str, str]
@@ -115,10 +119,14 @@ class MapCache:
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
         for i, name in enumerate(names):
             arrays.update({f"m{i}.{k}": v for k, v in self.maps[name].to_arrays().items()})
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        payload = buf.getbuffer()
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
+                f.write(seal_head("map cache", payload))
+                f.write(payload)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -129,12 +137,16 @@ class MapCache:
         """Reads a file :meth:`save` wrote.
 
         Raises:
-            SpecError: the file is not a map cache of this format (corrupt, truncated, another
-                version); the message names the file.
+            SpecError: the file is not a map cache of this format (its digest does not match:
+                corrupt, truncated; another version); the message names the file.
             FileNotFoundError: there is no file.
         """
+        fix = "delete it or let the probe overwrite it"
+        data = Path(path).read_bytes()
+        stream = unseal_stream("map cache", data, where=f"map cache `{path}`", error=SpecError,
+                               remedy=fix)
         try:
-            with np.load(Path(path), allow_pickle=False) as z:
+            with np.load(stream, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
                 if meta.get("format") != FORMAT:
                     raise ValueError(f"format {meta.get('format')!r}, this version reads {FORMAT}")
@@ -148,4 +160,4 @@ class MapCache:
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is one kind of problem
             raise SpecError(f"map cache `{path}` cannot be read ({type(e).__name__}: {e}); "
-                            f"delete it or let the probe overwrite it") from e
+                            f"{fix}") from e

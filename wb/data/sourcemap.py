@@ -313,16 +313,22 @@ class SourceMap:
     def from_indices(cls, ids: np.ndarray) -> SourceMap:
         """Encodes an integer array of ids (``-1``: not from the checkpoint) of any shape.
 
-        Exact for every int64 value. Layouts (:class:`wb.BufferSpec`) accept ids ``0 .. MAX_ID``.
+        Exact for every id from -1 to the int64 maximum. Layouts (:class:`wb.BufferSpec`)
+        accept ids ``0 .. MAX_ID``.
 
         Raises:
-            SpecError: ``ids`` is not an integer array, or is uint64 beyond the int64 range.
+            SpecError: ``ids`` is not an integer array, holds an id below -1 (meaningless: an
+                element is from the checkpoint or not), or is uint64 beyond the int64 range.
         """
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise SpecError(f"source map ids must be integers, got dtype {ids.dtype}")
         if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
             raise SpecError(f"source map ids must fit int64, found {ids.max()}")
+        if ids.dtype.kind == "i" and ids.size and (low := ids.min()) < -1:
+            where = np.unravel_index(int(np.argmin(ids)), ids.shape)
+            raise SpecError(f"source map ids must be >= -1 (-1: not from the checkpoint), found "
+                            f"{low} at index {tuple(int(i) for i in where)}")
         shape = ids.shape
         rows, cols = _view2d(shape)
         runs: list[Runs] = []

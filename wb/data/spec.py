@@ -37,6 +37,9 @@ class CheckpointSpec:
     __slots__ = ("_names", "_index", "_shapes", "_dtypes", "_offsets", "_itemsizes")
 
     def __init__(self, tensors: Mapping[str, tuple[Sequence[int], object]]):
+        if not isinstance(tensors, Mapping):
+            raise SpecError(f"CheckpointSpec takes {{name: (shape, dtype)}}, got "
+                            f"{type(tensors).__name__}")
         names, shapes, dtypes, sizes = [], [], [], []
         for name, entry in tensors.items():
             try:

@@ -100,7 +100,7 @@ def probe(spec: CheckpointSpec, load: Callable[[Mapping[str, np.ndarray]], Mappi
         ProbeError: ``load`` raised (the message names the checkpoint tensor it was being fed),
             returned something unusable, wrote no checkpoint id into any buffer, or is not pure
             data movement (names the buffer and the first bad element).
-        SpecError: ``key`` is not JSON-able.
+        SpecError: ``spec`` is not a :class:`wb.CheckpointSpec`, or ``key`` is not JSON-able.
 
     Examples:
         >>> spec = CheckpointSpec({"w": ((4, 6), "bfloat16")})
@@ -110,6 +110,11 @@ def probe(spec: CheckpointSpec, load: Callable[[Mapping[str, np.ndarray]], Mappi
                [ 4, 10],
                [ 5, 11]])
     """
+    if not isinstance(spec, CheckpointSpec):
+        raise SpecError(f"probe takes a wb.CheckpointSpec, got {type(spec).__name__}")
+    if not callable(load):
+        raise ProbeError(f"probe: load must be a function (checkpoint -> buffers), got "
+                         f"{type(load).__name__}")
     if len(spec) == 0 or spec.numel == 0:
         raise ProbeError("the checkpoint spec is empty: nothing to probe")
     if cache is None:

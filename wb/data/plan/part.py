@@ -6,7 +6,8 @@ once, where the plan is made, and travels to the rank as a few kilobytes to mega
 the whole plan. Message indices stay those of the whole plan (they are the tags every rank uses),
 and the part carries the whole plan's fingerprint, so peers running different plans are still
 refused. Saved and loaded as bytes of its own: a JSON index and the arrays' raw bytes, deflated
-together (no pickle).
+together (no pickle), sealed with a digest of the whole (:mod:`wb.data.sealed`) that is checked
+before anything of it is decoded.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import numpy as np
 
 from wb.data.layout import Layout, Role, layouts_from_arrays, layouts_to_arrays
 from wb.data.plan.arrays import Messages, Pieces, Transfers
-from wb.data.plan.plan import Plan
-from wb.errors import PlanError
+from wb.data.plan.plan import Plan, need_plan
+from wb.data.sealed import DECODE_ERRORS, seal, unseal
+from wb.errors import PlanError, WbError
 
 __all__ = ["RankPlan", "parts", "part_of", "RANK_PLAN_FORMAT"]
 
 #: Format of :meth:`RankPlan.to_bytes`: one deflated stream of a JSON index and the raw arrays
-#: (pieces with the dtype they travel in).
-RANK_PLAN_FORMAT = 4
-_MAGIC = b"WBPART\n"
+#: (pieces with the dtype they travel in), sealed.
+RANK_PLAN_FORMAT = 5
+_KIND = "rank part"
+_AGAIN = "make the plan again with this wb (wb.agree_parts)"
 _NUMERIC = "biuf"  # dtype kinds a part holds (bool, int, unsigned, float): nothing else is read
 
 
@@ -49,29 +52,24 @@ def _pack(header: dict, arrays: Mapping[str, np.ndarray]) -> bytes:
     head = json.dumps({"header": header, "arrays": index}).encode()
     head += b" " * (-(8 + len(head)) % 8)  # the arrays start 8-byte aligned (JSON ignores spaces)
     z = zlib.compressobj(1)
-    out = [_MAGIC, z.compress(len(head).to_bytes(8, "little")), z.compress(head)]
+    out = [z.compress(len(head).to_bytes(8, "little")), z.compress(head)]
     out += [z.compress(memoryview(v).cast("B")) for v in blobs if v.nbytes]
     out.append(z.flush())
-    return b"".join(out)
+    return seal(_KIND, b"".join(out))
 
 
-def _unpack(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-    """What :func:`_pack` wrote: ``(header, arrays)``."""
-    again = "not a rank's plan of this wb (another format?): make the plan again with this wb"
-    if bytes(data[:len(_MAGIC)]) != _MAGIC:
-        raise PlanError(again)
-    try:
-        raw = zlib.decompress(memoryview(data)[len(_MAGIC):])
-        n = int.from_bytes(raw[:8], "little")
-        head = json.loads(raw[8:8 + n].decode())
-    except (zlib.error, ValueError) as e:  # bytes of another format
-        raise PlanError(again) from e
+def _unpack(data, where: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """What :func:`_pack` wrote: ``(header, arrays)``, once the seal's digest matches."""
+    payload = unseal(_KIND, data, where=where, error=PlanError, remedy=_AGAIN)
+    raw = zlib.decompress(payload)
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n].decode())
     start = 8 + n
     arrays = {}
     for k, dt, shape, at in head["arrays"]:
         dtype = np.dtype(dt)
         if dtype.kind not in _NUMERIC:
-            raise PlanError(f"a rank's plan with array `{k}` of dtype {dt}: not one wb writes")
+            raise PlanError(f"{where} has array `{k}` of dtype {dt}: not one wb writes; {_AGAIN}")
         count = int(np.prod(shape, dtype=np.int64))
         arrays[k] = np.frombuffer(raw, dtype, count, start + at).reshape(shape)
     return head["header"], arrays
@@ -134,8 +132,9 @@ class RankPlan:
             messages: ``(k,) int64`` the sorted indices of ``rank``'s messages, when known.
 
         Raises:
-            PlanError: ``rank`` is not a worker of ``plan``.
+            PlanError: ``plan`` is not a plan, or ``rank`` is not a worker of it.
         """
+        need_plan(plan, "RankPlan.of")
         layout = plan.layout_of(rank)
         M, T, P = plan.messages, plan.transfers, plan.pieces
         if messages is None:
@@ -184,25 +183,36 @@ class RankPlan:
         return _pack(header, arrays)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> RankPlan:
-        """The part :meth:`to_bytes` wrote.
+    def from_bytes(cls, data: bytes, *, where: str = "a rank's plan") -> RankPlan:
+        """The part :meth:`to_bytes` wrote, once its digest matches.
+
+        Args:
+            data: the bytes.
+            where: where they came from, for errors (e.g. the store key).
 
         Raises:
-            PlanError: bytes of another format (made by another ``wb``: make the plan again).
+            PlanError: bytes changed since they were written (a flipped bit, cut short, longer),
+                or of another format (made by another ``wb``): make the plan again.
         """
-        header, a = _unpack(data)
-        if header.get("format") != RANK_PLAN_FORMAT:
-            raise PlanError(f"a rank's plan of format {header.get('format')}; this wb reads format "
-                            f"{RANK_PLAN_FORMAT}: make the plan again with this wb")
-        layout = layouts_from_arrays(header["layout"], {
-            k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("layout.")})[0]
+        try:
+            header, a = _unpack(data, where)
+            if header.get("format") != RANK_PLAN_FORMAT:
+                raise PlanError(f"{where} is of format {header.get('format')}; this wb reads "
+                                f"format {RANK_PLAN_FORMAT}: {_AGAIN}")
+            layout = layouts_from_arrays(header["layout"], {
+                k.split(".", 1)[1]: v for k, v in a.items() if k.startswith("layout.")})[0]
 
-        def group(nt, name):
-            return nt(**{f: a[f"{name}.{f}"] for f in nt._fields})
-        return cls(header["rank"], header["fingerprint"], layout, tuple(header["trainers"]),
-                   a["index"], a["when"], group(Messages, "messages"),
-                   group(Transfers, "transfers"), group(Pieces, "pieces"), a["slot_rank"],
-                   tuple(header["slot_buffer"]))
+            def group(nt, name):
+                return nt(**{f: a[f"{name}.{f}"] for f in nt._fields})
+            return cls(int(header["rank"]), str(header["fingerprint"]), layout,
+                       tuple(int(t) for t in header["trainers"]), a["index"], a["when"],
+                       group(Messages, "messages"), group(Transfers, "transfers"),
+                       group(Pieces, "pieces"), a["slot_rank"],
+                       tuple(str(b) for b in header["slot_buffer"]))
+        except PlanError:
+            raise
+        except (*DECODE_ERRORS, WbError) as e:  # the right digest on bytes of another layout
+            raise PlanError(f"{where} cannot be read ({type(e).__name__}: {e}); {_AGAIN}") from e
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankPlan):

@@ -22,7 +22,14 @@ from wb.data.plan.schedule import schedule
 from wb.data.plan.verify import verify_plan
 from wb.errors import PlanError
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "need_plan"]
+
+
+def need_plan(plan, who: str) -> None:
+    """Raises :class:`wb.PlanError` naming ``who`` unless ``plan`` is a :class:`Plan`."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"{who} takes a wb.Plan (from wb.plan or wb.Plan.load), got "
+                        f"{type(plan).__name__}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,28 +148,38 @@ class Plan:
 
     # --- serialisation -------------------------------------------------------------------------
     def save(self, path) -> None:
-        """Writes the plan as one ``.npz`` (numpy arrays and a small JSON header; no pickle).
+        """Writes the plan as one file: an ``.npz`` (numpy arrays and a small JSON header; no
+        pickle) sealed with a digest of the whole (:mod:`wb.data.sealed`).
 
         Its layouts and slots are columns of arrays too (:func:`wb.data.layout.layouts_to_arrays`),
         so saving and loading take time in proportion to the arrays, not to the buffers.
 
         Args:
-            path: a file name or a writable binary file object.
+            path: a file name (``.npz`` is added if it has none) or a writable binary file
+                object.
         """
         save_plan(self, path)
 
     @classmethod
     def load(cls, path) -> Plan:
-        """Reads a plan written by :meth:`save` (``allow_pickle=False``).
+        """Reads a plan written by :meth:`save` (``allow_pickle=False``), once the file's digest
+        matches.
 
         Args:
-            path: a file name or a readable binary file object.
+            path: a file name (as given to :meth:`save`) or a readable binary file object.
 
         Raises:
-            PlanError: a plan saved by an older ``wb`` (format 1 or 2): make it again with
-                :func:`wb.plan` and save it (plans are cheap to re-make).
+            PlanError: the file changed since it was saved (a flipped bit, cut short), or was
+                saved by another ``wb``: make it again with :func:`wb.plan` and save it (plans
+                are cheap to re-make). The message names the file.
+            FileNotFoundError: there is no such file.
         """
-        return cls(**read_plan(path))
+        fields = read_plan(path)
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise PlanError(f"the plan file `{path}` holds no plan this wb can run "
+                            f"({type(e).__name__}: {e}); make the plan again and save it") from e
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):

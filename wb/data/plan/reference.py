@@ -8,7 +8,7 @@ import numpy as np
 
 from wb.data.dtypes import CODES, convert, dtype_info
 from wb.data.layout import Role
-from wb.data.plan.plan import Plan
+from wb.data.plan.plan import Plan, need_plan
 from wb.errors import PlanError
 
 __all__ = ["run_local"]
@@ -31,8 +31,14 @@ def run_local(plan: Plan, trainer_buffers: Mapping[int, Mapping[str, np.ndarray]
         ``rollout_buffers`` (as dicts), filled.
 
     Raises:
-        PlanError: a buffer is missing or has the wrong shape.
+        PlanError: ``plan`` is not a plan, or a buffer is missing or has the wrong shape.
     """
+    need_plan(plan, "run_local")
+    for what, given in (("trainer_buffers", trainer_buffers), ("rollout_buffers", rollout_buffers)):
+        if not isinstance(given, Mapping) or not all(isinstance(b, Mapping)
+                                                     for b in given.values()):
+            raise PlanError(f"run_local: {what} must be {{rank: {{buffer name: array}}}}, got "
+                            f"{type(given).__name__}")
     bufs: dict[int, np.ndarray] = {}
     for si, s in enumerate(plan.slots):
         lays = plan.trainers if s.role == Role.TRAINER else plan.rollouts

@@ -8,7 +8,6 @@ and the next ``push`` first waits for that send. The way is chosen once, at set-
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, wait
@@ -24,7 +23,7 @@ from wb.errors import PlanError, TransferError
 from wb.runtime.engine.buffers import as_array, check_buffers, copy, copy_of
 from wb.runtime.endpoints.endpoint import Endpoint, Transferred, in_thread, take_part
 from wb.runtime.engine.fp8 import Quantiser, amax_bytes, amax_from_bytes
-from wb.runtime.transport.stores import get_large, set_large
+from wb.runtime.transport.stores import get_large, read_record, set_large
 from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
@@ -267,8 +266,8 @@ class Sender:
                                           f"amax of its FP8 block parts for version {v} within "
                                           f"{end.wait_timeout:.0f} s")
         parts = [(keys, amax)]
-        parts += [amax_from_bytes(get_large(end.store, key, end.wait_timeout))
-                  for key in keys_of.values()]
+        parts += [amax_from_bytes(get_large(end.store, key, end.wait_timeout),
+                                  where=f"store key `{key}`") for key in keys_of.values()]
         return combine_amax(parts)
 
     def wait(self) -> None:
@@ -314,9 +313,12 @@ def _amax_peers(quantize, rank: int, store, name: str, timeout: float) -> tuple[
     if getattr(quantize, "peers", None) is not None:
         return tuple(quantize.peers.get(rank, ()))
     try:
-        peers = json.loads(store.get(f"{name}/fp8peers", timeout))
+        raw = store.get(f"{name}/fp8peers", timeout)
     except TransferError as e:
         raise TransferError(f"rank {rank} holds FP8 blocks in part, and no record of who else "
                             f"does (`{name}/fp8peers`, written by wb.agree_parts(..., "
                             f"quantize=)): {e}") from e
-    return tuple(peers.get(str(rank), ()))
+    peers = read_record(raw, f"{name}/fp8peers")
+    if not isinstance(peers, dict):
+        raise TransferError(f"rendezvous: key `{name}/fp8peers` holds no map of FP8 peers")
+    return tuple(int(p) for p in peers.get(str(rank), ()))

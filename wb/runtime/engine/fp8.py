@@ -24,6 +24,7 @@ import numpy as np
 from wb.algorithms.fp8.tasks import Quantized, combine_amax, partial_amax, quantize_buffers
 from wb.data.fp8 import FORMATS
 from wb.data.dtypes import dtype_info
+from wb.data.sealed import seal, unseal
 from wb.errors import TransferError
 from wb.runtime.engine.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
 
@@ -181,16 +182,27 @@ class Quantiser:
 
 
 def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
-    """``(keys, amax)`` of block parts (:func:`wb.algorithms.fp8.tasks.partial_amax`) as bytes
-    for the store: their count, the int64 keys, the float64 amax (little-endian)."""
-    return (np.int64(keys.size).astype("<i8").tobytes() + keys.astype("<i8").tobytes()
-            + amax.astype("<f8").tobytes())
+    """``(keys, amax)`` of block parts (:func:`wb.algorithms.fp8.tasks.partial_amax`) as sealed
+    bytes for the store (:mod:`wb.data.sealed`): their count, the int64 keys, the float64 amax
+    (little-endian)."""
+    return seal("FP8 amax exchange", np.int64(keys.size).astype("<i8").tobytes()
+                + keys.astype("<i8").tobytes() + amax.astype("<f8").tobytes())
 
 
-def amax_from_bytes(b: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of :func:`amax_bytes`."""
-    n = int(np.frombuffer(b, "<i8", 1)[0])
-    return np.frombuffer(b, "<i8", n, 8), np.frombuffer(b, "<f8", n, 8 + 8 * n)
+def amax_from_bytes(b: bytes, *, where: str = "an FP8 amax exchange") -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """The inverse of :func:`amax_bytes`, once the digest matches.
+
+    Raises:
+        TransferError: the bytes changed since they were written, or hold no whole count of
+            keys and amax; names ``where``.
+    """
+    p = unseal("FP8 amax exchange", b, where=where, remedy="the rendezvous store is corrupt")
+    n = int(np.frombuffer(p, "<i8", 1)[0]) if len(p) >= 8 else -1
+    if n < 0 or len(p) != 8 + 16 * n:
+        raise TransferError(f"{where} holds {len(p)} bytes, not a count and as many int64 keys "
+                            f"and float64 amax")
+    return np.frombuffer(p, "<i8", n, 8), np.frombuffer(p, "<f8", n, 8 + 8 * n)
 
 
 #: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.

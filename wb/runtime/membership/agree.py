@@ -4,16 +4,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from wb.algorithms import planner
 from wb.algorithms.fp8.tasks import quantize_layouts
 from wb.data.fp8 import BlockScaled
-from wb.data.layout import Cluster, Role
+from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan, RankPlan, parts
+from wb.errors import TransferError
 from wb.runtime.membership.records import fetch_part, gather_layouts, publish_layouts
-from wb.runtime.transport.stores import set_large
+from wb.runtime.transport.stores import set_large, set_record
 
 __all__ = ["agree_parts"]
 
@@ -29,7 +29,7 @@ def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
     trainers = [x for x in everyone if x.worker.role == Role.TRAINER]
     if quantize is not None:  # each trainer rebuilds its own tasks (tasks_for): none travel,
         q = quantize_layouts(trainers, quantize)  # only who exchanges blocks' amax with whom
-        store.set(f"{name}/fp8peers", json.dumps({str(r): p for r, p in q.peers.items()}).encode())
+        set_record(store, f"{name}/fp8peers", {str(r): p for r, p in q.peers.items()})
         trainers = list(q.trainers)
     return planner.plan(trainers, [x for x in everyone if x.worker.role == Role.ROLLOUT],
                         **plan_kwargs)
@@ -68,7 +68,8 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         :class:`wb.Receiver` and the shims' groups take.
 
     Raises:
-        TransferError: a rank outside ``0 .. world - 1``, or another process did not publish its
+        TransferError: ``world`` is not a positive int, a layout is not a :class:`wb.Layout`,
+            a rank outside ``0 .. world - 1``, or another process did not publish its
             layouts (or the parts) within ``timeout``.
 
     Examples:
@@ -79,7 +80,13 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         >>> sorted(agree_parts(wb.MemoryStore(), lays, world=2))
         [0, 1]
     """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise TransferError(f"agree_parts: world must be the number of workers (an int >= 1), "
+                            f"got {world!r}")
     layouts = list(layouts)
+    bad = [type(lay).__name__ for lay in layouts if not isinstance(lay, Layout)]
+    if bad:
+        raise TransferError(f"agree_parts: layouts must be wb.Layout values, got {bad[0]}")
     p = _plan_here(store, layouts, world=world, name=name, timeout=timeout, quantize=quantize,
                    cluster=cluster, chunk_bytes=chunk_bytes)
     if p is not None:
@@ -88,9 +95,9 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         # what the trainers' leader needs to plan again (a dead rollout, a joiner): the layouts
         # are in the store already (wb.runtime.membership.finish)
         c = p.cluster
-        store.set(f"{name}/roster", json.dumps({
+        set_record(store, f"{name}/roster", {
             "world": world, "chunk_bytes": p.chunk_bytes, "quantized": quantize is not None,
-            "cluster": [c.nic_gbps, c.nvlink_GBps, dict(c.nodes)]}).encode())
+            "cluster": [c.nic_gbps, c.nvlink_GBps, dict(c.nodes)]})
         mine = {lay.worker.rank for lay in layouts}
         out = {}
         for part in parts(p):

@@ -39,7 +39,6 @@ one); without it a dead peer fails the version.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
@@ -54,6 +53,7 @@ from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import ExecStats
 from wb.runtime.membership.joining import Admissions
 from wb.runtime.membership.records import fetch_part, gather_layouts, publish_parts
+from wb.runtime.transport.stores import read_record, set_record
 
 __all__ = ["Finisher", "Roster", "tag_base", "ATTEMPT_BITS"]
 
@@ -160,7 +160,7 @@ class Finisher:
         raw = self._has(end.key("roster"))
         if raw is None:
             return None
-        record = json.loads(raw)
+        record = read_record(raw, end.key("roster"))
         if record.get("quantized"):
             return None  # trainers' quantised layouts are not in the store
         everyone = gather_layouts(end.store, world=int(record["world"]), name=end.name,
@@ -201,7 +201,7 @@ class Finisher:
                     log.warning("version %d, attempt %d: %s", v, a, e)
                     first = began if first is None else first
                     if e.ranks:  # the leader may be waiting on a live peer: tell it
-                        end.store.set(self._key(v, "lost", a), json.dumps(sorted(e.ranks)).encode())
+                        set_record(end.store, self._key(v, "lost", a), sorted(e.ranks))
             if ok:
                 end.store.set(self._key(v, "done", a, end.rank), b"1")
                 end.heartbeat.status = f"{v}.{a}"  # again in every beat: a lost key comes back
@@ -264,7 +264,7 @@ class Finisher:
                 return None
             rec = self._has(self._key(v, "attempt", a + 1))
             if rec is not None:
-                rec = json.loads(rec)
+                rec = read_record(rec, self._key(v, "attempt", a + 1))
                 if "failed" in rec:
                     raise TransferError(f"rank {end.rank}: version {v} failed: {rec['failed']}")
                 return rec
@@ -337,14 +337,14 @@ class Finisher:
             msg = (f"rollouts {sorted(dead)} stopped beating and the leader (trainer "
                    f"{end.rank}) cannot plan again: give the Senders the whole plan, or set up "
                    f"with wb.agree_parts under this session's name (without quantize=)")
-            store.set(self._key(v, "attempt", a + 1), json.dumps({"failed": msg}).encode())
+            set_record(store, self._key(v, "attempt", a + 1), {"failed": msg})
             raise TransferError(f"version {v} failed: {msg}")
         ahead = self._ahead == (v, a + 1, tuple(dead_all), tuple(left))
         if not ahead:
             self._publish_repair(v, a + 1, left)
         rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
                "planned_s": time.time() - detected, "planned_ahead": ahead}
-        store.set(self._key(v, "attempt", a + 1), json.dumps(rec).encode())
+        set_record(store, self._key(v, "attempt", a + 1), rec)
         log.warning("version %d: rollouts %s stopped beating; attempt %d sends again to %s",
                     v, sorted(dead), a + 1, left)
         return rec
@@ -404,7 +404,7 @@ class Finisher:
             rec["epoch"] = self.new_epoch()
             rec["planned_s"] = time.time() - t0
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))
-        self.end.store.set(self._key(v, "final"), json.dumps(rec).encode())
+        set_record(self.end.store, self._key(v, "final"), rec)
 
     def new_epoch(self) -> int:
         """A membership epoch never used before (the leader's: epochs it planned and dropped
@@ -425,7 +425,7 @@ class Finisher:
         out: set[int] = set()
         a = 1
         while (raw := self._has(self._key(v, "attempt", a))) is not None:
-            out |= set(json.loads(raw).get("dead", ()))
+            out |= set(read_record(raw, self._key(v, "attempt", a)).get("dead", ()))
             a += 1
         return out
 
@@ -453,7 +453,7 @@ class Finisher:
         raw = self._has(self._key(v, "start"))
         if raw is None:
             return
-        rec = json.loads(raw)
+        rec = read_record(raw, self._key(v, "start"))
         if rec["epoch"] <= self.epoch:
             return
         # members restarted under their rank: the old incarnation's connection is dropped
@@ -478,7 +478,7 @@ class Finisher:
                else self._has(self._key(v, "final")))
         if raw is None:
             return
-        rec = json.loads(raw)
+        rec = read_record(raw, self._key(v, "final"))
         if rec["epoch"] == self.epoch:
             return
         # a worker without the roster knows no members before its first final record: the dead

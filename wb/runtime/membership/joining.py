@@ -6,7 +6,6 @@ that version; :mod:`wb.runtime.membership.finish` takes the new membership up fr
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from wb.data.plan import RankPlan
 from wb.errors import PlanError, SpecError, TransferError
 from wb.runtime.membership.liveness import new_incarnation
 from wb.runtime.membership.records import fetch_part, publish_parts
-from wb.runtime.transport.stores import get_large, set_large
+from wb.runtime.transport.stores import get_large, read_record, set_large, set_record
 
 __all__ = ["Admission", "request_join", "request_joins", "Admissions", "JOIN_RANGE"]
 
@@ -71,7 +70,7 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
     lays = {int(lay.worker.rank): lay for lay in layouts}
     token = new_incarnation()
     if len(lays) > 1:  # the leader admits none of them until it sees every one's request
-        store.set(f"{name}/joingroup/{token}", json.dumps(sorted(lays)).encode())
+        set_record(store, f"{name}/joingroup/{token}", sorted(lays))
     for rank, layout in lays.items():
         # beat as this incarnation from now on: the leader takes it for the member it admits
         store.set(f"{name}/alive/{rank}", f"{token}:0".encode())
@@ -90,9 +89,10 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
     for rank in lays:
         while True:
             try:
-                rec = json.loads(store.get(f"{name}/admitted/{rank}", 0.2))
+                raw = store.get(f"{name}/admitted/{rank}", 0.2)
             except TransferError:
-                rec = None
+                raw = None
+            rec = None if raw is None else read_record(raw, f"{name}/admitted/{rank}")
             if rec is not None and rec["token"] == token:
                 if "refused" in rec:
                     raise TransferError(f"rank {rank}: the trainers' leader refused to take it "
@@ -158,7 +158,7 @@ class Admissions:
         # under another token (a missed peek reads None: the request stands): plan again at the
         # next push
         if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
-                (raw := self.peek(end.key("joinreq", r))) is not None and raw.decode() != token
+                (raw := self.peek(end.key("joinreq", r))) is not None and raw.decode(errors="replace") != token
                 for r, token in job.joiners.items()):
             self._rescan = True
             return
@@ -166,9 +166,8 @@ class Admissions:
             log.error("version %d: joiners %s refused: %s", v, sorted(job.joiners), job.error)
             for r, token in job.joiners.items():
                 self.joined[r] = token  # not asked again until the rank asks anew
-                end.store.set(end.key("admitted", r), json.dumps(
-                    {"token": token, "refused": f"{type(job.error).__name__}: "
-                                                f"{job.error}"}).encode())
+                set_record(end.store, end.key("admitted", r), {
+                    "token": token, "refused": f"{type(job.error).__name__}: {job.error}"})
             return
         if job.error is not None:  # the store, say: plan again at the next push
             log.warning("version %d: planning for joiners %s failed (%s); again at the next "
@@ -189,12 +188,11 @@ class Admissions:
                                "restarted": True})
         for r, token in joiners.items():
             self.joined[r] = token
-            store.set(end.key("admitted", r), json.dumps(
-                {"token": token, "epoch": epoch, "version": v}).encode())
-        store.set(end.key("v", v, "start"), json.dumps(
-            {"epoch": epoch, "rollouts": job.rollouts, "joined": sorted(joiners),
-             "apart": sorted(joiners), "replaced": replaced,
-             "planned_s": job.planned_s}).encode())
+            set_record(store, end.key("admitted", r),
+                       {"token": token, "epoch": epoch, "version": v})
+        set_record(store, end.key("v", v, "start"),
+                   {"epoch": epoch, "rollouts": job.rollouts, "joined": sorted(joiners),
+                    "apart": sorted(joiners), "replaced": replaced, "planned_s": job.planned_s})
         log.warning("version %d: rollouts %s admitted (fed apart in this version)%s", v,
                     sorted(joiners), f"; {replaced} replace their dead incarnations"
                     if replaced else "")
@@ -214,13 +212,14 @@ class Admissions:
         out = {}
         for r in sorted(ranks | set(range(top + 1, top + 1 + JOIN_RANGE))):
             raw = self.peek(end.key("joinreq", r))
-            if raw is None or raw.decode() == self.joined.get(r):
+            if raw is None or raw.decode(errors="replace") == self.joined.get(r):
                 continue
+            key = end.key("member", r)
             try:
-                lay = layouts_from_bytes(get_large(end.store, end.key("member", r),
-                                                   end.wait_timeout))[0]
-            except TransferError as e:
-                log.warning("rank %d asked to join without its layout: %s", r, e)
+                lay = layouts_from_bytes(get_large(end.store, key, end.wait_timeout),
+                                         where=f"store key `{key}`")[0]
+            except (TransferError, SpecError) as e:
+                log.warning("rank %d asked to join without a readable layout: %s", r, e)
                 self._rescan = True
                 continue
             if lay.worker.rank != r or lay.worker.role.value != "rollout":
@@ -228,10 +227,15 @@ class Admissions:
                             r, lay.worker.rank, lay.worker.role.value)
                 continue
             fin.layouts[r] = lay
-            out[r] = raw.decode()
+            out[r] = raw.decode(errors="replace")
         for token in set(out.values()):  # a process's ranks: all of them, or none this time
             group = self.peek(end.key("joingroup", token))
-            ranks = json.loads(group) if group is not None else []
+            try:
+                ranks = (read_record(group, end.key("joingroup", token)) if group is not None
+                         else [])
+            except TransferError as e:  # not admitted until its process asks anew
+                log.warning("join request %s: %s", token, e)
+                ranks = [None]
             if any(out.get(q) != token for q in ranks):
                 log.info("join request %s: waiting for all of ranks %s", token, ranks)
                 out = {q: t for q, t in out.items() if t != token}

@@ -45,11 +45,12 @@ def gather_layouts(store, *, world: int, name: str = "wb", timeout: float = 600.
 
     Raises:
         TransferError: a rank did not publish its layout in time.
+        SpecError: a key's layout changed since it was written (names the key).
     """
     deadline = time.monotonic() + timeout
-    return [layouts_from_bytes(get_large(store, f"{name}/layout/{r}",
-                                         max(deadline - time.monotonic(), 0.001)))[0]
-            for r in range(world)]
+    keys = [f"{name}/layout/{r}" for r in range(world)]
+    return [layouts_from_bytes(get_large(store, k, max(deadline - time.monotonic(), 0.001)),
+                               where=f"store key `{k}`")[0] for k in keys]
 
 
 def publish_parts(store, plan: Plan, *, name: str = "wb") -> int:
@@ -68,5 +69,8 @@ def fetch_part(store, rank: int, *, name: str = "wb", timeout: float = 600.0) ->
 
     Raises:
         TransferError: no part for ``rank`` was published in time.
+        PlanError: the part under the key changed since it was written (corrupt, cut short) or
+            is of another format; names the key.
     """
-    return RankPlan.from_bytes(get_large(store, f"{name}/part/{rank}", timeout))
+    key = f"{name}/part/{rank}"
+    return RankPlan.from_bytes(get_large(store, key, timeout), where=f"store key `{key}`")

@@ -1,7 +1,9 @@
 """Rendezvous: a small key -> bytes store the workers share, over stores that already exist.
 
 Workers publish their UCX worker addresses and plan fingerprints here and read their peers'.
-Values are bytes (JSON or raw numpy bytes): nothing read from a store is ever unpickled. No
+Values are bytes: nothing read from a store is ever unpickled, and wb's records (JSON,
+:func:`set_record`) and the headers of large values (:func:`set_large`) are sealed with a digest
+(:mod:`wb.data.sealed`), so a value the store mangled is refused with the key's name. No
 home-made server: the adapters wrap an in-process dict (threads, notebooks), a shared directory
 (processes of one machine or a shared filesystem), ``torch.distributed.TCPStore`` and JAX's
 distributed key-value client, duck-typed so ``wb`` imports neither framework.
@@ -9,7 +11,6 @@ distributed key-value client, duck-typed so ``wb`` imports neither framework.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -18,10 +19,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from wb.data.sealed import seal_json, unseal_json
 from wb.errors import TransferError
 
 __all__ = ["Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore", "CountingStore",
-           "set_large", "get_large", "value_limit"]
+           "set_large", "get_large", "value_limit", "set_record", "get_record", "read_record"]
+
+#: What to do about a value the store mangled.
+_CORRUPT = "the rendezvous store is corrupt or shared with another job: start the job again"
 
 
 @runtime_checkable
@@ -79,6 +84,9 @@ class DirectoryStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, poll_s: float = 0.005):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TransferError(f"DirectoryStore needs a directory's path (str or os.PathLike), "
+                                f"got {type(path).__name__}")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.poll_s = poll_s
@@ -195,7 +203,7 @@ def set_large(store, key: str, value: bytes, *, max_value_bytes: int | None = No
     k = 0 if n == 0 else -(-n // max(step, 1))
     for i in range(k):
         store.set(f"{key}#{i}", bytes(value[i * step:(i + 1) * step]))
-    header = json.dumps({"chunks": k, "nbytes": n}).encode()
+    header = seal_json("chunked value header", {"chunks": k, "nbytes": n})
     store.set(key, header)
     return n + len(header)
 
@@ -209,18 +217,44 @@ def get_large(store, key: str, timeout: float) -> bytes:
     """
     deadline = time.monotonic() + timeout
     raw = store.get(key, timeout)
+    head = unseal_json("chunked value header", raw, where=f"rendezvous: key `{key}`",
+                       remedy="written with store.set, not set_large? Else " + _CORRUPT)
     try:
-        head = json.loads(raw)
         k, n = int(head["chunks"]), int(head["nbytes"])
-    except (ValueError, KeyError, TypeError):
-        raise TransferError(f"rendezvous: key `{key}` does not hold a chunked value (written with "
-                            f"store.set, not set_large?)") from None
+    except (KeyError, TypeError, ValueError):
+        raise TransferError(f"rendezvous: key `{key}` does not hold a chunked value's header; "
+                            f"{_CORRUPT}") from None
     out = b"".join(store.get(f"{key}#{i}", max(deadline - time.monotonic(), 0.001))
                    for i in range(k))
     if len(out) != n:
         raise TransferError(f"rendezvous: key `{key}` should hold {n} bytes in {k} chunks, got "
                             f"{len(out)}; two sessions wrote the same key? Use another name")
     return out
+
+
+def set_record(store, key: str, value) -> None:
+    """Puts ``value`` (plain JSON data: a membership or version record) under ``key``, sealed
+    with a digest (:func:`get_record` refuses it if the store changes a bit of it)."""
+    store.set(key, seal_json("record", value))
+
+
+def read_record(raw: bytes, key: str):
+    """The record :func:`set_record` put under ``key``, from the bytes read there.
+
+    Raises:
+        TransferError: the bytes are not such a record (corrupt, cut short, another format);
+            names ``key``.
+    """
+    return unseal_json("record", raw, where=f"rendezvous: key `{key}`", remedy=_CORRUPT)
+
+
+def get_record(store, key: str, timeout: float):
+    """The record :func:`set_record` put under ``key``, waiting up to ``timeout`` seconds.
+
+    Raises:
+        TransferError: not published in time, or not such a record (see :func:`read_record`).
+    """
+    return read_record(store.get(key, timeout), key)
 
 
 class CountingStore:
