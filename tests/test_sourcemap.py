@@ -95,11 +95,14 @@ def test_non_int64_ids_are_refused(bad):
 
 
 def test_extreme_int64_values_round_trip_but_layouts_refuse_them():
-    ids = np.array([[-2**63, 2**63 - 1, -1, 0], [-5, 2**62, 2**63 - 2, -2**63 + 1]])
+    ids = np.array([[2**62 + 7, 2**63 - 1, -1, 0], [-1, 2**62, 2**63 - 2, 1]])
     sm = wb.SourceMap.from_indices(ids)
     np.testing.assert_array_equal(sm.to_indices(), ids)
     with pytest.raises(wb.SpecError, match="ids must be"):
         wb.BufferSpec(sm, "bfloat16")
+    for low in (-2, -5, -2**63):  # below -1: meaningless, refused where the map is made
+        with pytest.raises(wb.SpecError, match=f"ids must be >= -1.*found {low}"):
+            wb.SourceMap.from_indices(np.array([[0, 1], [low, 3]]))
 
 
 def test_slicing_pickle_and_arrays_round_trip():

@@ -15,6 +15,7 @@ zero). It reads each source element twice and writes it once: no temporaries.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +55,7 @@ class Quantiser:
         shapes = q.shapes(rank)
         self.buffers: dict[str, Any] = {}
         self._on: dict[int, tuple] = {}  # task index -> its blocks' arrays on its device
+        self._args: dict[tuple, tuple] = {}  # (task, mode) -> (source, its launches)
         for i, task in enumerate(self.tasks):
             xp, src = live[task.source]
             for name in (task.weights, task.scales):
@@ -121,26 +123,57 @@ class Quantiser:
                              out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)},
                              amax=amax)
         first = {n: k for k, n in enumerate(order or ())}
-        tasks = sorted(range(len(self.tasks)), key=lambda i: (
+        tasks = [i for i in sorted(range(len(self.tasks)), key=lambda i: (
             min(first.get(self.tasks[i].weights, len(first)),
                 first.get(self.tasks[i].scales, len(first))), i))
-        ready: dict[str, Any] = {}
+            if live[self.tasks[i].source][0] is not np]
+        # the whole blocks' amax of parts, where the kernels read it: copied before any kernel
+        # is queued (a copy from host memory waits for the kernels queued before it)
         for i in tasks:
             task = self.tasks[i]
-            xp, src = live[task.source]
-            if xp is not np:
+            if task.part:
+                xp, src = live[task.source]
                 with xp.cuda.Device(src.device.id):
-                    on = self._on[i]
-                    if task.part:  # the whole blocks' amax, where the kernel reads it
-                        on[5][:task.blocks.size] = xp.asarray(
-                            amax[1][np.searchsorted(amax[0], task.keys())])
-                    for lo in range(0, task.blocks.size, self.step):
-                        self._run_cuda(xp, task, on, src, lo, lo + self.step,
-                                       _GIVEN if task.part else _WHOLE)
+                    self._on[i][5][:task.blocks.size] = xp.asarray(
+                        amax[1][np.searchsorted(amax[0], task.keys())])
+        ready: dict[str, Any] = {}
+        with contextlib.ExitStack() as on_device:
+            device = None
+            for n, i in enumerate(tasks):
+                task = self.tasks[i]
+                xp, src = live[task.source]
+                if device != src.device.id:  # entered once per run of tasks on one device
+                    device = src.device.id
+                    on_device.enter_context(xp.cuda.Device(device))
+                view = self._view(task, src)
+                for kernel, grid, args in self._launches(i, _GIVEN if task.part else _WHOLE):
+                    kernel(grid, (_THREADS,), (view, *args))
+                nxt = self.tasks[tasks[n + 1]] if n + 1 < len(tasks) else None
+                if nxt is None or (nxt.weights, nxt.scales) != (task.weights, task.scales):
+                    # the end of a run of tasks writing the same buffers: their event
                     ev = xp.cuda.Event(block=False, disable_timing=True)
                     ev.record()
                     ready[task.weights] = ready[task.scales] = ev
         return ready
+
+    def _launches(self, i: int, mode: int) -> list:
+        """``[(kernel, grid, args but the source)]`` of task ``i`` in ``mode``, made once
+        (slicing device arrays and boxing scalars costs more than the launch itself). The
+        source is not kept: a trainer may hand new arrays at every push."""
+        key = (i, mode)
+        got = self._args.get(key)
+        if got is None:
+            task = self.tasks[i]
+            got = self._args[key] = [self._launch_args(task, self._on[i], lo, lo + self.step,
+                                                       mode)
+                                     for lo in range(0, task.blocks.size, self.step)]
+        return got
+
+    def _view(self, task, src):
+        """``src`` as the raw unsigned integers the kernel reads."""
+        scaled = self.q.scaled
+        itemsize = dtype_info(scaled.trainer_spec.dtype(scaled.names[task.tensor])).itemsize
+        return src.reshape(-1).view(_RAW[itemsize])
 
     def _partial_amax(self, live) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, amax)`` of the parts it holds, on the host and on its devices."""
@@ -149,17 +182,22 @@ class Quantiser:
             host = self._host.tasks[self.rank]
             out.append(partial_amax(self._host, self.rank,
                                     {t.source: live[t.source][1] for t in host}))
-        for i, task in enumerate(self.tasks):
+        mine = [(i, t) for i, t in enumerate(self.tasks)
+                if t.part and live[t.source][0] is not np]
+        for i, task in mine:  # every kernel queued first, then read back
             xp, src = live[task.source]
-            if task.part and xp is not np:
-                with xp.cuda.Device(src.device.id):
-                    for lo in range(0, task.blocks.size, self.step):
-                        self._run_cuda(xp, task, self._on[i], src, lo, lo + self.step, _PARTS)
-                    out.append((task.keys(), xp.asnumpy(self._on[i][5][:task.blocks.size])))
+            with xp.cuda.Device(src.device.id):
+                view = self._view(task, src)
+                for kernel, grid, args in self._launches(i, _PARTS):
+                    kernel(grid, (_THREADS,), (view, *args))
+        for i, task in mine:
+            xp, src = live[task.source]
+            with xp.cuda.Device(src.device.id):
+                out.append((task.keys(), xp.asnumpy(self._on[i][5][:task.blocks.size])))
         return combine_amax(out)
 
-    def _run_cuda(self, cp, task, on, src, lo, hi, mode) -> None:
-        """Blocks ``lo:hi`` of ``task`` in one kernel launch (:data:`_QUANT`): one CUDA block per
+    def _launch_args(self, task, on, lo, hi, mode) -> tuple:
+        """Blocks ``lo:hi`` of ``task`` as one kernel launch (:data:`_QUANT`): one CUDA block per
         quantisation block finds its elements, ``amax`` (``mode`` :data:`_PARTS`: only that,
         into ``on[5]``; :data:`_GIVEN`: read from there) and the scale, then writes each value."""
         scaled, decl = self.q.scaled, self.q.scaled.decl
@@ -167,18 +205,15 @@ class Quantiser:
         src_dtype = scaled.trainer_spec.dtype(scaled.names[t])
         blocks, at, gather, odd, win, amax = on
         hi = min(hi, task.blocks.size)
-        if hi <= lo:
-            return
         bh, bw = decl.block
-        raw = np.dtype(f"u{dtype_info(src_dtype).itemsize}")
         q = self.buffers[task.weights].reshape(-1)
         scales = self.buffers[task.scales].reshape(-1)[lo:hi]
-        _quant_kernel(src_dtype, decl.format)(
-            (hi - lo,), (_THREADS,),
-            (src.reshape(-1).view(raw), at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
-             win[lo:hi], np.int64(hi - lo), np.int32(bh), np.int32(bw), np.int64(scaled.rows[t]),
-             np.int64(scaled.cols[t]), np.int64(scaled.grid_cols[t]), np.int32(mode),
-             amax[lo:hi], q.view(np.uint8), scales.view(np.uint32)))
+        return (_quant_kernel(src_dtype, decl.format), (hi - lo,),
+                (at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
+                 win[lo:hi], np.int64(hi - lo), np.int32(bh), np.int32(bw),
+                 np.int64(scaled.rows[t]), np.int64(scaled.cols[t]),
+                 np.int64(scaled.grid_cols[t]), np.int32(mode), amax[lo:hi], q.view(np.uint8),
+                 scales.view(np.uint32)))
 
 
 def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
@@ -205,6 +240,9 @@ def amax_from_bytes(b: bytes, *, where: str = "an FP8 amax exchange") -> tuple[n
     return np.frombuffer(p, "<i8", n, 8), np.frombuffer(p, "<f8", n, 8 + 8 * n)
 
 
+#: The unsigned integers a kernel reads a source's values as, by item size.
+_RAW = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+        8: np.dtype(np.uint64)}
 #: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.
 _WHOLE, _PARTS, _GIVEN = 0, 1, 2
 _THREADS = 256  # per CUDA block (one quantisation block each)
@@ -217,10 +255,29 @@ _THREADS = 256  # per CUDA block (one quantisation block each)
 #: scale, NaN for a non-finite amax) encoded in the format.
 #: In float32, as fast as memory allows: every value of the source dtypes but float64 is a
 #: float32, the amax is one of them, and a quotient of two float32 rounded once to float32
-#: (``__fdiv_rn``) is the quotient rounded to double and then to float32, as the rule computes
-#: it; the format's encoding rounds a float32's bits with integers (:func:`wb_enc_f`), as
-#: :mod:`wb.runtime.engine.casts` does a double (no subnormal is flushed to zero).
+#: is the quotient rounded to double and then to float32, as the rule computes it; the format's
+#: encoding rounds a float32's bits with integers (:func:`wb_enc_f`), as
+#: :mod:`wb.runtime.engine.casts` does a double. No subnormal is flushed to zero: CuPy compiles
+#: every kernel with ``-ftz=true``, which flushes float32 subnormals in and out of float32
+#: arithmetic, so the amax is the largest of the magnitudes' bits (integers), and the divisions
+#: and conversions are PTX instructions without ``.ftz`` (:func:`wb_div`, :func:`wb_f32`,
+#: :func:`wb_f64`).
 _QUANT = r"""
+#ifdef __CUDA_ARCH__
+__device__ float wb_div(float a, float b) {  /* a / b rounded to nearest, subnormals kept */
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ float wb_f32(double a) {
+    float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a)); return r;
+}
+__device__ double wb_f64(float a) {
+    double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a)); return r;
+}
+#else
+__device__ float wb_div(float a, float b) { return a / b; }
+__device__ float wb_f32(double a) { return (float)a; }
+__device__ double wb_f64(float a) { return (double)a; }
+#endif
 __device__ unsigned int wb_enc_f(float v, int EB, int M, bool fn) {
     unsigned int u = __float_as_uint(v), e32 = (u >> 23) & 0xffu, m32 = u & 0x7fffffu;
     unsigned int sign = (u >> 31) << (EB + M), emask = (1u << EB) - 1u, inf = emask << M;
@@ -262,46 +319,46 @@ extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const l
         const long long* odd, const long long* gather, const long long* win, long long n,
         int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
         unsigned char* q, unsigned int* scales) {
-    __shared__ float s_max[THREADS];
-    __shared__ int s_nan[THREADS];
+    __shared__ unsigned int s_max[THREADS];
     long long b = blockIdx.x;
     if (b >= n) return;
     int t = threadIdx.x, per = bh * bw;
     long long key = keys[b], br = key / gc, bc = key % gc, o = odd[b];
     long long a0 = at[3 * b], a1 = at[3 * b + 1], a2 = at[3 * b + 2];
     const long long* w = win + 4 * b;
-    float amax = 0.0f;
+    unsigned int amax;  /* the bits of the largest magnitude; above 0x7f800000: NaN */
     if (mode == 2) {
-        amax = (float)given[b];  /* a float32, exchanged as a double */
+        amax = __float_as_uint(wb_f32(given[b]));  /* a float32, exchanged as a double */
     } else {
-        int nan = 0;
+        unsigned int top = 0u;  /* magnitudes' bits order as the magnitudes, NaNs above all */
         for (int k = t; k < per; k += THREADS) {
             long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
             if (p < 0) continue;
-            float x = DEC(src[p]);
-            if (isnan(x)) nan = 1; else amax = fmaxf(amax, fabsf(x));
+            unsigned int m = __float_as_uint(DEC(src[p])) & 0x7fffffffu;
+            top = m > top ? m : top;
         }
-        s_max[t] = amax;
-        s_nan[t] = nan;
+        s_max[t] = top;
         __syncthreads();
         for (int h = THREADS / 2; h > 0; h >>= 1) {
-            if (t < h) { s_max[t] = fmaxf(s_max[t], s_max[t + h]); s_nan[t] |= s_nan[t + h]; }
+            if (t < h && s_max[t + h] > s_max[t]) s_max[t] = s_max[t + h];
             __syncthreads();
         }
-        amax = s_nan[0] ? __uint_as_float(0x7fc00000u) : s_max[0];
+        amax = s_max[0] > 0x7f800000u ? 0x7fc00000u : s_max[0];
         if (mode == 1) {
-            if (t == 0) given[b] = (double)amax;
+            if (t == 0) given[b] = wb_f64(__uint_as_float(amax));
             return;
         }
     }
-    float s = __fdiv_rn(amax, FMAX);
-    if (t == 0) scales[b] = isnan(s) ? 0x7fc00000u : __float_as_uint(s);
-    bool finite = isfinite(amax);
+    bool nan = amax > 0x7f800000u, finite = amax < 0x7f800000u;
+    float s = wb_div(__uint_as_float(amax), FMAX);
+    unsigned int sb = __float_as_uint(s);
+    if (t == 0) scales[b] = nan ? 0x7fc00000u : sb;
     for (int k = t; k < per; k += THREADS) {
         long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
         if (p < 0) continue;
         float x = DEC(src[p]);
-        float y = finite ? (s == 0.0f ? 0.0f : __fdiv_rn(x, s)) : __uint_as_float(0x7fc00000u);
+        float y = finite ? ((sb & 0x7fffffffu) == 0u ? 0.0f : wb_div(x, s))
+                         : __uint_as_float(0x7fc00000u);
         q[p] = (unsigned char)ENC(y);
     }
 }
@@ -318,7 +375,7 @@ def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
     elif src == "float32":
         dec = "__uint_as_float((unsigned int)(X))"
     elif src == "float64":  # rounded to float32 first, as the rule (to nearest, ties to even)
-        dec = "(float)__longlong_as_double((long long)(X))"
+        dec = "wb_f32(__longlong_as_double((long long)(X)))"
     else:  # exact in float32
         eb, m, fn = FLOAT_BITS[src]
         dec = f"(float)wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
