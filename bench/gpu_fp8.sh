@@ -8,7 +8,7 @@ export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/device.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_fp8_cuda.py \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_fp8_cuda.py \
     2>&1 | tail -4 | tee "$OUT/fp8_tests.txt"
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 --layers ${LAYERS:-12} \
