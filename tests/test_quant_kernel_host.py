@@ -2,18 +2,22 @@
 one thread per block and run block after block, equals the rule's plain numpy quantiser
 (:func:`wb.data.fp8.quantize_tensor`) bit for bit: its positions, amax, scale and
 encoding logic are checked on any machine with a C++ compiler (the GPU test
-``tests/test_fp8_cuda.py`` runs the same source on the device with 256 threads)."""
+``tests/test_fp8_cuda.py`` runs the same source on the device with 256 threads). The whole CUDA
+path of :class:`wb.runtime.engine.fp8.Quantiser` (its block and task tables, launches, events and
+the exchange of parts' amax) runs here too, over host memory standing in for a device's."""
 
+import contextlib
 import ctypes
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
 
 from wb.data.fp8 import quantize_tensor
 from wb.data.dtypes import dtype_info
-from wb.runtime.engine.fp8 import kernel_source
+from wb.runtime.engine.fp8 import _ROW, _SLOT, kernel_source
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -33,24 +37,21 @@ static unsigned int __float_as_uint(float f) { unsigned int x; memcpy(&x, &f, 4)
 static float __fdiv_rn(float a, float b) { return a / b; }  /* IEEE: rounded once, to nearest */
 """
 _RUN = r"""
-extern "C" void run_all(const SRC* src, const long long* at, const long long* keys,
-        const long long* odd, const long long* gather, const long long* win, long long n,
-        int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
-        unsigned char* q, unsigned int* scales) {
+extern "C" void run_all(const long long* blk, const long long* tsk, const long long* gather,
+        double* given, long long n, int bh, int bw, int mode_all) {
     for (long long b = 0; b < n; b++) {
         blockIdx.x = (int)b;
         threadIdx.x = 0;
-        wb_quant(src, at, keys, odd, gather, win, n, bh, bw, rows, cols, gc, mode, given, q,
-                 scales);
+        wb_quant(blk, tsk, gather, given, n, bh, bw, mode_all);
     }
 }
 """
 
 
-def _compiled(src: str, tmp_path):
-    kernel = kernel_source(src, "float8_e4m3fn", threads=1).replace(
+def _compiled(src: str, tmp_path, fmt: str = "float8_e4m3fn"):
+    kernel = kernel_source(src, fmt, threads=1).replace(
         'extern "C" __global__ void wb_quant', "static void wb_quant")
-    cpp, so = tmp_path / f"{src}.cpp", tmp_path / f"{src}.so"
+    cpp, so = tmp_path / f"{src}_{fmt}.cpp", tmp_path / f"{src}_{fmt}.so"
     cpp.write_text(_HOST + kernel + _RUN)
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
     return ctypes.CDLL(str(so))
@@ -103,14 +104,19 @@ def test_the_cuda_quantiser_source_follows_the_rule(src, tmp_path):
 
 
 def _run(lib, x, at, keys, win, bh, bw, gc, mode, given, q, s):
+    """Blocks ``keys`` of ``x`` (rows ``at``, windows ``win``) through the kernel, as one task
+    whose table rows hold the host arrays' addresses."""
     rows, cols = x.shape
     raw = np.ascontiguousarray(x).reshape(-1).view(f"u{x.dtype.itemsize}")
-    odd, gather = np.full(keys.size, -1, np.int64), np.full(1, -1, np.int64)
-    p = [a.ctypes.data_as(ctypes.c_void_p) for a in (raw, at, keys, odd, gather, win)]
-    lib.run_all(*p, ctypes.c_longlong(keys.size), ctypes.c_int(bh), ctypes.c_int(bw),
-                ctypes.c_longlong(rows), ctypes.c_longlong(cols), ctypes.c_longlong(gc),
-                ctypes.c_int(mode), given.ctypes.data_as(ctypes.c_void_p),
-                q.ctypes.data_as(ctypes.c_void_p), s.ctypes.data_as(ctypes.c_void_p))
+    n = keys.size
+    blk = np.zeros((n, _ROW), np.int64)
+    blk[:, 1], blk[:, 2], blk[:, 3:6], blk[:, 6], blk[:, 7:11] = np.arange(n), keys, at, -1, win
+    blk[:, _SLOT] = np.arange(n)
+    tsk = np.array([[raw.ctypes.data, q.ctypes.data, s.ctypes.data, rows, cols, gc, mode, 0]],
+                   np.int64)
+    gather = np.full(1, -1, np.int64)
+    lib.run_all(*(a.ctypes.data_as(ctypes.c_void_p) for a in (blk, tsk, gather, given)),
+                ctypes.c_longlong(n), ctypes.c_int(bh), ctypes.c_int(bw), ctypes.c_int(-1))
 
 
 _ENC = r"""
@@ -153,3 +159,114 @@ def test_the_float32_encoder_rounds_as_the_double_one(fmt, tmp_path):
     eb, m, fn = FLOAT_BITS[fmt]
     bad = lib.mismatches(eb, m, int(fn), ctypes.byref(first))
     assert bad == 0, f"{bad} float32 values encode otherwise, the first {first.value:#010x}"
+
+
+class _Mem(np.ndarray):
+    """Host memory standing in for a CuPy array: an address (``.data.ptr``), a device id."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=0)
+
+
+class _Event:
+    def __init__(self, **_):
+        self.done = False
+
+    def record(self):
+        self.done = True
+
+    def synchronize(self):
+        assert self.done
+
+
+class _HostXP:
+    """The part of CuPy the quantiser's CUDA path calls, over host memory (copies copy)."""
+
+    cuda = types.SimpleNamespace(Device=lambda _: contextlib.nullcontext(), Event=_Event)
+
+    @staticmethod
+    def asarray(a):
+        return np.array(a).view(_Mem)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype).view(_Mem)
+
+    @staticmethod
+    def asnumpy(a):
+        return np.array(a)
+
+
+def _host_kernels(tmp_path, launched):
+    """``_quant_kernel`` for the host: each launch runs its blocks one after another."""
+    libs = {}
+
+    def kernel(src, fmt):
+        if (src, fmt) not in libs:
+            libs[src, fmt] = _compiled(src, tmp_path, fmt)
+
+        def launch(grid, block, args):
+            blk, tsk, gather, given, n, bh, bw, mode = args
+            assert grid == (int(n),) and blk.shape[0] == int(n) and blk.flags.c_contiguous
+            launched.append((src, int(n), int(mode)))
+            libs[src, fmt].run_all(*(ctypes.c_void_p(a.ctypes.data)
+                                     for a in (blk, tsk, gather, given)),
+                                   ctypes.c_longlong(int(n)), ctypes.c_int(int(bh)),
+                                   ctypes.c_int(int(bw)), ctypes.c_int(int(mode)))
+        return launch
+    return kernel
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
+def test_the_quantisers_cuda_path_equals_the_host_one(chunk_blocks, tmp_path, monkeypatch):
+    """Tensors of two source dtypes, strided (transposed) and gathered element by element, and
+    blocks split between three trainers (parts' amax exchanged): the tables, launches of
+    ``chunk`` elements and events give the numpy quantiser's bytes, and every buffer's event
+    comes after the launches that write it."""
+    import wb
+    from harness.fp8 import lay
+    from wb.algorithms.fp8.tasks import combine_amax, quantize_all, quantize_layouts
+    from wb.data.fp8 import FP8Blocks
+    from wb.runtime.engine import fp8 as engine_fp8
+
+    launched = []
+    monkeypatch.setattr(engine_fp8, "_quant_kernel", _host_kernels(tmp_path, launched))
+    spec = wb.CheckpointSpec({"w": ((300, 260), "bfloat16"), "v": ((70, 90), "float32"),
+                              "u": ((64, 40), "bfloat16")})
+    sc = FP8Blocks(("w", "v", "u"), block=(32, 16)).bind(spec)
+    ids = {n: spec.ids(n).reshape(s) for n, s in (("w", (300, 260)), ("v", (70, 90)), ("u", (64, 40)))}
+    cut = 200 * 260 + 7
+    trainers = [lay(0, "t", "trainer", {"w": (ids["w"][:150].T, "bfloat16"),
+                                        "v": (ids["v"].T, "float32"),
+                                        "u": (ids["u"], "bfloat16")}),
+                lay(1, "t", "trainer", {"w": (ids["w"].reshape(-1)[150 * 260:cut], "bfloat16")},
+                    local_rank=1),
+                lay(2, "u", "trainer", {"w": (ids["w"].reshape(-1)[cut:], "bfloat16")})]
+    q = quantize_layouts(trainers, sc)
+    rng = np.random.default_rng(chunk_blocks)
+    own = {}
+    for t in trainers:
+        own[t.worker.rank] = {}
+        for n, b in t.buffers.items():
+            x = rng.standard_normal(b.shape) * np.exp2(rng.integers(-20, 20, b.shape))
+            own[t.worker.rank][n] = x.astype(dtype_info(b.dtype).numpy)
+    want = quantize_all(q, own)
+    live = {r: {n: (_HostXP, np.array(a).view(_Mem)) for n, a in bufs.items()}
+            for r, bufs in own.items()}
+    qz = {r: engine_fp8.Quantiser(q, r, live[r], chunk=chunk_blocks * 32 * 16) for r in own}
+    assert all(z.parts for z in qz.values())
+    whole = combine_amax([z._partial_amax(live[r]) for r, z in qz.items()])
+    for r, z in qz.items():
+        order = sorted(z.buffers, reverse=True)  # any order of first sends
+        ready = z.launch(live[r], exchange=lambda keys, amax: whole, order=order)
+        assert set(ready) == set(z.buffers)
+        for k, h in want[r].items():
+            got = np.asarray(z.buffers[k]).view(np.uint8)
+            assert got.tobytes() == h.view(np.uint8).tobytes(), (r, k)
+    assert {s for s, _, _ in launched} == {"bfloat16", "float32"}
+    assert max(n for _, n, m in launched if m == -1) <= chunk_blocks

@@ -5,17 +5,15 @@ caller has exchanged those with the other holders (``exchange``), the part encod
 whole block's ``amax``.
 
 Host buffers use numpy (:func:`wb.algorithms.fp8.tasks.quantize_buffers`). CUDA buffers use one
-CUDA kernel on their device (:data:`_QUANT`, one launch per task), by the rule of
-:mod:`wb.data.fp8` computed in double (exact for every value a block holds; a quotient of
-two floats rounded to double and then to float32 is the float32 quotient): values decoded from
-their raw bits, ``amax`` and ``x / scale`` in double, each rounded to float32 and then to the
-format by the integer and double code of :mod:`wb.runtime.engine.casts` (no flush of subnormals to
-zero). It reads each source element twice and writes it once: no temporaries.
+CUDA kernel on their device (:data:`_QUANT`) over a table of every block (:func:`block_table`):
+a few launches for all tasks, in the order the update sends their buffers, each buffer's event
+after the last launch that writes it. The kernel follows the rule of :mod:`wb.data.fp8` bit for
+bit (in float32, subnormals kept: see :data:`_QUANT`), reads each source element twice and
+writes it once: no temporaries.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -34,29 +32,34 @@ __all__ = ["Quantiser", "amax_bytes", "amax_from_bytes", "kernel_source"]
 
 class Quantiser:
     """Trainer ``rank``'s quantisation: its output buffers (zeroed, each on the device and array
-    module of the buffer its blocks are read from) and, on CUDA, its gather indices there.
+    module of the buffer its blocks are read from) and, on CUDA, its tables of blocks there.
+
+    On a GPU every block of every task is one row of a table (:func:`block_table`), and the
+    rows, in the order an update first sends their buffers, are quantised by a few launches of
+    one kernel of about ``chunk`` elements each: a launch fills the device whatever the tasks'
+    sizes (a launch per task leaves most of it idle for small tensors, and costs its Python
+    call).
 
     Args:
         q: from :func:`wb.algorithms.fp8.tasks.quantize_layouts`.
         rank: the trainer's rank.
         live: ``{name: (xp, array)}`` of its buffers (:func:`wb.runtime.engine.buffers.as_array`).
-        chunk: elements quantised per kernel launch on a GPU.
+        chunk: elements quantised per kernel launch on a GPU (about; a launch also ends where
+            the source dtype changes).
 
     Attributes:
         buffers: ``{name: array}`` to add to the trainer's buffers (what the plan sends).
     """
 
     def __init__(self, q: Quantized, rank: int, live: Mapping[str, tuple[Any, Any]], *,
-                 chunk: int = 1 << 24):
+                 chunk: int = 1 << 26):
         self.q, self.rank = q, rank
         bh, bw = q.scaled.decl.block
-        self.step = max(1, chunk // (bh * bw))  # blocks quantised at once on a GPU
+        self.step = max(1, chunk // (bh * bw))  # blocks quantised by one launch on a GPU
         self.tasks = q.tasks.get(rank, ())
         shapes = q.shapes(rank)
         self.buffers: dict[str, Any] = {}
-        self._on: dict[int, tuple] = {}  # task index -> its blocks' arrays on its device
-        self._args: dict[tuple, tuple] = {}  # (task, mode) -> (source, its launches)
-        for i, task in enumerate(self.tasks):
+        for task in self.tasks:
             xp, src = live[task.source]
             for name in (task.weights, task.scales):
                 if name in self.buffers:  # a quantised copy serves every tensor in its buffer
@@ -67,16 +70,14 @@ class Quantiser:
                 else:
                     with xp.cuda.Device(src.device.id):
                         self.buffers[name] = xp.zeros(shape, xp_dtype(xp, dtype))
-            if xp is not np:
-                with xp.cuda.Device(src.device.id):
-                    blocks, at, gather, odd, win = task.device_arrays(xp, bh, bw)
-                    # the kernel reads `gather` only for blocks listed there: any array will do
-                    gather = gather.reshape(-1) if gather.size else xp.full(1, -1, np.int64)
-                    amax = xp.zeros(max(task.blocks.size, 1), np.float64)  # parts' amax
-                    self._on[i] = (blocks, at, gather, odd, win, amax)
         # the tasks whose buffers are on the host (numpy), decided once: devices do not change
         host = tuple(t for t in self.tasks if live[t.source][0] is np)
         self._host = Quantized(q.scaled, q.trainers, {rank: host}) if host else None
+        # the CUDA tasks: task index -> (array module, device)
+        self._cuda = {i: (live[t.source][0], live[t.source][1].device.id)
+                      for i, t in enumerate(self.tasks) if live[t.source][0] is not np}
+        self._tables: tuple | None = None  # (order, {device: _OnDevice}), made at first use
+        self._keep: list = []  # the source views the kernels queued last read
 
     @property
     def parts(self) -> bool:
@@ -99,18 +100,20 @@ class Quantiser:
     def launch(self, live: Mapping[str, tuple[Any, Any]], exchange=None, *,
                order: list[str] | None = None) -> dict[str, Any]:
         """Starts filling :attr:`buffers` from the ``live`` buffers: host tasks are done when
-        this returns; CUDA tasks are queued, one after another, and each output buffer gets the
-        event after the last task that writes it (what an update waits for before it sends
-        from that buffer: :meth:`wb.runtime.engine.program.Program.run`'s ``ready``).
+        this returns; CUDA blocks are queued, in the order their buffers are first sent, a few
+        launches of about ``chunk`` elements each, and each output buffer gets the event after
+        the last launch that writes it (what an update waits for before it sends from that
+        buffer: :meth:`wb.runtime.engine.program.Program.run`'s ``ready``).
 
         Args:
             live, exchange: as :meth:`run` (blocks held in part are exchanged first, at once).
             order: output buffer names in the order an update first sends from them: their
-                tasks are queued in that order (others after).
+                blocks are queued in that order (others after).
 
         Returns:
             ``{output buffer name: event}`` of the CUDA tasks (``.done``, ``.synchronize()``).
         """
+        tables = self._on_devices(order)
         amax = None
         if self.parts:
             if exchange is None:
@@ -122,58 +125,32 @@ class Quantiser:
             quantize_buffers(self._host, self.rank, {t.source: live[t.source][1] for t in host},
                              out={n: self.buffers[n] for t in host for n in (t.weights, t.scales)},
                              amax=amax)
-        first = {n: k for k, n in enumerate(order or ())}
-        tasks = [i for i in sorted(range(len(self.tasks)), key=lambda i: (
-            min(first.get(self.tasks[i].weights, len(first)),
-                first.get(self.tasks[i].scales, len(first))), i))
-            if live[self.tasks[i].source][0] is not np]
-        # the whole blocks' amax of parts, where the kernels read it: copied before any kernel
-        # is queued (a copy from host memory waits for the kernels queued before it)
-        for i in tasks:
-            task = self.tasks[i]
-            if task.part:
-                xp, src = live[task.source]
-                with xp.cuda.Device(src.device.id):
-                    self._on[i][5][:task.blocks.size] = xp.asarray(
-                        amax[1][np.searchsorted(amax[0], task.keys())])
         ready: dict[str, Any] = {}
-        with contextlib.ExitStack() as on_device:
-            device = None
-            for n, i in enumerate(tasks):
-                task = self.tasks[i]
-                xp, src = live[task.source]
-                if device != src.device.id:  # entered once per run of tasks on one device
-                    device = src.device.id
-                    on_device.enter_context(xp.cuda.Device(device))
-                view = self._view(task, src)
-                for kernel, grid, args in self._launches(i, _GIVEN if task.part else _WHOLE):
-                    kernel(grid, (_THREADS,), (view, *args))
-                nxt = self.tasks[tasks[n + 1]] if n + 1 < len(tasks) else None
-                if nxt is None or (nxt.weights, nxt.scales) != (task.weights, task.scales):
-                    # the end of a run of tasks writing the same buffers: their event
-                    ev = xp.cuda.Event(block=False, disable_timing=True)
-                    ev.record()
-                    ready[task.weights] = ready[task.scales] = ev
+        keep = []
+        for dev in tables.values():
+            with dev.xp.cuda.Device(dev.device):
+                if dev.parts is not None:  # the whole blocks' amax, where the kernels read it
+                    dev.amax[dev.parts_slot] = dev.xp.asarray(
+                        amax[1][np.searchsorted(amax[0], dev.parts_keys)])
+                keep += dev.queue(self, live, ready)
+        self._keep = keep
         return ready
 
-    def _launches(self, i: int, mode: int) -> list:
-        """``[(kernel, grid, args but the source)]`` of task ``i`` in ``mode``, made once
-        (slicing device arrays and boxing scalars costs more than the launch itself). The
-        source is not kept: a trainer may hand new arrays at every push."""
-        key = (i, mode)
-        got = self._args.get(key)
-        if got is None:
-            task = self.tasks[i]
-            got = self._args[key] = [self._launch_args(task, self._on[i], lo, lo + self.step,
-                                                       mode)
-                                     for lo in range(0, task.blocks.size, self.step)]
-        return got
-
-    def _view(self, task, src):
-        """``src`` as the raw unsigned integers the kernel reads."""
-        scaled = self.q.scaled
-        itemsize = dtype_info(scaled.trainer_spec.dtype(scaled.names[task.tensor])).itemsize
-        return src.reshape(-1).view(_RAW[itemsize])
+    def _on_devices(self, order: list[str] | None) -> dict[int, "_OnDevice"]:
+        """The CUDA tasks' tables on their devices, in ``order``'s order: made once (again
+        only for another order)."""
+        key = tuple(order or ())
+        if self._tables is None or self._tables[0] != key:
+            first = {n: k for k, n in enumerate(key)}
+            tasks = sorted(self._cuda, key=lambda i: (
+                min(first.get(self.tasks[i].weights, len(first)),
+                    first.get(self.tasks[i].scales, len(first))), i))
+            by_device: dict[int, list[int]] = {}
+            for i in tasks:
+                by_device.setdefault(self._cuda[i][1], []).append(i)
+            self._tables = (key, {d: _OnDevice(self, self._cuda[ix[0]][0], d, ix)
+                                  for d, ix in by_device.items()})
+        return self._tables[1]
 
     def _partial_amax(self, live) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, amax)`` of the parts it holds, on the host and on its devices."""
@@ -182,38 +159,132 @@ class Quantiser:
             host = self._host.tasks[self.rank]
             out.append(partial_amax(self._host, self.rank,
                                     {t.source: live[t.source][1] for t in host}))
-        mine = [(i, t) for i, t in enumerate(self.tasks)
-                if t.part and live[t.source][0] is not np]
-        for i, task in mine:  # every kernel queued first, then read back
-            xp, src = live[task.source]
-            with xp.cuda.Device(src.device.id):
-                view = self._view(task, src)
-                for kernel, grid, args in self._launches(i, _PARTS):
-                    kernel(grid, (_THREADS,), (view, *args))
-        for i, task in mine:
-            xp, src = live[task.source]
-            with xp.cuda.Device(src.device.id):
-                out.append((task.keys(), xp.asnumpy(self._on[i][5][:task.blocks.size])))
+        tables = self._on_devices(self._tables[0] if self._tables else None)
+        keep = []
+        for dev in tables.values():  # every kernel queued first, then read back
+            if dev.parts is not None:
+                with dev.xp.cuda.Device(dev.device):
+                    keep += dev.queue(self, live, None)
+        for dev in tables.values():
+            if dev.parts is not None:
+                with dev.xp.cuda.Device(dev.device):
+                    out.append((dev.parts_keys, dev.xp.asnumpy(dev.amax[dev.parts_slot])))
+        del keep  # read back: the kernels are done
         return combine_amax(out)
 
-    def _launch_args(self, task, on, lo, hi, mode) -> tuple:
-        """Blocks ``lo:hi`` of ``task`` as one kernel launch (:data:`_QUANT`): one CUDA block per
-        quantisation block finds its elements, ``amax`` (``mode`` :data:`_PARTS`: only that,
-        into ``on[5]``; :data:`_GIVEN`: read from there) and the scale, then writes each value."""
-        scaled, decl = self.q.scaled, self.q.scaled.decl
-        t = task.tensor
-        src_dtype = scaled.trainer_spec.dtype(scaled.names[t])
-        blocks, at, gather, odd, win, amax = on
-        hi = min(hi, task.blocks.size)
-        bh, bw = decl.block
-        q = self.buffers[task.weights].reshape(-1)
-        scales = self.buffers[task.scales].reshape(-1)[lo:hi]
-        return (_quant_kernel(src_dtype, decl.format), (hi - lo,),
-                (at[lo:hi], blocks[lo:hi], odd[lo:hi], gather,
-                 win[lo:hi], np.int64(hi - lo), np.int32(bh), np.int32(bw),
-                 np.int64(scaled.rows[t]), np.int64(scaled.cols[t]),
-                 np.int64(scaled.grid_cols[t]), np.int32(mode), amax[lo:hi], q.view(np.uint8),
-                 scales.view(np.uint32)))
+
+class _OnDevice:
+    """A quantiser's tasks on one device: their blocks' rows there (:func:`block_table`), the
+    launches over them, the amax of parts, and the task rows of the last sources seen."""
+
+    def __init__(self, qz: Quantiser, xp, device: int, tasks: list[int]):
+        self.xp, self.device, self.tasks = xp, device, tasks
+        scaled = qz.q.scaled
+        self.fmt, self.block = scaled.decl.format, scaled.decl.block
+        mine = [qz.tasks[i] for i in tasks]
+        rows, gather = block_table(mine, *self.block)
+        dtypes = [scaled.trainer_spec.dtype(scaled.names[t.tensor]) for t in mine]
+        part = np.array([mine[t].part for t in rows[:, 0]], bool)
+        with xp.cuda.Device(device):
+            self.rows = xp.asarray(rows)
+            self.gather = xp.asarray(gather if gather.size else np.full(1, -1, np.int64))
+            self.amax = xp.zeros(max(len(rows), 1), np.float64)  # a slot per row: parts' amax
+            self.parts = xp.asarray(rows[part]) if part.any() else None
+            self.parts_slot = xp.asarray(rows[part, _SLOT]) if part.any() else None
+        self.parts_keys = np.concatenate([t.keys() for t in mine if t.part] or
+                                         [np.zeros(0, np.int64)])
+        self.launches = _cuts(rows[:, 0], dtypes, qz.step)
+        self.parts_launches = _cuts(rows[part, 0], dtypes, len(rows))
+        # each output buffer's event is recorded after the last launch that writes it
+        last: dict[str, int] = {}
+        for k, (lo, hi, _) in enumerate(self.launches):
+            for t in np.unique(rows[lo:hi, 0]).tolist():
+                last[mine[t].weights] = last[mine[t].scales] = k
+        self.done_after = [[n for n, k_ in last.items() if k_ == k]
+                           for k in range(len(self.launches))]
+        self._task_rows: tuple | None = None  # (source addresses, device table)
+
+    def _task_table(self, qz: Quantiser, live) -> tuple[Any, list]:
+        """The task rows (:data:`_TASK` columns) for the ``live`` sources, and their views."""
+        views = [_raw(qz.q.scaled, t, live[t.source][1]) for t in (qz.tasks[i] for i in self.tasks)]
+        addrs = tuple(int(v.data.ptr) for v in views)
+        if self._task_rows is None or self._task_rows[0] != addrs:
+            scaled = qz.q.scaled
+            tbl = np.zeros((len(self.tasks), _TASK), np.int64)
+            for k, i in enumerate(self.tasks):
+                t = qz.tasks[i]
+                tbl[k] = (addrs[k], int(qz.buffers[t.weights].data.ptr),
+                          int(qz.buffers[t.scales].data.ptr), int(scaled.rows[t.tensor]),
+                          int(scaled.cols[t.tensor]), int(scaled.grid_cols[t.tensor]),
+                          _GIVEN if t.part else _WHOLE, 0)
+            self._task_rows = (addrs, self.xp.asarray(tbl))
+        return self._task_rows[1], views
+
+    def queue(self, qz: Quantiser, live, ready: dict | None) -> list:
+        """Queues the launches on the current device: every row (``ready`` a dict: each output
+        buffer's event goes there) or, ``ready`` None, only the parts' amax. Returns the
+        sources' views the kernels read (kept until they finished)."""
+        xp, (bh, bw) = self.xp, self.block
+        tasks, views = self._task_table(qz, live)
+        rows, launches, mode = (self.rows, self.launches, -1) if ready is not None else \
+            (self.parts, self.parts_launches, _PARTS)
+        for k, (lo, hi, dtype) in enumerate(launches):
+            _quant_kernel(dtype, self.fmt)((hi - lo,), (_THREADS,), (
+                rows[lo:hi], tasks, self.gather, self.amax, np.int64(hi - lo), np.int32(bh),
+                np.int32(bw), np.int32(mode)))
+            done = self.done_after[k] if ready is not None else ()
+            if done:
+                ev = xp.cuda.Event(block=False, disable_timing=True)
+                ev.record()
+                for n in done:
+                    ready[n] = ev
+        return [views, tasks]
+
+
+def _cuts(task_of: np.ndarray, dtypes: list[str], step: int) -> list[tuple[int, int, str]]:
+    """``[(lo, hi, source dtype)]``: rows cut where the source dtype changes and every ``step``
+    rows within each run of one dtype (``task_of``: each row's task, ``dtypes``: each task's)."""
+    kind = np.array([dtypes[t] for t in task_of.tolist()], object)
+    edges = np.flatnonzero(kind[1:] != kind[:-1]) + 1 if kind.size else np.zeros(0, int)
+    cuts = []
+    for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), kind.size]):
+        cuts += [(a, min(a + step, hi), str(kind[lo])) for a in range(lo, hi, step)]
+    return cuts
+
+
+def block_table(tasks, bh: int, bw: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every block of ``tasks`` (:class:`wb.algorithms.fp8.tasks.Task`) as one row of
+    :data:`_ROW` int64 columns, task by task in the order given, and the positions of the
+    blocks read element by element, concatenated (what the kernel's ``gather`` column points
+    into).
+
+    Returns:
+        ``(rows, gather)``: ``rows`` ``(n, _ROW)``: the task's index in ``tasks``, the block's
+        index in its task (its scale's), its key (block index in the tensor's grid), its
+        ``at`` (3), the offset of its positions in ``gather`` (-1: affine), its window (4)
+        and its slot (the row's index: where parts' amax go).
+    """
+    rows, gather, base = [], [], 0
+    for k, task in enumerate(tasks):
+        blocks, at, g, odd, win = task.device_arrays(np, bh, bw)
+        n = blocks.size
+        r = np.empty((n, _ROW), np.int64)
+        r[:, 0], r[:, 1], r[:, 2], r[:, 3:6] = k, np.arange(n), blocks, at
+        r[:, 6] = np.where(odd >= 0, base + odd * (bh * bw), -1)
+        r[:, 7:11] = win
+        rows.append(r)
+        if g.size:
+            gather.append(g.reshape(-1))
+            base += g.size
+    table = np.concatenate(rows) if rows else np.zeros((0, _ROW), np.int64)
+    table[:, _SLOT] = np.arange(len(table))
+    return table, (np.concatenate(gather) if gather else np.zeros(0, np.int64))
+
+
+def _raw(scaled, task, src):
+    """``src`` as the raw unsigned integers the kernel reads."""
+    itemsize = dtype_info(scaled.trainer_spec.dtype(scaled.names[task.tensor])).itemsize
+    return src.reshape(-1).view(np.dtype(f"uint{8 * itemsize}"))
 
 
 def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
@@ -240,17 +311,21 @@ def amax_from_bytes(b: bytes, *, where: str = "an FP8 amax exchange") -> tuple[n
     return np.frombuffer(p, "<i8", n, 8), np.frombuffer(p, "<f8", n, 8 + 8 * n)
 
 
-#: The unsigned integers a kernel reads a source's values as, by item size.
-_RAW = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
-        8: np.dtype(np.uint64)}
 #: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.
 _WHOLE, _PARTS, _GIVEN = 0, 1, 2
+#: Columns of a block's row (:func:`block_table`) and of a task's (``_OnDevice._task_table``:
+#: the source's, weights' and scales' addresses, the tensor's rows, columns and grid columns,
+#: its mode, one unused); ``_SLOT``: the row column of the block's amax slot.
+_ROW, _TASK, _SLOT = 12, 8, 11
 _THREADS = 256  # per CUDA block (one quantisation block each)
 
-#: One CUDA block per quantisation block: its elements' positions in the source buffer (as
+#: One CUDA block per quantisation block, the row ``blockIdx.x`` of a block table
+#: (:func:`block_table`; its task's row gives the source, weights and scales addresses and the
+#: tensor's shape): its elements' positions in the source buffer (as
 #: :meth:`wb.algorithms.fp8.tasks.Task.positions` computes them: -1 outside the tensor or the
 #: window held), ``amax`` reduced in shared memory (NaN if any element is NaN; ``mode`` 1:
-#: written to ``amax[b]``, and done; ``mode`` 2: read from ``amax[b]`` instead, a part's block),
+#: written to ``given[slot]``, and done; ``mode`` 2: read from there instead, a part's block;
+#: ``mode_all`` -1: each task's own mode),
 #: ``scale = float32(amax / FMAX)``, then every element ``float32(x / scale)`` (0 for a zero
 #: scale, NaN for a non-finite amax) encoded in the format.
 #: In float32, as fast as memory allows: every value of the source dtypes but float64 is a
@@ -310,25 +385,30 @@ __device__ long long wb_pos(int k, int bh, int bw, long long br, long long bc, l
                             long long cols, long long a0, long long a1, long long a2,
                             const long long* w, long long o, const long long* gather) {
     int i = k / bw, j = k - (k / bw) * bw;
-    if (o >= 0) return gather[o * (long long)(bh * bw) + k];
+    if (o >= 0) return gather[o + k];
     if (br * bh + i >= rows || bc * bw + j >= cols) return -1;
     if (i < w[0] || i >= w[1] || j < w[2] || j >= w[3]) return -1;
     return a0 + (i - w[0]) * a1 + (j - w[2]) * a2;
 }
-extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const long long* keys,
-        const long long* odd, const long long* gather, const long long* win, long long n,
-        int bh, int bw, long long rows, long long cols, long long gc, int mode, double* given,
-        unsigned char* q, unsigned int* scales) {
+extern "C" __global__ void wb_quant(const long long* blk, const long long* tsk,
+        const long long* gather, double* given, long long n, int bh, int bw, int mode_all) {
     __shared__ unsigned int s_max[THREADS];
     long long b = blockIdx.x;
     if (b >= n) return;
     int t = threadIdx.x, per = bh * bw;
-    long long key = keys[b], br = key / gc, bc = key % gc, o = odd[b];
-    long long a0 = at[3 * b], a1 = at[3 * b + 1], a2 = at[3 * b + 2];
-    const long long* w = win + 4 * b;
+    const long long* r = blk + ROW * b;  /* this block's row, then its task's */
+    const long long* tk = tsk + TASK * r[0];
+    const SRC* src = (const SRC*)tk[0];
+    unsigned char* q = (unsigned char*)tk[1];
+    unsigned int* scales = (unsigned int*)tk[2];
+    long long rows = tk[3], cols = tk[4], gc = tk[5];
+    int mode = mode_all >= 0 ? mode_all : (int)tk[6];
+    long long lb = r[1], key = r[2], br = key / gc, bc = key % gc, o = r[6], slot = r[11];
+    long long a0 = r[3], a1 = r[4], a2 = r[5];
+    const long long* w = r + 7;
     unsigned int amax;  /* the bits of the largest magnitude; above 0x7f800000: NaN */
     if (mode == 2) {
-        amax = __float_as_uint(wb_f32(given[b]));  /* a float32, exchanged as a double */
+        amax = __float_as_uint(wb_f32(given[slot]));  /* a float32, exchanged as a double */
     } else {
         unsigned int top = 0u;  /* magnitudes' bits order as the magnitudes, NaNs above all */
         for (int k = t; k < per; k += THREADS) {
@@ -345,14 +425,14 @@ extern "C" __global__ void wb_quant(const SRC* src, const long long* at, const l
         }
         amax = s_max[0] > 0x7f800000u ? 0x7fc00000u : s_max[0];
         if (mode == 1) {
-            if (t == 0) given[b] = wb_f64(__uint_as_float(amax));
+            if (t == 0) given[slot] = wb_f64(__uint_as_float(amax));
             return;
         }
     }
     bool nan = amax > 0x7f800000u, finite = amax < 0x7f800000u;
     float s = wb_div(__uint_as_float(amax), FMAX);
     unsigned int sb = __float_as_uint(s);
-    if (t == 0) scales[b] = nan ? 0x7fc00000u : sb;
+    if (t == 0) scales[lb] = nan ? 0x7fc00000u : sb;
     for (int k = t; k < per; k += THREADS) {
         long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
         if (p < 0) continue;
@@ -381,6 +461,7 @@ def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
         dec = f"(float)wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
     eb, m, fn = FLOAT_BITS[fmt]
     defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}f\n"
+            f"#define ROW {_ROW}\n#define TASK {_TASK}\n"
             f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc_f(Y, {eb}, {m}, {str(fn).lower()})\n")
     return defs + CAST_DEVICE_CODE + _QUANT
 
