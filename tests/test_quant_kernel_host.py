@@ -226,8 +226,8 @@ def _host_kernels(tmp_path, launched):
 def test_the_quantisers_cuda_path_equals_the_host_one(chunk_blocks, tmp_path, monkeypatch):
     """Tensors of two source dtypes, strided (transposed) and gathered element by element, and
     blocks split between three trainers (parts' amax exchanged): the tables, launches of
-    ``chunk`` elements and events give the numpy quantiser's bytes, and every buffer's event
-    comes after the launches that write it."""
+    ``chunk`` elements give the numpy quantiser's bytes, each launch within ``chunk`` and of
+    one source dtype, and every output buffer gets an event."""
     import wb
     from harness.fp8 import lay
     from wb.algorithms.fp8.tasks import combine_amax, quantize_all, quantize_layouts

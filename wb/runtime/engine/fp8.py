@@ -77,7 +77,7 @@ class Quantiser:
         self._cuda = {i: (live[t.source][0], live[t.source][1].device.id)
                       for i, t in enumerate(self.tasks) if live[t.source][0] is not np}
         self._tables: tuple | None = None  # (order, {device: _OnDevice}), made at first use
-        self._keep: list = []  # the source views the kernels queued last read
+        self._keep: list = []  # what the kernels queued last read (sources, task rows)
 
     @property
     def parts(self) -> bool:
@@ -194,7 +194,7 @@ class _OnDevice:
         self.parts_keys = np.concatenate([t.keys() for t in mine if t.part] or
                                          [np.zeros(0, np.int64)])
         self.launches = _cuts(rows[:, 0], dtypes, qz.step)
-        self.parts_launches = _cuts(rows[part, 0], dtypes, len(rows))
+        self.parts_launches = _cuts(rows[part, 0], dtypes, max(len(rows), 1))
         # each output buffer's event is recorded after the last launch that writes it
         last: dict[str, int] = {}
         for k, (lo, hi, _) in enumerate(self.launches):
@@ -205,9 +205,11 @@ class _OnDevice:
         self._task_rows: tuple | None = None  # (source addresses, device table)
 
     def _task_table(self, qz: Quantiser, live) -> tuple[Any, list]:
-        """The task rows (:data:`_TASK` columns) for the ``live`` sources, and their views."""
-        views = [_raw(qz.q.scaled, t, live[t.source][1]) for t in (qz.tasks[i] for i in self.tasks)]
-        addrs = tuple(int(v.data.ptr) for v in views)
+        """The task rows (:data:`_TASK` columns) for the ``live`` sources (C-contiguous, as wb
+        checks its buffers), made again only when a source moved; and the sources, which the
+        kernels read."""
+        sources = {t.source: live[t.source][1] for t in (qz.tasks[i] for i in self.tasks)}
+        addrs = tuple(int(sources[qz.tasks[i].source].data.ptr) for i in self.tasks)
         if self._task_rows is None or self._task_rows[0] != addrs:
             scaled = qz.q.scaled
             tbl = np.zeros((len(self.tasks), _TASK), np.int64)
@@ -218,14 +220,14 @@ class _OnDevice:
                           int(scaled.cols[t.tensor]), int(scaled.grid_cols[t.tensor]),
                           _GIVEN if t.part else _WHOLE, 0)
             self._task_rows = (addrs, self.xp.asarray(tbl))
-        return self._task_rows[1], views
+        return self._task_rows[1], list(sources.values())
 
     def queue(self, qz: Quantiser, live, ready: dict | None) -> list:
         """Queues the launches on the current device: every row (``ready`` a dict: each output
-        buffer's event goes there) or, ``ready`` None, only the parts' amax. Returns the
-        sources' views the kernels read (kept until they finished)."""
+        buffer's event goes there) or, ``ready`` None, only the parts' amax. Returns what the
+        kernels read (to keep until they finished)."""
         xp, (bh, bw) = self.xp, self.block
-        tasks, views = self._task_table(qz, live)
+        tasks, sources = self._task_table(qz, live)
         rows, launches, mode = (self.rows, self.launches, -1) if ready is not None else \
             (self.parts, self.parts_launches, _PARTS)
         for k, (lo, hi, dtype) in enumerate(launches):
@@ -238,7 +240,7 @@ class _OnDevice:
                 ev.record()
                 for n in done:
                     ready[n] = ev
-        return [views, tasks]
+        return [sources, tasks]
 
 
 def _cuts(task_of: np.ndarray, dtypes: list[str], step: int) -> list[tuple[int, int, str]]:
@@ -279,12 +281,6 @@ def block_table(tasks, bh: int, bw: int) -> tuple[np.ndarray, np.ndarray]:
     table = np.concatenate(rows) if rows else np.zeros((0, _ROW), np.int64)
     table[:, _SLOT] = np.arange(len(table))
     return table, (np.concatenate(gather) if gather else np.zeros(0, np.int64))
-
-
-def _raw(scaled, task, src):
-    """``src`` as the raw unsigned integers the kernel reads."""
-    itemsize = dtype_info(scaled.trainer_spec.dtype(scaled.names[task.tensor])).itemsize
-    return src.reshape(-1).view(np.dtype(f"uint{8 * itemsize}"))
 
 
 def amax_bytes(keys: np.ndarray, amax: np.ndarray) -> bytes:
