@@ -8,21 +8,12 @@
 #   this user, pipes in /tmp, stopped after): processes then share the GPU at once instead of
 #   time-slicing it. MPS changes no GPU setting.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L | tee "$OUT/device.txt"
+source bench/gpu_common.sh
 python3 -c "import ucxx, cupy, numpy, torch; print('ucxx', ucxx.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)" | tee -a "$OUT/device.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -3 | tee "$OUT/gpu_test.txt"
 fi
 filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$OUT/device.txt"
-}
-mps_off() { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 for M in ${MPS:-0}; do
   tag=""; if [ "$M" = 1 ]; then mps_on; tag="_mps"; fi
   for R in ${REPLICAS:-4 1 2}; do

@@ -3,10 +3,7 @@
 # then bench/bench_executor.py with CUDA buffers. Needs the ucxx wheels for Python 3.12 in .whl/
 # (carried; see bench/results/h200_transfer/COMMAND.md); writes its files to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L | tee "$OUT/device.txt"
+source bench/gpu_common.sh
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --override-ini addopts= \
     tests/test_transfer_cuda.py tests/test_casts_cuda.py tests/test_fp8_cuda.py tests/test_jax_cuda.py \

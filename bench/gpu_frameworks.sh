@@ -5,10 +5,7 @@
 # profiler's own cost skews those runs' times: read them for where time goes, not how much).
 # Needs the ucxx wheels for Python 3.12 in .whl/ (carried); writes its files to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L | tee "$OUT/device.txt"
+source bench/gpu_common.sh
 timeout ${BENCH_TIMEOUT:-330} python3 bench/bench_frameworks.py --cuda --hidden 2048 --layers 2 \
   --experts 16 --out "$OUT/frameworks.json" 2> "$OUT/frameworks_log.txt" | tail -1 | python3 -c "
 import json, sys

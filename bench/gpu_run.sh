@@ -3,10 +3,7 @@
 # executor benchmark with several processes sharing the GPU through UCX CUDA IPC. Needs the ucxx
 # wheels for Python 3.12 in .whl/ (carried); writes JSON results to $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L
+source bench/gpu_common.sh
 python3 -c "import ucxx, cupy, numpy; print('ucxx', ucxx.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 python3 -m pytest -q -p no:cacheprovider --override-ini addopts= tests/test_transfer_cuda.py 2>&1 | tail -3 | tee "$OUT/gpu_test.txt"
 for chunk in ${CHUNKS:-8 64}; do

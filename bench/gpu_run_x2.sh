@@ -4,10 +4,8 @@
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc. are the machine's defaults; nothing here
 # uses multicast).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L; nvidia-smi topo -m | tee "$OUT/topo.txt"
+source bench/gpu_common.sh
+nvidia-smi topo -m | tee "$OUT/topo.txt"
 for shape in single tp2; do
   python3 bench/bench_transfer.py --cuda-split --shape $shape --hidden 2048 --layers 8 --experts 64 \
     --repeat 3 --chunk-mb 64 --json --out "$OUT/h200x2_${shape}_64mb.json" 2>/dev/null | tail -1 |

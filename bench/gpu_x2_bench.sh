@@ -12,17 +12,11 @@
 # (3) SPREAD=1: the emulated-links GPU profile with processes spread over both GPUs.
 # NVLink multicast stays off (UCX's cuda_ipc uses plain peer copies).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
+source bench/gpu_common.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cpu  # the demo's JAX side runs on CPU
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi -L | tee "$OUT/device.txt"; nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/device.txt" 2>&1
 filter() { grep -v "WARN\|flush.c\|endpoint.cpp\|UCX  ERROR\|UCXX ERROR"; }
-if [ -n "${MPS:-}" ]; then  # the CUDA MPS daemon (a user process; changes no GPU setting)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$OUT/device.txt"
-fi
+if [ -n "${MPS:-}" ]; then mps_on; fi
 # warm CuPy's kernel cache in a small run first, so that the timed runs' processes do not all
 # compile the same kernels at once on a fresh machine
 if [ -z "${SKIP_WARMUP:-}" ]; then  # SKIP_WARMUP=1: the machine already ran it (a warm call)
