@@ -170,11 +170,14 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             qz = Quantiser(fp8["quantized"], rank, live)
             exchange = _amax_exchange(DirectoryStore(store_dir), rank,
                                       fp8["quantized"].peers.get(rank, ()))
-            qz.run(live, exchange("compile"))  # once to compile its kernels; the second is timed
+            # once to compile its kernels and make its tables in the order the update sends
+            # (as a Sender does at set-up); the second is timed
+            order = Program(part).first_sent()
+            qz.run(live, exchange("compile"), order=order)
             if xp is not np:
                 xp.cuda.runtime.deviceSynchronize()
             tq = time.perf_counter()
-            qz.run(live, exchange("timed"))
+            qz.run(live, exchange("timed"), order=order)
             if xp is not np:
                 xp.cuda.runtime.deviceSynchronize()
             result["quantize_s"] = time.perf_counter() - tq

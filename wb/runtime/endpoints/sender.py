@@ -193,6 +193,8 @@ class Sender:
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout,
                              roster=roster)
+        if self._quant is not None:  # its tables in the order every push sends
+            self._quant.prepare(self._end.program.first_sent())
         self.plan, self.rank = plan, self._end.rank
         self.stats: list[UpdateStats] = self._end.stats  # one record per version sent, in order
         self.staging = bool(staging)

@@ -84,7 +84,8 @@ class Quantiser:
         """Whether it holds blocks in part (``run`` then needs ``exchange``)."""
         return any(t.part for t in self.tasks)
 
-    def run(self, live: Mapping[str, tuple[Any, Any]], exchange=None) -> None:
+    def run(self, live: Mapping[str, tuple[Any, Any]], exchange=None, *,
+            order: list[str] | None = None) -> None:
         """Fills :attr:`buffers` from the ``live`` buffers (as given at set-up, or new ones of the
         same shapes), finished when this returns.
 
@@ -93,9 +94,16 @@ class Quantiser:
             exchange: where it holds blocks in part: ``exchange(keys, amax)`` gets its parts'
                 ``amax`` (:func:`wb.algorithms.fp8.tasks.partial_amax`) and returns
                 ``(keys, amax)`` over the whole blocks, every other holder's parts included.
+            order: as :meth:`launch`.
         """
-        for ev in self.launch(live, exchange).values():
+        for ev in self.launch(live, exchange, order=order).values():
             ev.synchronize()
+
+    def prepare(self, order: list[str] | None = None) -> None:
+        """Makes the CUDA tasks' tables for ``order`` (see :meth:`launch`) now, as the first
+        launch in that order would: their rows on the host and on the devices take milliseconds
+        per GB of weights, which then stay out of the first update."""
+        self._on_devices(order)
 
     def launch(self, live: Mapping[str, tuple[Any, Any]], exchange=None, *,
                order: list[str] | None = None) -> dict[str, Any]:

@@ -117,12 +117,16 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
     idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
     turns = 0
     can_cancel = hasattr(transport, "cancel")
+    # a transport progressed by its caller (wb.UcxTransport(progress="caller")): once a turn
+    tick = transport.progress if getattr(transport, "progress_mode", "") == "caller" else None
     try:
         u.post_zero_copy_receives()
         start = time.time()
         while True:
             progressed = u.post_staged_receives()
             progressed |= u.post_ready_sends()
+            if tick is not None:
+                tick()
             turns += 1
             progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
             progressed |= u.take_device_work()

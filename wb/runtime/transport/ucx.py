@@ -55,6 +55,8 @@ __all__ = ["UcxTransport", "default_tls", "cma_usable"]
 log = logging.getLogger(__name__)
 
 _GPU_TLS = "cuda_ipc,cuda_copy,"
+_PROGRESS = ("polling", "blocking", "caller")  # who progresses the worker (UcxTransport)
+_TICK_S = 5e-6  # a request's done() progresses the worker at most this often (progress="caller")
 _CLOSE_WAIT_S = 10.0  # for peers to close their endpoints, once all are done (they close at once)
 
 
@@ -99,15 +101,20 @@ def cma_usable() -> bool:
 
 
 class _UcxRequest:
-    __slots__ = ("req", "peer", "tag", "what", "rank", "buf", "__weakref__")
+    __slots__ = ("req", "peer", "tag", "what", "rank", "buf", "tick", "__weakref__")
 
-    def __init__(self, req, peer: int, tag: int, what: str, rank: int, buf):
+    def __init__(self, req, peer: int, tag: int, what: str, rank: int, buf, tick=None):
         self.req, self.peer, self.tag, self.what, self.rank = req, peer, tag, what, rank
         self.buf = buf  # keep the memory alive while UCX may touch it
+        self.tick = tick  # progress="caller": progresses the worker (rate-limited)
 
     def done(self) -> bool:
         if not self.req.completed:
-            return False
+            if self.tick is None:
+                return False
+            self.tick()
+            if not self.req.completed:
+                return False
         try:
             self.req.check_error()
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
@@ -131,16 +138,30 @@ class UcxTransport:
             thread a context on it); ``None`` for host buffers.
         polling: progress thread busy-polls (default: with ``cuda_device``) instead of waiting on
             events.
+        progress: who progresses the UCX worker: ``"polling"`` (a thread of UCX's that
+            busy-polls), ``"blocking"`` (the same thread, waiting on events; posts are handed to
+            it) or ``"caller"`` (no thread: the threads that post and complete requests progress
+            it, :meth:`progress`, so a post never contends with a polling thread for the
+            worker; a thread progresses it only while the transport closes). Default: the
+            environment's ``WB_UCX_PROGRESS``, else ``polling`` as given.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
                  timeout: float = 60.0, cuda_device: int | None = None,
-                 polling: bool | None = None):
+                 polling: bool | None = None, progress: str | None = None):
         self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
         self.cuda_device = cuda_device
         # A polling progress thread reacts at once but keeps a core busy: worth it on GPU hosts
         # (many cores, per-message latency matters), not on small CPU hosts with many ranks.
         self.polling = cuda_device is not None if polling is None else bool(polling)
+        progress = progress or os.environ.get("WB_UCX_PROGRESS") or (
+            "polling" if self.polling else "blocking")
+        if progress not in _PROGRESS:
+            raise TransferError(f"UcxTransport: progress={progress!r} (or WB_UCX_PROGRESS) must "
+                                f"be one of {', '.join(_PROGRESS)}")
+        self.progress_mode = progress
+        self.polling = progress == "polling"
+        self._last_tick = 0.0
         self.tls = tls or default_tls()
         self._ctx = self._worker = None
         self._eps: dict[int, Any] = {}
@@ -189,7 +210,9 @@ class UcxTransport:
         # With a blocking progress thread, a send posted from this thread while the progress
         # thread sleeps in epoll could wait forever (seen with rate-shaped sends of 1 MiB):
         # delayed submission hands every post to the progress thread and wakes it.
-        self._worker = ucx_api.UCXWorker(self._ctx, enable_delayed_submission=not self.polling)
+        caller = self.progress_mode == "caller"
+        self._worker = ucx_api.UCXWorker(
+            self._ctx, enable_delayed_submission=self.progress_mode == "blocking")
         if self.cuda_device is not None:
             # UCX's progress thread touches device memory (CUDA IPC, cuda_copy): it needs the
             # same CUDA context as this thread
@@ -198,11 +221,25 @@ class UcxTransport:
             ensure_cuda_context(self.cuda_device)
             self._worker.set_progress_thread_start_callback(ensure_cuda_context,
                                                             cb_args=(self.cuda_device,))
-        self._worker.start_progress_thread(polling_mode=self.polling)
+        if not caller:
+            self._worker.start_progress_thread(polling_mode=self.polling)
         self._round = 0
         self.store.set(f"{self.session}/addr/{self.rank}", self._worker.address.tobytes())
         log.info("rank %d: UCX %s, TLS=%s, progress %s", self.rank, self._api.get_ucx_version(),
-                 self.tls, "polling" if self.polling else "blocking")
+                 self.tls, self.progress_mode)
+
+    def progress(self) -> None:
+        """Progresses the UCX worker (``progress="caller"``; else its thread does, and this
+        returns at once): completes what can complete, starts what was posted."""
+        if self._worker is not None and self.progress_mode == "caller":
+            self._last_tick = time.perf_counter()
+            self._worker.progress()
+
+    def _tick(self) -> None:
+        """:meth:`progress`, unless it ran in the last few microseconds (a request's ``done``
+        asks: a loop over many requests progresses the worker once per turn, not per request)."""
+        if time.perf_counter() - self._last_tick > _TICK_S:
+            self.progress()
 
     def _get(self, key: str, peer: int) -> bytes:
         try:
@@ -227,6 +264,8 @@ class UcxTransport:
                                             f"of the plan within {self.timeout:.1f} s") from e
                 all_done = True
         finally:
+            if self.progress_mode == "caller":  # closing needs the worker progressed meanwhile
+                self._worker.start_progress_thread(polling_mode=False)
             # Endpoints close through the progress thread (delayed submission): close them while
             # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
             closed = threading.Semaphore(0)
@@ -335,12 +374,13 @@ class UcxTransport:
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
             raise TransferError(f"rank {self.rank}: UCX {what} of tag {tag:#x} with peer {peer} "
                                 f"failed: {type(e).__name__}: {e}") from e
-        out = _UcxRequest(req, peer, tag, what, self.rank, buf)
+        out = _UcxRequest(req, peer, tag, what, self.rank, buf,
+                          self._tick if self.progress_mode == "caller" else None)
         self._posted.add(out)
         return out
 
     def describe(self) -> str:
         cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
         return json.dumps({"transport": "ucx", "rank": self.rank, "tls": self.tls,
-                           "progress": "polling" if self.polling else "blocking",
+                           "progress": self.progress_mode,
                            "cuda_support": cuda, "peers": self._peers})
