@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=float, default=8.0, help="plan piece size (MiB)")
     ap.add_argument("--polling", choices=("auto", "on", "off"), default="auto",
                     help="UCX progress threads busy-poll (on) or wait on events (off); auto: "
-                         "wb.UcxTransport's default (polling with a CUDA device)")
+                         "wb.UcxTransport's default (with a CUDA device: no thread, the update "
+                         "loop progresses UCX; WB_UCX_PROGRESS chooses too)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--trace", metavar="DIR",

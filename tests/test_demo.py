@@ -10,8 +10,8 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 
-@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax"],
-                                  ["--trainer", "torch", "--rollout", "torch"]])
+# both directions of the README's demo (PyTorch -> PyTorch is the wb_torch tests' own pairing)
+@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax"]])
 def test_demo_json_last_line(args):
     out = subprocess.run([sys.executable, "-m", "wb", "demo", "--json", *args],
                          capture_output=True, text=True, timeout=240)
@@ -74,7 +74,7 @@ def test_demo_process_check_fails_on_wrong_weights():
     assert out["modes"]["both"]["mismatches"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float16"])  # narrowed; widening: tests/test_casts.py
 def test_demo_with_rollouts_in_another_dtype_converts_in_flight(dtype):
     """bf16 trainers, rollouts keeping their parameters in another dtype: still bit-identical to
     each rollout's own load of the checkpoint, in process and between processes."""

@@ -94,7 +94,7 @@ def test_row_hash_and_row_index_equal_the_oracle(rows, base):
     assert idcode.row_index(0, rows[0], 3, base) is None
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)  # a pure-Python oracle per element: ~0.14 s each
 @given(st.integers(0, 2**40), st.integers(1, 9), st.sampled_from([2, 7, 16, 100, 256, 2048]))
 def test_rows_and_tables_give_every_element_its_value(row0, m, base):
     """What a feed builds from (a row index and a table row, per pass) is each id's digit."""

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--out", metavar="DIR", help="write bench.json and bench.png there")
     be.add_argument("--polling", choices=("on", "off"), default=None,
                     help="UCX progress threads busy-poll (on) or wait on events (off); default: "
-                         "the profile's, else on with --cuda (fewer cores than busy threads: off)")
+                         "the profile's, else none with --cuda (the update loop progresses UCX)")
     be.add_argument("--trace", action="store_true",
                     help="with --out: also write every rank's per-message times of its last wb "
                          "run (trace_rR.json)")

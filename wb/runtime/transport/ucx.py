@@ -136,14 +136,14 @@ class UcxTransport:
         timeout: seconds to wait for peers' addresses and for the closing barrier.
         cuda_device: the CUDA device whose buffers this worker sends (gives UCX's progress
             thread a context on it); ``None`` for host buffers.
-        polling: progress thread busy-polls (default: with ``cuda_device``) instead of waiting on
-            events.
+        polling: ``True``: ``progress="polling"``; ``False``: ``"blocking"``.
         progress: who progresses the UCX worker: ``"polling"`` (a thread of UCX's that
             busy-polls), ``"blocking"`` (the same thread, waiting on events; posts are handed to
             it) or ``"caller"`` (no thread: the threads that post and complete requests progress
             it, :meth:`progress`, so a post never contends with a polling thread for the
             worker; a thread progresses it only while the transport closes). Default: the
-            environment's ``WB_UCX_PROGRESS``, else ``polling`` as given.
+            environment's ``WB_UCX_PROGRESS``, else ``polling`` as given, else ``"caller"``
+            with ``cuda_device`` and ``"blocking"`` without.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
@@ -151,11 +151,13 @@ class UcxTransport:
                  polling: bool | None = None, progress: str | None = None):
         self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
         self.cuda_device = cuda_device
-        # A polling progress thread reacts at once but keeps a core busy: worth it on GPU hosts
-        # (many cores, per-message latency matters), not on small CPU hosts with many ranks.
-        self.polling = cuda_device is not None if polling is None else bool(polling)
+        # Who progresses it, by default: the caller with a CUDA device (a polling thread makes
+        # every post contend with it for the worker: 38 us per send of CUDA memory on an H200
+        # host, 17 us progressed by the caller; bench/results/fp8/COMMAND.md), a thread waiting
+        # on events on hosts
         progress = progress or os.environ.get("WB_UCX_PROGRESS") or (
-            "polling" if self.polling else "blocking")
+            "caller" if polling is None and cuda_device is not None else
+            "polling" if polling else "blocking")
         if progress not in _PROGRESS:
             raise TransferError(f"UcxTransport: progress={progress!r} (or WB_UCX_PROGRESS) must "
                                 f"be one of {', '.join(_PROGRESS)}")
