@@ -22,7 +22,7 @@ PUBLIC = {
     "probe", "plan", "lower_bound", "simulate", "run_local",
     # runtime: transport
     "Transport", "Request", "UcxTransport", "Store", "MemoryStore", "DirectoryStore",
-    "TorchStore", "JaxStore",
+    "TorchStore", "JaxStore", "RayStore",
     # runtime: membership and endpoints
     "agree_parts", "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter",
     "LocalSession", "MODES", "summarize",

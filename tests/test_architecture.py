@@ -139,7 +139,7 @@ bf16 = dtype_info("bfloat16").numpy
 src = np.arange(16, dtype=np.float32).reshape(4, 4).astype(bf16)
 out = wb.run_local(p, {0: {"w": src}}, {1: {"x": np.zeros((4, 3), src.dtype)}})
 assert (out[1]["x"] == src[:, 1:]).all()
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib"))))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib", "ray"))))
 """
 
 

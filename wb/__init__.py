@@ -24,7 +24,8 @@ from wb.algorithms.probing import probe
 from wb.algorithms.simulate import simulate
 
 from wb.runtime.transport import Request, Transport
-from wb.runtime.transport.stores import DirectoryStore, JaxStore, MemoryStore, Store, TorchStore
+from wb.runtime.transport.stores import (DirectoryStore, JaxStore, MemoryStore, RayStore, Store,
+                                         TorchStore)
 from wb.runtime.transport.ucx import UcxTransport
 from wb.runtime.membership.agree import agree_parts
 from wb.runtime.endpoints.group import ParamsAdapter, ReceiverGroup, SenderGroup
@@ -42,7 +43,7 @@ __all__ = [
     "probe", "plan", "lower_bound", "simulate", "run_local",
     # runtime, transport: moving bytes, meeting through a store
     "Transport", "Request", "UcxTransport", "Store", "MemoryStore", "DirectoryStore",
-    "TorchStore", "JaxStore",
+    "TorchStore", "JaxStore", "RayStore",
     # runtime, membership and endpoints: set-up, then versions
     "agree_parts", "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter",
     "LocalSession", "MODES", "summarize",

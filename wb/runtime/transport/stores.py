@@ -6,7 +6,8 @@ Values are bytes: nothing read from a store is ever unpickled, and wb's records 
 (:mod:`wb.data.sealed`), so a value the store mangled is refused with the key's name. No
 home-made server: the adapters wrap an in-process dict (threads, notebooks), a shared directory
 (processes of one machine or a shared filesystem), ``torch.distributed.TCPStore`` and JAX's
-distributed key-value client, duck-typed so ``wb`` imports neither framework.
+distributed key-value client, duck-typed so ``wb`` imports neither framework, and Ray's key-value
+store (imported only when a :class:`RayStore` is made).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Protocol, runtime_checkable
 from wb.data.sealed import seal_json, unseal_json
 from wb.errors import TransferError
 
-__all__ = ["Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore", "CountingStore",
+__all__ = ["Store", "MemoryStore", "DirectoryStore", "TorchStore", "JaxStore", "RayStore",
+           "CountingStore",
            "set_large", "get_large", "value_limit", "set_record", "get_record", "read_record"]
 
 #: What to do about a value the store mangled.
@@ -163,6 +165,54 @@ class JaxStore:
                                                                   int(timeout * 1000)))
         except Exception as e:  # noqa: BLE001 - the client raises XlaRuntimeError on timeout
             raise _timeout(key, timeout) from e
+
+
+class RayStore:
+    """Ray's own key-value store (the cluster's GCS, ``ray.experimental.internal_kv``): the
+    driver and actors of one Ray cluster, and processes outside it that joined it with
+    ``ray.init(address=...)``, meet there. Ray is imported when one is made, never by
+    ``import wb``; the process must have joined the cluster (``ray.init``) first.
+
+    Args:
+        namespace: Ray's key-value namespace (keeps jobs of one cluster apart; default
+            ``"wb"``).
+        prefix: put before every key (keeps wb's keys apart from the job's own).
+        poll_s: the longest wait between looks for a key not there yet (Ray's store has no
+            blocking get: looks start 0.5 ms apart and back off to this).
+        max_value_bytes: larger values go as chunks (:func:`set_large`); Ray's GCS holds every
+            value in its memory.
+
+    Raises:
+        TransferError: Ray is not installed, or this process has not joined a cluster.
+    """
+
+    def __init__(self, *, namespace: str = "wb", prefix: str = "wb/", poll_s: float = 0.02,
+                 max_value_bytes: int = 16 << 20):
+        try:
+            from ray.experimental import internal_kv
+        except ImportError as e:
+            raise TransferError("wb.RayStore needs Ray: pip install 'weightbridge[ray]'") from e
+        if not internal_kv._internal_kv_initialized():
+            raise TransferError("wb.RayStore: this process has not joined a Ray cluster; call "
+                                "ray.init() (or ray.init(address=...)) before making the store")
+        self._kv, self.namespace, self.prefix = internal_kv, namespace, prefix
+        self.poll_s, self.max_value_bytes = poll_s, max_value_bytes
+
+    def set(self, key: str, value: bytes) -> None:
+        self._kv._internal_kv_put((self.prefix + key).encode(), bytes(value), overwrite=True,
+                                  namespace=self.namespace)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        k, deadline, wait = (self.prefix + key).encode(), time.monotonic() + timeout, 5e-4
+        while True:
+            value = self._kv._internal_kv_get(k, namespace=self.namespace)
+            if value is not None:
+                return bytes(value)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _timeout(key, timeout)
+            time.sleep(min(wait, left))
+            wait = min(2 * wait, self.poll_s)
 
 
 def value_limit(store) -> int | None:
