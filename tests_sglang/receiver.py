@@ -1,0 +1,106 @@
+"""The processes of ``tests_sglang/test_sglang_receiver.py`` (run in the SGLang venv).
+
+    python tests_sglang/receiver.py trainer MODEL STORE_DIR VERSIONS OUT.json
+    python tests_sglang/receiver.py worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json
+
+The trainer holds the whole checkpoint (numpy, named as on disk), version ``v`` being the seeded
+checkpoint times ``(-2) ** v`` (exact in float32), and pushes versions 1..VERSIONS with a
+:class:`wb.Sender`. Each worker builds SGLang's class for its TP rank, as the engine would, and
+asks :func:`wb_sglang.receive` (SGLang's custom weight loader) for every version in turn; after
+each, every parameter must be bit-identical to what SGLang's own ``load_weights`` of that
+version makes in a second model of the same rank, and still in the same storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+TRAINER_RANK, FIRST_ROLLOUT = 0, 1
+
+
+def version(spec, v: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    return {n: (rng.standard_normal(spec.shape(n)).astype(np.float32) * np.float32((-2.0) ** v))
+            for n in spec.names}
+
+
+def trainer(model: str, store_dir: str, versions: int, out: str, world: int) -> None:
+    import wb
+
+    harness.prepare_sglang()  # the spec comes from transformers' config, as the workers'
+    cfg, _ = harness.hf_config(model)
+    spec = harness.checkpoint_spec(cfg)
+    store = wb.DirectoryStore(store_dir)
+    lay = wb.Layout(wb.Worker(TRAINER_RANK, "trainer0", "trainer"),
+                    {n: wb.BufferSpec(wb.SourceMap.from_indices(spec.ids(n)), "float32")
+                     for n in spec.names})
+    plan = wb.agree_parts(store, [lay], world=world, name="wb/plan", timeout=200)
+    bufs = version(spec, 0)
+    with wb.Sender(plan, TRAINER_RANK, bufs, transport=wb.UcxTransport(TRAINER_RANK, store),
+                   store=store) as tx:
+        for v in range(1, versions + 1):
+            for n, a in version(spec, v).items():
+                bufs[n][...] = a  # the training step, in place
+            tx.push()
+            time.sleep(0.2)
+    Path(out).write_text(json.dumps({"pushed": versions}))
+
+
+def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
+           out: str, world: int) -> None:
+    harness.prepare_sglang()
+    import torch
+
+    import wb
+    import wb_sglang
+    import wb_torch
+
+    harness.init_tp(tp, rank, port)
+    cfg, cls = harness.hf_config(model)
+    spec = harness.checkpoint_spec(cfg)
+    with torch.device("cpu"):
+        m, ref = cls(cfg, quant_config=None), cls(cfg, quant_config=None)
+    os.environ["WB_SGLANG"] = json.dumps({"store": f"dir:{store_dir}", "world": world,
+                                          "first_rank": FIRST_ROLLOUT, "spec": spec.to_json(),
+                                          "node": "sglang0", "timeout": 200})
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    want = {}  # what SGLang's own load makes of each version, made before any update
+    for v in range(1, versions + 1):
+        ref.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, v).items())
+        want[v] = {n: wb_torch.to_numpy(p).tobytes() for n, p in ref.named_parameters()}
+    rows = []
+    for v in range(1, versions + 1):
+        wb_sglang.receive(m, wb_sglang.request(v))  # as SGLang calls its custom loader
+        same = [n for n, p in m.named_parameters()
+                if wb_torch.to_numpy(p).tobytes() == want[v][n]]
+        moved = [n for n, p in m.named_parameters() if p.data_ptr() != ptrs[n]]
+        rows.append({"version": v, "params": len(ptrs), "identical": len(same), "moved": moved})
+    try:
+        wb_sglang.receive(m, wb_sglang.request(1))  # older than the one held
+        stale = "no error"
+    except wb.TransferError as e:
+        stale = str(e)
+    try:
+        wb_sglang.receive(m, [("something.else", torch.zeros(1))])
+        foreign = "no error"
+    except wb.SpecError as e:
+        foreign = str(e)
+    wb_sglang.close_all()
+    Path(out).write_text(json.dumps({"rows": rows, "stale": stale, "foreign": foreign}))
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    if a[0] == "trainer":
+        trainer(a[1], a[2], int(a[3]), a[4], int(a[5]))
+    else:
+        worker(a[1], int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), a[7], int(a[8]))

@@ -1,0 +1,47 @@
+"""wb_sglang.receive, called as SGLang calls a custom weight loader, in the TP workers of
+SGLang's own model classes (CPU, TP=2 over gloo): every version a trainer pushes lands in the
+parameters' own storage, bit-identical to SGLang's own load_weights of that version."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+HERE = Path(__file__).resolve().parent
+PROCS = HERE / "receiver.py"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
+def test_versions_land_in_place_bit_identical_to_sglangs_own_load(model, tmp_path):
+    tp, versions = 2, 3
+    world, store = 1 + tp, tmp_path / "store"
+    store.mkdir()
+    port = _port()
+    cmds = [[sys.executable, str(PROCS), "trainer", model, str(store), str(versions),
+             str(tmp_path / "trainer.json"), str(world)]]
+    cmds += [[sys.executable, str(PROCS), "worker", model, str(tp), str(r), str(port), str(store),
+              str(versions), str(tmp_path / f"w{r}.json"), str(world)] for r in range(tp)]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    assert json.loads((tmp_path / "trainer.json").read_text())["pushed"] == versions
+    for r in range(tp):
+        rep = json.loads((tmp_path / f"w{r}.json").read_text())
+        assert [row["version"] for row in rep["rows"]] == list(range(1, versions + 1))
+        for row in rep["rows"]:
+            assert row["identical"] == row["params"] > 0 and row["moved"] == []
+        assert "asked for version 1, holds 3" in rep["stale"]
+        assert "carries no `wb_sglang.version` tensor" in rep["foreign"]
