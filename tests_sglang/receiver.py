@@ -1,11 +1,13 @@
 """The processes of ``tests_sglang/test_sglang_receiver.py`` (run in the SGLang venv).
 
-    python tests_sglang/receiver.py trainer MODEL STORE_DIR VERSIONS OUT.json
-    python tests_sglang/receiver.py worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json
+    python tests_sglang/receiver.py trainer MODEL STORE_DIR VERSIONS OUT.json WORLD
+    python tests_sglang/receiver.py torch-trainer MODEL STORE_DIR VERSIONS OUT.json WORLD PORT
+    python tests_sglang/receiver.py worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json WORLD
 
 The trainer holds the whole checkpoint (numpy, named as on disk), version ``v`` being the seeded
 checkpoint times ``(-2) ** v`` (exact in float32), and pushes versions 1..VERSIONS with a
-:class:`wb.Sender`. Each worker builds SGLang's class for its TP rank, as the engine would, and
+:class:`wb.Sender`; the PyTorch trainer is SGLang's own class at TP=1 pushed by
+``wb_torch.Sender``. Each worker builds SGLang's class for its TP rank, as the engine would, and
 asks :func:`wb_sglang.receive` (SGLang's custom weight loader) for every version in turn; after
 each, every parameter must be bit-identical to what SGLang's own ``load_weights`` of that
 version makes in a second model of the same rank, and still in the same storage.
@@ -50,6 +52,36 @@ def trainer(model: str, store_dir: str, versions: int, out: str, world: int) -> 
         for v in range(1, versions + 1):
             for n, a in version(spec, v).items():
                 bufs[n][...] = a  # the training step, in place
+            tx.push()
+            time.sleep(0.2)
+    Path(out).write_text(json.dumps({"pushed": versions}))
+
+
+def torch_trainer(model: str, store_dir: str, versions: int, out: str, world: int,
+                  port: int) -> None:
+    """A PyTorch trainer: SGLang's own class at TP=1 (fused ``qkv_proj``, ``gate_up_proj``,
+    stacked experts: another layout than the TP=2 rollouts'), probed and pushed with
+    ``wb_torch.Sender``; each version loaded into it through its own ``load_weights``."""
+    harness.prepare_sglang()
+    import torch
+
+    import wb
+    import wb_torch
+
+    harness.init_tp(1, 0, port)
+    cfg, cls = harness.hf_config(model)
+    spec = harness.checkpoint_spec(cfg)
+    with torch.device("cpu"):
+        m = cls(cfg, quant_config=None)
+    maps = wb_torch.probe(m, spec)
+    (lay,) = wb_torch.layouts(m, maps, TRAINER_RANK, node="trainer0", role="trainer")
+    store = wb.DirectoryStore(store_dir)
+    plan = wb.agree_parts(store, [lay], world=world, name="wb/plan", timeout=200)
+    m.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, 0).items())
+    with wb_torch.Sender(m, plan, TRAINER_RANK, transports=wb.UcxTransport(TRAINER_RANK, store),
+                         store=store) as tx:
+        for v in range(1, versions + 1):
+            m.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, v).items())
             tx.push()
             time.sleep(0.2)
     Path(out).write_text(json.dumps({"pushed": versions}))
@@ -102,5 +134,7 @@ if __name__ == "__main__":
     a = sys.argv[1:]
     if a[0] == "trainer":
         trainer(a[1], a[2], int(a[3]), a[4], int(a[5]))
+    elif a[0] == "torch-trainer":
+        torch_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]), int(a[6]))
     else:
         worker(a[1], int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), a[7], int(a[8]))

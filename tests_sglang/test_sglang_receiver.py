@@ -1,6 +1,7 @@
 """wb_sglang.receive, called as SGLang calls a custom weight loader, in the TP workers of
-SGLang's own model classes (CPU, TP=2 over gloo): every version a trainer pushes lands in the
-parameters' own storage, bit-identical to SGLang's own load_weights of that version."""
+SGLang's own model classes (CPU, TP=2 over gloo): every version a trainer pushes (numpy arrays
+named as on disk, or a PyTorch trainer: SGLang's class at TP=1 through wb_torch.Sender) lands in
+the parameters' own storage, bit-identical to SGLang's own load_weights of that version."""
 
 import json
 import socket
@@ -22,14 +23,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3-moe"])
-def test_versions_land_in_place_bit_identical_to_sglangs_own_load(model, tmp_path):
+@pytest.mark.parametrize("model, trainer", [("qwen3", "trainer"), ("qwen3-moe", "trainer"),
+                                            ("qwen3-moe", "torch-trainer")])
+def test_versions_land_in_place_bit_identical_to_sglangs_own_load(model, trainer, tmp_path):
     tp, versions = 2, 3
     world, store = 1 + tp, tmp_path / "store"
     store.mkdir()
     port = _port()
-    cmds = [[sys.executable, str(PROCS), "trainer", model, str(store), str(versions),
-             str(tmp_path / "trainer.json"), str(world)]]
+    cmds = [[sys.executable, str(PROCS), trainer, model, str(store), str(versions),
+             str(tmp_path / "trainer.json"), str(world), str(_port())]]
     cmds += [[sys.executable, str(PROCS), "worker", model, str(tp), str(r), str(port), str(store),
               str(versions), str(tmp_path / f"w{r}.json"), str(world)] for r in range(tp)]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
