@@ -2,6 +2,8 @@
 
     python tests_sglang/receiver.py trainer MODEL STORE_DIR VERSIONS OUT.json WORLD
     python tests_sglang/receiver.py torch-trainer MODEL STORE_DIR VERSIONS OUT.json WORLD PORT
+    python tests_sglang/receiver.py spec MODEL SPEC.json     # then, with JAX (WB_JAX_PYTHON):
+    python tests_sglang/receiver.py jax-trainer SPEC.json STORE_DIR VERSIONS OUT.json WORLD
     python tests_sglang/receiver.py worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json WORLD
 
 The trainer holds the whole checkpoint (numpy, named as on disk), version ``v`` being the seeded
@@ -87,6 +89,43 @@ def torch_trainer(model: str, store_dir: str, versions: int, out: str, world: in
     Path(out).write_text(json.dumps({"pushed": versions}))
 
 
+def jax_trainer(spec_json: str, store_dir: str, versions: int, out: str, world: int) -> None:
+    """A JAX trainer (run by an interpreter with JAX and wb, without SGLang: ``WB_JAX_PYTHON``):
+    ``{checkpoint name: jax.Array}`` on one device, described by ``wb_jax.checkpoint_layouts``
+    (nothing probed), pushed with ``wb_jax.Sender``; each version a new pytree."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+
+    import wb
+    import wb_jax
+
+    spec = wb.CheckpointSpec.from_json(json.loads(Path(spec_json).read_text()))
+    dev = jax.devices()[0]
+
+    def params(v):
+        return {n: jax.device_put(jnp.asarray(a), dev) for n, a in version(spec, v).items()}
+
+    p = params(0)
+    (lay,) = wb_jax.checkpoint_layouts(p, spec, {dev: TRAINER_RANK}, node="trainer0",
+                                      role="trainer")
+    store = wb.DirectoryStore(store_dir)
+    plan = wb.agree_parts(store, [lay], world=world, name="wb/plan", timeout=200)
+    with wb_jax.Sender(p, plan, {dev: TRAINER_RANK}, store=store,
+                       transports={TRAINER_RANK: wb.UcxTransport(TRAINER_RANK, store)}) as tx:
+        for v in range(1, versions + 1):
+            tx.push(params(v))
+            time.sleep(0.2)
+    Path(out).write_text(json.dumps({"pushed": versions}))
+
+
+def write_spec(model: str, out: str) -> None:
+    """The checkpoint spec of ``model`` as JSON (for the JAX trainer, which has no SGLang)."""
+    harness.prepare_sglang()
+    cfg, _ = harness.hf_config(model)
+    Path(out).write_text(json.dumps(harness.checkpoint_spec(cfg).to_json()))
+
+
 def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
            out: str, world: int) -> None:
     harness.prepare_sglang()
@@ -134,6 +173,10 @@ if __name__ == "__main__":
     a = sys.argv[1:]
     if a[0] == "trainer":
         trainer(a[1], a[2], int(a[3]), a[4], int(a[5]))
+    elif a[0] == "jax-trainer":
+        jax_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]))
+    elif a[0] == "spec":
+        write_spec(a[1], a[2])
     elif a[0] == "torch-trainer":
         torch_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]), int(a[6]))
     else:

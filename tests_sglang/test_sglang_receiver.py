@@ -1,9 +1,11 @@
 """wb_sglang.receive, called as SGLang calls a custom weight loader, in the TP workers of
 SGLang's own model classes (CPU, TP=2 over gloo): every version a trainer pushes (numpy arrays
-named as on disk, or a PyTorch trainer: SGLang's class at TP=1 through wb_torch.Sender) lands in
+named as on disk; a PyTorch trainer: SGLang's class at TP=1 through wb_torch.Sender; a JAX
+trainer in its own venv, WB_JAX_PYTHON: arrays named like the checkpoint) lands in
 the parameters' own storage, bit-identical to SGLang's own load_weights of that version."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,15 +25,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("model, trainer", [("qwen3", "trainer"), ("qwen3-moe", "trainer"),
-                                            ("qwen3-moe", "torch-trainer")])
+JAX = pytest.mark.skipif(not os.environ.get("WB_JAX_PYTHON"),
+                         reason="WB_JAX_PYTHON: an interpreter with JAX and wb (the trainer's venv)")
+
+
+@pytest.mark.parametrize("model, trainer", [
+    ("qwen3", "trainer"), ("qwen3-moe", "trainer"), ("qwen3-moe", "torch-trainer"),
+    pytest.param("qwen3-moe", "jax-trainer", marks=JAX)])
 def test_versions_land_in_place_bit_identical_to_sglangs_own_load(model, trainer, tmp_path):
     tp, versions = 2, 3
     world, store = 1 + tp, tmp_path / "store"
     store.mkdir()
     port = _port()
-    cmds = [[sys.executable, str(PROCS), trainer, model, str(store), str(versions),
-             str(tmp_path / "trainer.json"), str(world), str(_port())]]
+    if trainer == "jax-trainer":  # in the trainer's own venv, from the spec written here
+        spec = tmp_path / "spec.json"
+        subprocess.run([sys.executable, str(PROCS), "spec", model, str(spec)], check=True,
+                       capture_output=True, timeout=240)
+        cmds = [[os.environ["WB_JAX_PYTHON"], str(PROCS), trainer, str(spec), str(store),
+                 str(versions), str(tmp_path / "trainer.json"), str(world)]]
+    else:
+        cmds = [[sys.executable, str(PROCS), trainer, model, str(store), str(versions),
+                 str(tmp_path / "trainer.json"), str(world), str(_port())]]
     cmds += [[sys.executable, str(PROCS), "worker", model, str(tp), str(r), str(port), str(store),
               str(versions), str(tmp_path / f"w{r}.json"), str(world)] for r in range(tp)]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
