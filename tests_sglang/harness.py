@@ -12,7 +12,8 @@ groups, and the class built as SGLang builds it (``cls(hf_config, quant_config=N
 probes the rank's model with ``wb_torch.probe`` through SGLang's own ``load_weights`` (with
 ``CACHE_DIR``: from the map cache when there, timed), loads a seeded random checkpoint through
 that same ``load_weights`` and writes, per state entry, whether every element the map names
-holds that checkpoint element (the oracle: SGLang's own loader, element by element), and the
+holds that checkpoint element (SGLang's own loader, element by element), whether each map equals
+the per-element oracle written from SGLang's layout rules (:func:`oracle_ids`), and the
 checkpoint ids the rank holds (``OUT.ids.npy``).
 """
 
@@ -137,6 +138,54 @@ def checkpoint_spec(cfg):
     return wb.CheckpointSpec(tensors)
 
 
+def oracle_ids(model: str, cfg, spec, tp: int, t: int) -> dict:
+    """What TP rank ``t`` of ``tp`` holds of the checkpoint, written plainly from SGLang's layout
+    rules (not from any probe): ``{state entry: ids}``. Column-parallel weights hold row block
+    ``t``; row-parallel ones column block ``t``; ``qkv_proj`` = cat(q, k, v) blocks (KV heads
+    split while there are as many as ranks), ``gate_up_proj`` = cat(gate, up); experts (EP 1)
+    stack every expert's TP blocks: ``w13_weight`` [E, 2I/tp, H], ``w2_weight`` [E, H, I/tp];
+    embeddings and the head split by vocabulary rows; norms and the router whole."""
+    import numpy as np
+
+    I = spec.ids
+
+    def part(ids, axis=0):
+        return np.split(ids, tp, axis=axis)[t]
+
+    out = {"model.embed_tokens.weight": part(I("model.embed_tokens.weight")),
+           "model.norm.weight": I("model.norm.weight"), "lm_head.weight": part(I("lm_head.weight"))}
+    kv = cfg.num_key_value_heads
+    for i in range(cfg.num_hidden_layers):
+        h = f"model.layers.{i}."
+        a, m = h + "self_attn.", h + "mlp."
+        k_ids, v_ids = I(a + "k_proj.weight"), I(a + "v_proj.weight")
+        if tp > kv:  # each KV head on tp // kv ranks
+            k_ids = np.split(k_ids, kv)[t // (tp // kv)]
+            v_ids = np.split(v_ids, kv)[t // (tp // kv)]
+        else:
+            k_ids, v_ids = part(k_ids), part(v_ids)
+        out[a + "qkv_proj.weight"] = np.concatenate([part(I(a + "q_proj.weight")), k_ids, v_ids])
+        out[a + "o_proj.weight"] = part(I(a + "o_proj.weight"), axis=1)
+        if model != "llama":
+            out[a + "q_norm.weight"] = I(a + "q_norm.weight")
+            out[a + "k_norm.weight"] = I(a + "k_norm.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[h + norm + ".weight"] = I(h + norm + ".weight")
+        if model == "qwen3-moe":
+            x = m + "experts."
+            out[m + "gate.weight"] = I(m + "gate.weight")
+            out[x + "w13_weight"] = np.stack([np.concatenate(
+                [part(I(f"{x}{e}.gate_proj.weight")), part(I(f"{x}{e}.up_proj.weight"))])
+                for e in range(cfg.num_experts)])
+            out[x + "w2_weight"] = np.stack([part(I(f"{x}{e}.down_proj.weight"), axis=1)
+                                             for e in range(cfg.num_experts)])
+        else:
+            out[m + "gate_up_proj.weight"] = np.concatenate(
+                [part(I(m + "gate_proj.weight")), part(I(m + "up_proj.weight"))])
+            out[m + "down_proj.weight"] = part(I(m + "down_proj.weight"), axis=1)
+    return out
+
+
 def main(model: str, tp: int, rank: int, port: int, out: str, cache: str | None = None) -> None:
     prepare_sglang()
     import numpy as np
@@ -168,10 +217,13 @@ def main(model: str, tp: int, rank: int, port: int, out: str, cache: str | None 
         if not np.array_equal(got[mapped], flat[ids[mapped]]):
             bad.append(n)
     np.save(Path(out).with_suffix(".ids.npy"), np.unique(np.concatenate(covered)))
+    want = oracle_ids(model, cfg, spec, tp, rank)
+    oracle_bad = sorted(n for n in set(want) | set(maps) if n not in want or n not in maps
+                        or not np.array_equal(maps[n].to_indices(), want[n]))
     Path(out).write_text(json.dumps({
         "model": model, "tp": tp, "rank": rank, "entries": len(state),
         "mapped_entries": len(maps), "unmapped_entries": sorted(set(state) - set(maps)),
-        "bad": bad, "held_elements": held, "elements": elements, "probe_s": probe_s,
+        "bad": bad, "oracle_bad": oracle_bad, "held_elements": held, "elements": elements, "probe_s": probe_s,
         "checkpoint_elements": int(flat.size)}))
 
 

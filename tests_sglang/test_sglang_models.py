@@ -1,5 +1,6 @@
 """wb_torch.probe on SGLang 0.5.23's own model classes (CPU, TP over gloo, one process per rank):
-every map exact against SGLang's own ``load_weights`` of a random checkpoint, the ranks together
+every map equal to a per-element oracle written from SGLang's layout rules and exact against
+SGLang's own ``load_weights`` of a random checkpoint, the ranks together
 holding every checkpoint element, and a second start reading its maps from the cache."""
 
 import json
@@ -44,6 +45,7 @@ def test_probe_is_exact_against_sglangs_own_loader(model, tp, tmp_path):
         # each holds after SGLang's own load of a random checkpoint the element its map names
         assert rep["unmapped_entries"] == [] and rep["mapped_entries"] == rep["entries"]
         assert rep["held_elements"] == rep["elements"] and rep["bad"] == []
+        assert rep["oracle_bad"] == []  # each map is the per-element oracle's ids, exactly
     ids = [np.load(tmp_path / f"r{r}.ids.npy") for r in range(tp)]
     n = reps[0]["checkpoint_elements"]
     # the ranks together hold the whole checkpoint; with TP=2 each holds a part of it
