@@ -46,6 +46,8 @@ class Trainer:
 
     def __init__(self, world: int):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jax
+
         import wb_jax
         from wb.layouts.presets import TINY, spec_from_config
         from wb_jax.testing import make_load_fn, make_mesh
@@ -55,19 +57,16 @@ class Trainer:
         load = make_load_fn(TINY, make_mesh(1, 1))
         maps = wb_jax.probe(load, self.spec)
         self.params = load(weights(self.spec, 0))
-        import jax
-
         self.ranks = {jax.devices()[0]: 0}  # {device: wb rank}
         self.layouts = wb_jax.layouts(self.params, maps, ranks=self.ranks, node="trainer0",
                                       role="trainer")
         self.world = world
 
-    def train(self, versions: int, step_s: float) -> list[float]:
+    def train(self, versions: int, step_s: float) -> None:
         import wb_jax
         from wb_jax.testing import train_step
 
         plan = wb.agree_parts(self.store, self.layouts, world=self.world)
-        pushed = []
         with wb_jax.Sender(self.params, plan, self.ranks, store=self.store,
                            transports={0: wb.UcxTransport(0, self.store)}) as tx:
             for v in range(1, versions + 1):
@@ -75,8 +74,6 @@ class Trainer:
                 self.params = train_step(self.params)  # w <- -2 w
                 tx.push(self.params)
                 self.store.set("example/pushed", str(v).encode())
-                pushed.append(time.time())
-        return pushed
 
 
 # Ray starts a killed rollout again and runs the call it was serving again, on the new process
@@ -177,14 +174,14 @@ def main() -> None:
         trainer = Trainer.remote(world)
         rollouts = [Rollout.remote(1 + i, os.path.join(work, f"maps{1 + i}"), world)
                     for i in range(a.rollouts)]
-        pushed = trainer.train.remote(a.versions, a.step_s)
+        trained = trainer.train.remote(a.versions, a.step_s)
         served = {r: h.serve.remote(a.versions) for r, h in enumerate(rollouts, 1)}
         victim = a.rollouts  # the last rollout's rank
         while not applied(store, victim, a.versions).get(a.kill_after):
             time.sleep(0.05)
         ray.kill(rollouts[-1], no_restart=False)  # Ray starts it again (max_restarts=1)
         killed_at = int(store.get("example/pushed", 1.0))
-        ray.get(pushed)
+        ray.get(trained)  # raises the trainer's error, if any
         served = {r: ray.get(f) for r, f in served.items()}
         runs = {r: applied(store, r, a.versions) for r in served}
     finally:

@@ -85,17 +85,15 @@ class Worker:
         maps = wb_torch.probe(model, spec, cache=os.path.join(cache, f"rank{self.rank}")
                               if cache else None, key={"rank": self.rank})
         device = next(iter(model.parameters())).device
-        local = (device.index or 0) if device.type == "cuda" else 0
+        gpu = (device.index or 0) if device.type == "cuda" else None
         (self.layout,) = wb_torch.layouts(model, maps, self.rank, node=cfg.get("node", "sglang"),
-                                          role="rollout", local_rank=local)
+                                          role="rollout", local_rank=gpu or 0)
         self.store = open_store(cfg["store"])
         timeout = float(cfg.get("timeout", 120.0))
         plan = wb.agree_parts(self.store, [self.layout], world=int(cfg["world"]),
                               name=f"{name}/plan", timeout=timeout)
         if transport is None:
-            transport = wb.UcxTransport(self.rank, self.store, timeout=timeout,
-                                        cuda_device=device.index if device.type == "cuda"
-                                        else None)
+            transport = wb.UcxTransport(self.rank, self.store, timeout=timeout, cuda_device=gpu)
         self.rx = wb_torch.Receiver(model, plan, self.rank, transports=transport,
                                     store=self.store, name=name,
                                     staging=bool(cfg.get("staging", True)))

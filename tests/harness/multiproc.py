@@ -161,6 +161,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             import cupy as xp
 
             xp.cuda.Device(cuda).use()
+        program = Program(part)
         fp8 = options.get("fp8")  # {"quantized": Quantized, "own": {rank: Layout}, "held"}
         if fp8 and trainer:  # its own weights, then quantised as a Sender does before a push
             from wb.runtime.engine.fp8 import Quantiser
@@ -172,7 +173,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                                       fp8["quantized"].peers.get(rank, ()))
             # once to compile its kernels and make its tables in the order the update sends
             # (as a Sender does at set-up); the second is timed
-            order = Program(part).first_sent()
+            order = program.first_sent()
             qz.run(live, exchange("compile"), order=order)
             if xp is not np:
                 xp.cuda.runtime.deviceSynchronize()
@@ -194,7 +195,6 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         # as wb.runtime.engine.executor.execute, with `warmup` updates first over the same
         # connections (a first update also loads kernels and maps peers' memory), each with its
         # own tags
-        program = Program(part)
         timeout, staging = options.get("timeout", 60.0), options.get("staging_bytes", 256 << 20)
         if options.get("warmup"):
             program.check(bufs)  # bad buffers are refused before connecting to anyone
