@@ -44,6 +44,10 @@ def main() -> None:
                     help="UCX progress threads busy-poll (on) or wait on events (off); auto: "
                          "wb.UcxTransport's default (with a CUDA device: no thread, the update "
                          "loop progresses UCX; WB_UCX_PROGRESS chooses too)")
+    ap.add_argument("--checksums", choices=("on", "off", "compare"), default="on",
+                    help="every message checked against its sender's CRC32C (on, wb's default) "
+                         "or not; compare: the BF16 update with them off, then on (no FP8 run): "
+                         "checksums_ratio is on's EWTT over off's")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--trace", metavar="DIR",
@@ -55,6 +59,19 @@ def main() -> None:
               chunk=int(a.chunk_mb * 2**20),
               polling={"auto": None, "on": True, "off": False}[a.polling])
     trace = (lambda name: str(Path(a.trace, name))) if a.trace else (lambda name: None)
+    if a.checksums == "compare":
+        off = run(trace_out=trace("bf16_off"), checksums=False, **kw)
+        on = run(trace_out=trace("bf16_on"), checksums=True, **kw)
+        rep = {"bf16_checksums_off": off, "bf16_checksums_on": on,
+               "checksums_ratio": on["ewtt_s"] / off["ewtt_s"],
+               "off_over_ideal": off["ewtt_over_ideal"], "on_over_ideal": on["ewtt_over_ideal"]}
+        if a.out:
+            Path(a.out).write_text(json.dumps(rep, indent=1))
+        print(json.dumps(rep) if a.json else
+              f"bf16 ewtt: checksums off {off['ewtt_s']:.4f} s, on {on['ewtt_s']:.4f} s: "
+              f"checksums_ratio {rep['checksums_ratio']:.3f}")
+        return
+    kw["checksums"] = a.checksums == "on"
     bf16 = run(trace_out=trace("bf16"), **kw)
     if a.out:  # a partial report, should the FP8 run not finish
         Path(a.out).write_text(json.dumps({"bf16": bf16}, indent=1))

@@ -70,7 +70,7 @@ def retyped(layouts, dtype: str):
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
-        trace_out=None, warmup=0, polling=None) -> dict:
+        trace_out=None, warmup=0, polling=None, checksums=True) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
@@ -81,7 +81,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
     ``warmup``: updates each process runs before the measured one, over the same connections (as
     a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
-    progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default)."""
+    progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default).
+    ``checksums``: every message checked against its sender's CRC32C (wb's default), or not."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -131,7 +132,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
                                "staging_bytes": staging, "cuda_device": cuda_device,
                                "held": dtypes[0] if dtypes else None, "fp8": fp8_opt,
                                "trace": trace_out is not None, "warmup": warmup,
-                               "polling": polling},
+                               "polling": polling, "checksums": checksums},
                       join_timeout=600)
         res = r.results
         bad = [x for x in ranks if not (res[x] and res[x]["ok"])]

@@ -11,7 +11,8 @@ The names below are what a user calls, grouped by the layer they live in; everyt
 importable from its module (``wb.runtime.engine.executor.execute``, ``wb.data.plan.parts``...).
 """
 
-from wb.errors import PeersLost, PlanError, ProbeError, SpecError, TransferError, WbError
+from wb.errors import (ChecksumError, PeersLost, PlanError, ProbeError, SpecError, TransferError,
+                       WbError)
 
 from wb.data.fp8 import FP8Blocks
 from wb.data.layout import BufferSpec, Cluster, Layout, Worker
@@ -49,4 +50,5 @@ __all__ = [
     "LocalSession", "MODES", "summarize",
     # errors
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost",
+    "ChecksumError",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost"]
+__all__ = ["WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost",
+           "ChecksumError"]
 
 
 class WbError(Exception):
@@ -42,3 +43,33 @@ class PeersLost(TransferError):
 
     def __reduce__(self):  # picklable, as exceptions crossing processes must be
         return type(self), (str(self), self.ranks)
+
+
+class ChecksumError(TransferError):
+    """Messages of an update failed their checksums (or came from a forwarder whose input did).
+    Raised once every byte of the update moved: the transport is intact and the peers went on.
+
+    Attributes:
+        rank: the worker that found it.
+        bad: ``[(peer, message, buffers, what)]``: per failed unit its sender, its plan message
+            (a frame: its first), the buffers it writes, and what failed.
+        stats: the update's :class:`~wb.runtime.engine.update.ExecStats` (its bytes did move).
+        note: what it means for the caller (a :class:`wb.Receiver`: what the live buffers hold).
+    """
+
+    def __init__(self, rank: int, bad: list[tuple[int, int, list[str], str]], stats=None, *,
+                 note: str = ""):
+        self.rank, self.bad, self.stats, self.note = rank, bad, stats, note
+        shown = "; ".join(f"message {m} from rank {p} into {', '.join(b[:3])}"
+                          f"{' ...' if len(b) > 3 else ''}: {what}" for p, m, b, what in bad[:4])
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        super().__init__(f"rank {rank}: {len(bad)} message{'s' if len(bad) != 1 else ''} failed "
+                         f"their checksums, nothing of this version is trusted: {shown}{more}"
+                         f"{'; ' + note if note else ''}")
+
+    def __reduce__(self):
+        return _rebuilt, (self.rank, self.bad, self.stats, self.note)
+
+
+def _rebuilt(rank, bad, stats, note):
+    return ChecksumError(rank, bad, stats, note=note)

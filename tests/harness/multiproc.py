@@ -46,6 +46,8 @@ class Fault:
     rejoin_after_s: float | None = None  # run_ranks restarts the dead rank, joining, this later
     pause_before: int | None = None  # a rollout sleeps pause_s before applying this version
     pause_s: float = 0.0
+    flip_in: int | None = None  # in this version, one bit of one message goes wrong on the wire
+    flip_send: int = 0  # ... of this rank's flip_send-th data message of that version
 
 
 _STAMP_LOCK = threading.Lock()
@@ -63,6 +65,8 @@ class _FaultyTransport:
 
     def send(self, peer, buf, tag):
         f = self.fault
+        if f.flip_in is not None:
+            return self._flipping(peer, buf, tag)
         if not self.armed and f.in_version is not None and tag >> 32 >= f.in_version:
             self.armed = True  # the first send of that version (a tag holds its version)
         if not self.armed:
@@ -76,6 +80,29 @@ class _FaultyTransport:
         if f.hang_after is not None and self.sends >= f.hang_after:
             time.sleep(3600)
         self.sends += 1
+        return self.inner.send(peer, buf, tag)
+
+    def _flipping(self, peer, buf, tag):
+        """Sends a copy with one bit flipped instead of the ``flip_send``-th data message of
+        version ``flip_in`` (the bytes the sender hashed stay as they were: the wire broke)."""
+        from wb.runtime.engine.digests import DIGEST_TAG
+
+        f = self.fault
+        if tag >> 32 == f.flip_in and (tag & ((1 << 27) - 1)) < DIGEST_TAG:
+            self.sends += 1
+            if self.sends - 1 == f.flip_send:
+                if hasattr(buf, "__cuda_array_interface__"):  # a CUDA message: a device copy
+                    import cupy
+
+                    bad = cupy.array(cupy.asarray(buf), copy=True).reshape(-1).view(cupy.uint8)
+                else:
+                    bad = np.array(buf, copy=True).reshape(-1).view(np.uint8)
+                bad[bad.size // 2] ^= 0x10
+                self.flipped = int(tag & ((1 << 27) - 1))
+                if self.fault.stamp:
+                    Path(self.fault.stamp).write_text(json.dumps({"message": self.flipped,
+                                                                  "peer": peer}))
+                return self.inner.send(peer, bad, tag)
         return self.inner.send(peer, buf, tag)
 
     def _stamp(self) -> None:
@@ -136,7 +163,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
     from wb.data.layout import Role
     from wb.data.plan import Plan, RankPlan
-    from wb.errors import TransferError
+    from wb.errors import ChecksumError, TransferError
     from wb.runtime.engine.executor import connect
     from wb.runtime.engine.program import Program
     from wb.runtime.transport.stores import DirectoryStore
@@ -161,7 +188,8 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             import cupy as xp
 
             xp.cuda.Device(cuda).use()
-        program = Program(part)
+        checksums = options.get("checksums", True)  # as wb.UcxTransport's default
+        program = Program(part, checksums=checksums)
         fp8 = options.get("fp8")  # {"quantized": Quantized, "own": {rank: Layout}, "held"}
         if fp8 and trainer:  # its own weights, then quantised as a Sender does before a push
             from wb.runtime.engine.fp8 import Quantiser
@@ -189,8 +217,9 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             bufs[fault.bad_buffer] = np.zeros(3, bufs[fault.bad_buffer].dtype)
         transport = UcxTransport(rank, DirectoryStore(store_dir), tls=options.get("tls"),
                                  timeout=options.get("timeout", 60.0), cuda_device=cuda,
-                                 polling=options.get("polling"))
-        if fault.die_after is not None or fault.hang_after is not None:
+                                 polling=options.get("polling"), checksums=checksums)
+        if fault.die_after is not None or fault.hang_after is not None or \
+                fault.flip_in is not None:
             transport = _FaultyTransport(transport, fault)
         # as wb.runtime.engine.executor.execute, with `warmup` updates first over the same
         # connections (a first update also loads kernels and maps peers' memory), each with its
@@ -215,8 +244,12 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         if fp8 and trainer:  # quantised again inside the measured update, as Sender.push does
             quantised_at = time.time()
             ready = qz.launch(live, exchange("inside"), order=program.first_sent())
-        stats = program.run(bufs, transport, timeout=timeout, staging_bytes=staging, trace=trace,
-                            ready=ready)
+        try:
+            stats = program.run(bufs, transport, timeout=timeout, staging_bytes=staging,
+                                trace=trace, ready=ready)
+        except ChecksumError:  # refused, every byte moved: close with the others (a barrier)
+            transport.close()
+            raise
         if quantised_at is not None:  # the update ran from the quantiser's launch on
             stats = replace(stats, start_s=min(stats.start_s, quantised_at))
             result["quantize_in_ewtt"] = True
@@ -522,7 +555,8 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                                chunk_bytes=plan.chunk_bytes)
             result["part_messages"] = int(plan[rank].index.size)
         transport = UcxTransport(rank, store, timeout=timeout)
-        if fault.die_after is not None or fault.stop_after is not None:
+        if fault.die_after is not None or fault.stop_after is not None or \
+                fault.flip_in is not None:
             transport = _FaultyTransport(transport, fault)
         base = buffers_of(lay, fill=True)
         mapped = mapped_of(lay)
@@ -553,6 +587,14 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     time.sleep(fault.pause_s)
                 try:
                     v = rx.apply()
+                except wb.ChecksumError as e:  # refused; the next version comes as usual
+                    want = version_bits(base, max(rx.version, 0), mapped)
+                    result.setdefault("refused", []).append({
+                        "error": str(e), "bad": [list(b[:3]) for b in e.bad],
+                        "version": rx.version, "intact": bool(all(
+                            np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8))
+                            for k in bufs))})
+                    continue
                 except TransferError as e:
                     result["error"], result["error_at"] = str(e), time.time()
                     want = version_bits(base, max(rx.version, 0), mapped)

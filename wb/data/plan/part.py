@@ -29,7 +29,7 @@ __all__ = ["RankPlan", "parts", "part_of", "RANK_PLAN_FORMAT"]
 
 #: Format of :meth:`RankPlan.to_bytes`: one deflated stream of a JSON index and the raw arrays
 #: (pieces with the dtype they travel in), sealed.
-RANK_PLAN_FORMAT = 5
+RANK_PLAN_FORMAT = 6
 _KIND = "rank part"
 _AGAIN = "make the plan again with this wb (wb.agree_parts)"
 _NUMERIC = "biuf"  # dtype kinds a part holds (bool, int, unsigned, float): nothing else is read
@@ -102,6 +102,7 @@ class RankPlan:
     trainers: tuple[int, ...]  # every trainer rank of the plan (announcements)
     index: np.ndarray  # (k,) int64 each message's index in the whole plan (its tag)
     when: np.ndarray  # (k,) float64 schedule (:func:`wb.data.plan.schedule`) of each message
+    hops: np.ndarray  # (k,) int64 forwards between each message and its trainer (plan.hops)
     messages: Messages  # (k,) this rank's messages; first/count into `transfers`
     transfers: Transfers  # (t,) their transfers, in message order
     pieces: Pieces  # (p,) the pieces they move
@@ -121,13 +122,15 @@ class RankPlan:
 
     @classmethod
     def of(cls, plan: Plan, rank: int, *, when: np.ndarray | None = None,
-           fingerprint_: str | None = None, messages: np.ndarray | None = None) -> RankPlan:
+           hops: np.ndarray | None = None, fingerprint_: str | None = None,
+           messages: np.ndarray | None = None) -> RankPlan:
         """Rank ``rank``'s part of ``plan``.
 
         Args:
             plan: the whole plan.
             rank: a worker of ``plan``.
             when: the plan's schedule, when already at hand (default :attr:`Plan.schedule`).
+            hops: the plan's :attr:`Plan.hops`, likewise.
             fingerprint_: the plan's fingerprint, likewise (:attr:`Plan.fingerprint`).
             messages: ``(k,) int64`` the sorted indices of ``rank``'s messages, when known.
 
@@ -141,6 +144,7 @@ class RankPlan:
             messages = np.flatnonzero((M.src_rank == rank) | (M.dst_rank == rank))
         mi = np.asarray(messages, np.int64)
         when = plan.schedule if when is None else when
+        hops = plan.hops if hops is None else hops
         count = M.count[mi]
         starts = np.zeros(mi.size + 1, np.int64)
         np.cumsum(count, out=starts[1:])
@@ -158,7 +162,8 @@ class RankPlan:
         msgs = Messages(M.stage[mi], M.src_rank[mi], M.dst_rank[mi], M.nbytes[mi], M.parent[mi],
                         starts[:-1], count)
         return cls(int(rank), plan.fingerprint if fingerprint_ is None else fingerprint_,
-                   layout, tuple(lay.worker.rank for lay in plan.trainers), mi, when[mi], msgs,
+                   layout, tuple(lay.worker.rank for lay in plan.trainers), mi, when[mi],
+                   hops[mi], msgs,
                    sub, Pieces(*(f[pcs] for f in P)), tab.rank[slots],
                    tuple(plan.slots[s].buffer for s in slots.tolist()))
 
@@ -171,7 +176,7 @@ class RankPlan:
         message), so this cuts a Kimi-K2 rank's part about 11x, and the bytes through the store
         to about those of the layouts."""
         arrays: dict[str, np.ndarray] = {"index": self.index, "when": self.when,
-                                         "slot_rank": self.slot_rank}
+                                         "hops": self.hops, "slot_rank": self.slot_rank}
         for group, nt in (("messages", self.messages), ("transfers", self.transfers),
                           ("pieces", self.pieces)):
             arrays.update({f"{group}.{k}": v for k, v in nt._asdict().items()})
@@ -206,7 +211,7 @@ class RankPlan:
                 return nt(**{f: a[f"{name}.{f}"] for f in nt._fields})
             return cls(int(header["rank"]), str(header["fingerprint"]), layout,
                        tuple(int(t) for t in header["trainers"]), a["index"], a["when"],
-                       group(Messages, "messages"), group(Transfers, "transfers"),
+                       a["hops"], group(Messages, "messages"), group(Transfers, "transfers"),
                        group(Pieces, "pieces"), a["slot_rank"],
                        tuple(str(b) for b in header["slot_buffer"]))
         except PlanError:
@@ -223,7 +228,7 @@ class RankPlan:
         if self.layout.worker != other.layout.worker or dict(self.layout.buffers) != dict(
                 other.layout.buffers):
             return False
-        pairs = [(self.index, other.index), (self.when, other.when),
+        pairs = [(self.index, other.index), (self.when, other.when), (self.hops, other.hops),
                  (self.slot_rank, other.slot_rank)]
         for a, b in ((self.messages, other.messages), (self.transfers, other.transfers),
                      (self.pieces, other.pieces)):
@@ -250,7 +255,7 @@ def parts(plan: Plan, ranks=None) -> Iterator[RankPlan]:
         :class:`RankPlan`, in the order of ``ranks``.
     """
     M = plan.messages
-    when, fp = plan.schedule, plan.fingerprint
+    when, hops, fp = plan.schedule, plan.hops, plan.fingerprint
     ranks = plan.ranks if ranks is None else [int(r) for r in ranks]
     # messages by rank, once: each message belongs to its source and (if other) its destination
     idx = np.arange(M.stage.size, dtype=np.int64)
@@ -261,7 +266,7 @@ def parts(plan: Plan, ranks=None) -> Iterator[RankPlan]:
     owner, msg = owner[o], msg[o]
     for r in ranks:
         lo, hi = np.searchsorted(owner, [r, r + 1])
-        yield RankPlan.of(plan, r, when=when, fingerprint_=fp, messages=msg[lo:hi])
+        yield RankPlan.of(plan, r, when=when, hops=hops, fingerprint_=fp, messages=msg[lo:hi])
 
 
 def part_of(plan: Plan | RankPlan | Mapping[int, RankPlan], rank: int) -> RankPlan:

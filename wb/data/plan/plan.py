@@ -18,7 +18,7 @@ from wb.data.layout import Cluster, Layout
 from wb.data.plan.arrays import (Messages, Pieces, SlotTable, Traffic, Transfers, slot_table,
                                  sum_by)
 from wb.data.plan.files import plan_fingerprint, read_plan, save_plan
-from wb.data.plan.schedule import schedule
+from wb.data.plan.schedule import hops, schedule
 from wb.data.plan.verify import verify_plan
 from wb.errors import PlanError
 
@@ -92,6 +92,11 @@ class Plan:
         """``(messages,) float64``: when each message should move (:func:`schedule`), computed
         once for every rank that takes its part of this plan."""
         return schedule(self.messages)
+
+    @functools.cached_property
+    def hops(self) -> np.ndarray:
+        """``(messages,) int64``: each message's forwards from its trainer (:func:`hops`)."""
+        return hops(self.messages)
 
     @functools.cached_property
     def _by_rank(self) -> dict[int, Layout]:

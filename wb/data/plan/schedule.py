@@ -6,7 +6,7 @@ import numpy as np
 
 from wb.data.plan.arrays import Messages
 
-__all__ = ["schedule"]
+__all__ = ["schedule", "hops"]
 
 
 def schedule(M: Messages) -> np.ndarray:
@@ -50,3 +50,18 @@ def schedule(M: Messages) -> np.ndarray:
             break
         when[child] = new
     return when
+
+
+def hops(M: Messages) -> np.ndarray:
+    """``(messages,) int64``: how many forwards each message is from its trainer (0: sent by
+    the trainer; a forward: its parent's hops plus one)."""
+    out = np.zeros(M.nbytes.size, np.int64)
+    child = np.flatnonzero(M.parent >= 0)
+    for _ in range(1 << 16):
+        if not child.size:
+            break
+        new = out[M.parent[child]] + 1
+        if np.array_equal(new, out[child]):
+            break
+        out[child] = new
+    return out

@@ -23,6 +23,7 @@ from wb.runtime.engine.executor import connect
 from wb.runtime.membership.finish import Finisher, Roster
 from wb.runtime.membership.joining import Admission
 from wb.runtime.membership.liveness import Heartbeat, Watch
+from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program
 from wb.runtime.endpoints.stats import UpdateStats
@@ -122,7 +123,8 @@ class Endpoint:
         self.layout = part.layout
         self.part, self.rank, self.role = part, part.rank, role
         self.stage_receives = stage_receives
-        self.program = Program(part, stage_receives=stage_receives, frames=framing(transport))
+        self.program = Program(part, stage_receives=stage_receives, frames=framing(transport),
+                               checksums=checksumming(transport))
         # refuse wrong buffers now, at set-up, not at the first update
         self.program.check(buffers, layout=layout)
         self.transport, self.store, self.name = transport, store, name
@@ -154,7 +156,8 @@ class Endpoint:
         self.program.release()
         self.part = part
         self.program = Program(part, stage_receives=self.stage_receives,
-                               frames=framing(self.transport))
+                               frames=framing(self.transport),
+                               checksums=checksumming(self.transport))
         self.peers = list(part.peers)
 
     # --- the store ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from wb.data.layout import Layout, Role
 from wb.data.plan import Plan, RankPlan
-from wb.errors import TransferError
+from wb.errors import ChecksumError, TransferError
 from wb.runtime.endpoints.endpoint import Endpoint, Transferred, in_thread, take_part
 from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Handoff, InPlace, Recycled, Target, allocated
@@ -230,9 +230,10 @@ class Receiver:
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))
         self.version = 0 if admission is None else admission.first - 1
+        self._next = self.version + 1  # the version the next apply() receives
         self._error: TransferError | None = None  # the failure every later call raises
         self._closed = False
-        self._path.start(self.version + 1)  # with staging, the first version lands from now
+        self._path.start(self._next)  # with staging, the first version lands from now
 
     @classmethod
     def join(cls, store, layout: Layout, buffers: Mapping[str, Any] | None, *, transport,
@@ -294,7 +295,7 @@ class Receiver:
         With staging: the next version has fully landed in staging (or failed: then ``apply``
         raises). Without: every trainer has announced the next version (``apply`` will receive it).
         """
-        return self._error is not None or self._path.ready(self.version + 1)
+        return self._error is not None or self._path.ready(self._next)
 
     def pull(self) -> None:
         """Starts receiving the next version into staging in the background (with staging; a
@@ -302,7 +303,7 @@ class Receiver:
         if not self.staging:
             self.apply()
         elif self._error is None and not self._closed:
-            self._path.start(self.version + 1)
+            self._path.start(self._next)
 
     def apply(self) -> int:
         """Installs the next version into the live buffers and returns its number.
@@ -317,21 +318,38 @@ class Receiver:
                 hold a mix, and ``self.version`` is ``-1``. The receiver cannot be used again.
                 With staging, also when the version did not arrive within ``wait_timeout`` (then
                 nothing failed: ``apply`` may be called again).
+            ChecksumError: messages of the version failed their checksums
+                (:mod:`wb.runtime.engine.digests`): with staging nothing of it was installed
+                (the live buffers hold ``self.version``); without, the live buffers hold bytes
+                that failed (``self.version`` is ``-1``). The transfer itself finished, so the
+                receiver goes on: the next ``apply`` receives the version after it.
         """
         t0 = time.perf_counter()
         if self._error is not None:
             raise self._error
         if self._closed:
             raise TransferError(f"rank {self.rank}: apply() after close()")
-        v = self.version + 1
+        v = self._next
         try:
             moved = self._path.receive(v)
         except _NotArrived as e:  # nothing failed: the version may still come
             raise TransferError(str(e)) from None
+        except ChecksumError as e:  # refused, every byte moved: the next version comes as usual
+            self._next = v + 1
+            if not self._path.keeps_live:
+                self.version = -1
+            if not self._closed:
+                self._path.start(v + 1)
+            kept = (f"the live buffers still hold version {self.version}"
+                    if self._path.keeps_live else "the live buffers hold what failed (no "
+                    "receiver staging): do not generate from them before the next apply()")
+            raise ChecksumError(e.rank, e.bad, e.stats,
+                                note=f"version {v} refused; {kept}") from e
         except BaseException as e:
             self._error = self._failure(v, e)
             raise self._error from e
         self.version = v
+        self._next = v + 1
         self._end.record(v, time.perf_counter() - t0, moved)
         if not self._closed:
             self._path.start(v + 1)

@@ -31,6 +31,7 @@ from typing import Any
 from wb.data.layout import Layout
 from wb.data.plan import RankPlan
 from wb.errors import TransferError
+from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.program import Program
@@ -60,15 +61,17 @@ def connect(part: RankPlan, transport) -> list[int]:
             aborted).
     """
     peers = list(part.peers)
-    # the plan, and whether this rank frames small messages: peers must do as it does
-    fp = f"{part.fingerprint}:frames={int(framing(transport))}".encode()
+    # the plan, whether this rank frames small messages and checks sums: peers must do as it does
+    fp = (f"{part.fingerprint}:frames={int(framing(transport))}"
+          f":checksums={int(checksumming(transport))}").encode()
     wrong = sorted(p for p, h in transport.connect(peers, hello=fp).items() if h != fp)
     if wrong:
         abort(transport)
         raise TransferError(f"rank {part.rank}: peers {wrong} run a different plan (fingerprint "
-                            f"mismatch), or frame small messages otherwise (a transport of "
-                            f"another kind); refusing before sending anything; give every worker "
-                            f"the same plan and the same kind of transport")
+                            f"mismatch), or frame small messages or take checksums otherwise (a "
+                            f"transport of another kind or setting); refusing before sending "
+                            f"anything; give every worker the same plan and the same kind of "
+                            f"transport")
     prepare = getattr(transport, "prepare", None)
     if prepare is not None:
         prepare(peers)
@@ -109,7 +112,7 @@ def execute(part: RankPlan, buffers: Mapping[str, Any], transport, *,
         TransferError: bad buffers or a plan for other layouts (before any byte moves), a peer running another plan (before sending), a failed or stalled transfer
             (naming the peer and plan step).
     """
-    program = Program(part, frames=framing(transport))
+    program = Program(part, frames=framing(transport), checksums=checksumming(transport))
     program.check(buffers, layout=layout)  # refuse bad buffers before connecting to anyone
     connect(part, transport)
     stats = program.run(buffers, transport, tag_base=tag_base, staging_bytes=staging_bytes,

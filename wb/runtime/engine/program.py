@@ -21,6 +21,7 @@ from wb.data.layout import Layout
 from wb.data.plan import RankPlan
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
+from wb.runtime.engine.digests import Routes
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.frames import frames as frames_of
 from wb.runtime.engine.movers import Mover, mover_for, new_pool
@@ -152,6 +153,9 @@ class Program:
         frames: small messages that are ready together travel as one
             (:mod:`wb.runtime.engine.frames`); what the transport says
             (:func:`~wb.runtime.engine.frames.framing`): both ends of a pair must agree.
+        checksums: every message is hashed at both ends and checked against its sender's
+            digest (:mod:`wb.runtime.engine.digests`); what the transport says
+            (:func:`~wb.runtime.engine.digests.checksumming`): both ends must agree.
 
     Attributes:
         part: the rank's part of the plan, as given (its ``transfers`` and ``pieces``, numbered
@@ -170,6 +174,8 @@ class Program:
         roots: ``[(when, unit)]`` of the sends that wait for no other message, sorted.
         n_out: how many units this rank sends or copies.
         conversions: the ``(from, to)`` dtype pairs this rank converts between.
+        routes: what the rank exchanges with each peer, for checksums
+            (:class:`~wb.runtime.engine.digests.Routes`), or ``None`` without them.
 
     Examples:
         >>> import numpy as np, wb
@@ -181,7 +187,8 @@ class Program:
         (1, [0], [])
     """
 
-    def __init__(self, part: RankPlan, *, stage_receives: bool = False, frames: bool = True):
+    def __init__(self, part: RankPlan, *, stage_receives: bool = False, frames: bool = True,
+                 checksums: bool = False):
         # the rank's own transfers and pieces, numbered within the part (what the loop reads)
         self.part, self.layout, self.rank = part, part.layout, part.rank
         M, T, P = part.messages, part.transfers, part.pieces
@@ -238,6 +245,7 @@ class Program:
         self.roots = sorted((float(when[m]), m) for m, g in units.items()
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in units.values())  # sends and local copies
+        self.routes = Routes(self) if checksums else None
         self._checked: _Checked | None = None
         self._prepared = False  # the CUDA conversion and copy kernels are loaded
         #: staging no message uses, by size, reused by every update (see

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from wb.errors import PeersLost, TransferError
+from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import Inflight, abort
 
@@ -130,6 +131,8 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
             turns += 1
             progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
             progressed |= u.take_device_work()
+            if u.sums is not None:
+                progressed |= u.sums.turn()
             if u.finished():
                 break
             now = time.monotonic()
@@ -170,8 +173,12 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
     end = time.time()
     if trace is not None:
         trace.extend(u.trace_entries())
-    return ExecStats(program.rank, u.bytes_sent, u.bytes_received, u.bytes_local,
-                     u.messages_sent, u.messages_received, start, end, u.peak)
+    stats = ExecStats(program.rank, u.bytes_sent, u.bytes_received, u.bytes_local,
+                      u.messages_sent, u.messages_received, start, end, u.peak)
+    failed = u.sums.error(stats) if u.sums is not None else None
+    if failed is not None:  # every byte moved; what came is not to be trusted
+        raise failed
+    return stats
 
 
 class _Update:
@@ -182,7 +189,8 @@ class _Update:
     __slots__ = ("prog", "msgs", "mover", "transport", "tag_base", "fence", "recv_budget",
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
-                 "bytes_local", "messages_sent", "messages_received", "packed", "packed_done")
+                 "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
+                 "sums")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
@@ -211,6 +219,9 @@ class _Update:
         if traced:
             for _, m in self.ready:
                 self.mark(m, 0)
+        # checksums (wb.runtime.engine.digests): what is sent and landed is hashed
+        self.sums = (Digests(prog.routes, prog, mover, transport, tag_base)
+                     if prog.routes is not None else None)
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -218,6 +229,8 @@ class _Update:
         msgs, recv, target, add = self.msgs, self.transport.recv, self.mover.target, \
             self.inflight.add
         base, marks = self.tag_base, self.marks
+        if self.sums is not None:
+            self.sums.post()
         for m in self.prog.zero_copy_receives:
             g = msgs[m]
             add(recv(g.peer, target(g), base + m), g, None)
@@ -246,7 +259,7 @@ class _Update:
         ready, msgs, posted, marks = self.ready, self.msgs, False, self.marks
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
-        wait = self.mover.wait
+        wait, sums = self.mover.wait, self.sums
         while ready:
             g = msgs[ready[0][1]]
             if g.zc_src and not g.local:  # the common case: straight from the buffer
@@ -257,7 +270,10 @@ class _Update:
                 if ev is not None:  # its buffer is still being written: sent once it is
                     self.fenced.append((ev, g, None))
                     continue
-                add(send(g.peer, source(g), self.tag_base + g.m), g, None)
+                src = source(g)
+                add(send(g.peer, src, self.tag_base + g.m), g, None)
+                if sums is not None:
+                    sums.sent(g, src)
                 if marks is not None:
                     self.mark(g.m, 1)
                 continue
@@ -297,7 +313,12 @@ class _Update:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
         the unpacking passed its event) or, zero-copy, has landed."""
         got = self.inflight.completed(full=full)
-        marks = self.marks
+        marks, sums = self.marks, self.sums
+        if sums is not None and got:  # hashed as landed, before unpacking frees the staging
+            for _, g, buf in got:
+                if not g.out:
+                    sums.landed(g, buf if buf is not None else self.mover.target(g))
+            sums.flush()
         for req, g, buf in got:
             if g.out:
                 self.bytes_sent += g.nbytes
@@ -332,7 +353,8 @@ class _Update:
     def finished(self) -> bool:
         return (not len(self.inflight) and not self.fenced
                 and self.next_in == len(self.prog.staged_receives)
-                and self.sent_out == self.prog.n_out)
+                and self.sent_out == self.prog.n_out
+                and (self.sums is None or self.sums.finished()))
 
     # --- what follows device work --------------------------------------------------------------
     def after(self, ev, g, buf) -> None:
@@ -352,6 +374,8 @@ class _Update:
         elif g.out:  # packed (``buf``), or zero-copy once its buffer was written (None)
             src = buf if buf is not None else self.mover.source(g)
             self.inflight.add(self.transport.send(g.peer, src, self.tag_base + g.m), g, buf)
+            if self.sums is not None:
+                self.sums.sent(g, src)
             self.mark(g.m, 1)
         else:
             self.landed(g, buf)
@@ -404,7 +428,8 @@ class _Update:
     def waiting_for(self) -> set[int]:
         """The peers of the messages not done yet."""
         me, done = self.prog.rank, self.done
-        return {g.peer for m, g in self.msgs.items() if m not in done and g.peer != me}
+        out = {g.peer for m, g in self.msgs.items() if m not in done and g.peer != me}
+        return out | self.sums.peers() if self.sums is not None else out
 
     def silent(self, silent: dict[int, float], stalled_s: float) -> str:
         """The error for peers that stopped beating while this rank waits for them."""
@@ -430,4 +455,6 @@ class _Update:
                     if g.out and g.parent >= 0 and g.parent not in self.done]
         for g in forwards[:2]:
             waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
+        if self.sums is not None:
+            waiting += self.sums.waiting()[:4]
         return "; ".join(waiting)

@@ -47,7 +47,8 @@ from typing import NamedTuple
 from wb.algorithms import planner
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan
-from wb.errors import PeersLost, PlanError, TransferError
+from wb.errors import ChecksumError, PeersLost, PlanError, TransferError
+from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import ExecStats
@@ -183,7 +184,19 @@ class Finisher:
     def run(self, v: int, arrays, *, ready: dict | None = None) -> ExecStats:
         """Version ``v`` for this worker, over as many attempts as it takes (``ready``: device
         work still writing ``arrays``, see :meth:`Program.run
-        <wb.runtime.engine.program.Program.run>`; later attempts find it done)."""
+        <wb.runtime.engine.program.Program.run>`; later attempts find it done).
+
+        Raises:
+            ChecksumError: what this worker received failed its checksums; raised once the
+                version finished for every worker (its bytes all moved: it counts as done).
+        """
+        self._refused: ChecksumError | None = None
+        stats = self._run(v, arrays, ready=ready)
+        if self._refused is not None:
+            raise self._refused
+        return stats
+
+    def _run(self, v: int, arrays, *, ready: dict | None) -> ExecStats:
         end, a, prog = self.end, 0, self.end.program
         total: ExecStats | None = None
         first = None  # when a failed attempt started: the version's stats run from there
@@ -197,6 +210,8 @@ class Finisher:
                                   liveness=end.watch, interrupt=lambda: self._stop(v, a),
                                   ready=ready)
                     total, ok = _merged(total, ex), True
+                except ChecksumError as e:  # done, refused: the version finishes for all
+                    total, ok, self._refused = _merged(total, e.stats), True, e
                 except PeersLost as e:
                     log.warning("version %d, attempt %d: %s", v, a, e)
                     first = began if first is None else first
@@ -227,7 +242,8 @@ class Finisher:
                                   timeout=self._patience)
                 _call(end.transport, "add_peers", part.peers)
                 prog = Program(part, stage_receives=end.stage_receives,
-                               frames=framing(end.transport))
+                               frames=framing(end.transport),
+                               checksums=checksumming(end.transport))
             elif ok:  # done before the repair: nothing more to receive
                 self.pending_final = v
                 return _since(total, first)

@@ -73,6 +73,8 @@ class LocalTransport:
         rank: this thread's global rank in the plan.
         hub: the hub every rank of the plan shares.
         timeout: seconds :meth:`connect` waits for the peers' hellos.
+        checksums: messages are checked against their senders' CRC32C (see
+            :class:`~wb.runtime.transport.ucx.UcxTransport`); every rank must say the same.
 
     Examples:
         >>> import numpy as np
@@ -84,8 +86,10 @@ class LocalTransport:
         (True, [1, 2, 3])
     """
 
-    def __init__(self, rank: int, hub: LocalHub, *, timeout: float = 60.0):
+    def __init__(self, rank: int, hub: LocalHub, *, timeout: float = 60.0,
+                 checksums: bool = True):
         self.rank, self.hub, self.timeout = int(rank), hub, timeout
+        self.checksums = checksums
         self._round = -1
 
     def connect(self, peers: Iterable[int], *, hello: bytes = b"") -> dict[int, bytes]:

@@ -144,12 +144,18 @@ class UcxTransport:
             worker; a thread progresses it only while the transport closes). Default: the
             environment's ``WB_UCX_PROGRESS``, else ``polling`` as given, else ``"caller"``
             with ``cuda_device`` and ``"blocking"`` without.
+        checksums: every message is checked against its sender's CRC32C
+            (:mod:`wb.runtime.engine.digests`); every worker of a job must say the same. Default:
+            on, unless the environment's ``WB_CHECKSUMS`` is ``0``.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
                  timeout: float = 60.0, cuda_device: int | None = None,
-                 polling: bool | None = None, progress: str | None = None):
+                 polling: bool | None = None, progress: str | None = None,
+                 checksums: bool | None = None):
         self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
+        self.checksums = (os.environ.get("WB_CHECKSUMS", "1") != "0" if checksums is None
+                          else bool(checksums))
         self.cuda_device = cuda_device
         # Who progresses it, by default: the caller with a CUDA device (a polling thread makes
         # every post contend with it for the worker: 38 us per send of CUDA memory on an H200

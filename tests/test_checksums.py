@@ -1,0 +1,182 @@
+"""A checksum on every message (``wb.runtime.engine.digests``): one bit flipped on the wire in one
+message is refused by every rank it reaches (the rank it was sent to, and every rank a forward of
+it reaches), and by no other; no rank accepts bytes that differ from the trainers'. Threads over
+``LocalTransport`` for every kind of message of a plan whose replicas forward in a ring, then
+real processes over UCX through ``wb.Sender`` / ``wb.Receiver``: the version is refused, the
+previous one stays live, the next one is applied."""
+
+import json
+
+import numpy as np
+import pytest
+
+import wb
+from harness.multiproc import buffers_for, coord_child_main, run_ranks
+from harness.threads import run_each
+from wb.data.plan import RankPlan
+from wb.layouts import megatron_trainer, vllm_rollout
+from wb.layouts.presets import TINY
+from wb.runtime.engine.digests import DIGEST_TAG
+from wb.runtime.engine.executor import execute
+from wb.runtime.transport.local import LocalHub, LocalTransport
+
+
+@pytest.fixture(scope="module")
+def ring():
+    """3 replicas of 2 GPUs that forward to each other in a ring (stage 2), and inside each
+    replica (stage 3): messages up to 2 forwards from their trainer."""
+    trainers = megatron_trainer(TINY, tp=2, pp=1, ep=2, nodes=["t0"], gpus_per_node=2)
+    rollouts = vllm_rollout(TINY, tp=2, ep=2, replicas=3, gpus_per_node=2, first_rank=2)
+    p = wb.plan(trainers, rollouts, chunk_bytes=2048)
+    assert p.hops.max() >= 2
+    return p
+
+
+class _Flip:
+    """A LocalTransport that sends plan message ``m`` with one bit flipped (the sender hashed
+    the bytes as they were)."""
+
+    def __init__(self, inner, m: int):
+        self.inner, self.m, self.rank, self.checksums = inner, m, inner.rank, inner.checksums
+
+    def send(self, peer, buf, tag):
+        if tag == self.m:  # its first byte: the message itself, also where it leads a frame
+            buf = buf.copy()
+            buf[0] ^= 4
+        return self.inner.send(peer, buf, tag)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _reached(plan, m: int) -> set[int]:
+    """The ranks message ``m``'s bytes reach: its receiver and the receivers of every forward
+    descending from it (the oracle: the plan's parent links, followed one by one)."""
+    M, out, todo = plan.messages, set(), [m]
+    while todo:
+        k = todo.pop()
+        out.add(int(M.dst_rank[k]))
+        todo += np.flatnonzero(M.parent == k).tolist()
+    return out
+
+
+def _run(plan, flip: int | None, *, checksums: bool = True):
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    src = int(plan.messages.src_rank[flip]) if flip is not None else -1
+
+    def run(r):
+        t = LocalTransport(r, hub, timeout=20, checksums=checksums)
+        execute(RankPlan.of(plan, r), bufs[r], _Flip(t, flip) if r == src else t, timeout=20)
+    errors = run_each(run, plan.ranks)
+    want = {r: buffers_for(plan, r, fill=True) for r in plan.ranks}
+    same = {r: all(np.array_equal(bufs[r][k].view(np.uint8), want[r][k].view(np.uint8))
+                   for k in bufs[r]) for r in plan.ranks}
+    return errors, same
+
+
+def _messages_of_every_kind(plan):
+    """One message per (stage, hops, alone or leading a frame) of the plan, each one that
+    travels under its own tag (alone, or first of a frame)."""
+    from wb.runtime.engine.program import Program
+
+    M, hops = plan.messages, plan.hops
+    out = {}
+    for r in plan.ranks:
+        units = Program(RankPlan.of(plan, r), checksums=True).units
+        for m, g in units.items():
+            if g.out and not g.local:
+                out.setdefault((int(M.stage[m]), int(hops[m]), hasattr(g, "members")), m)
+    return sorted(out.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_flipped_bit_is_refused_by_every_rank_it_reaches_and_no_other(ring):
+    kinds = _messages_of_every_kind(ring)
+    assert {int(ring.messages.stage[m]) for m in kinds} == {1, 2, 3}
+    for m in kinds:
+        errors, same = _run(ring, m)
+        reached = _reached(ring, m)
+        assert set(errors) >= reached, (m, reached, errors)
+        for r, e in errors.items():
+            assert isinstance(e, wb.ChecksumError), (m, r, e)
+            assert e.rank == r and e.bad, e
+            if r == int(ring.messages.dst_rank[m]):  # where it landed: that message, its sender
+                peer, unit, names, what = e.bad[0]
+                assert peer == int(ring.messages.src_rank[m]) and "CRC32C" in what, e
+                assert names and all(n in ring.layout_of(r).buffers for n in names)
+            else:
+                assert "forwarded by rank" in str(e), e
+        # nothing accepted that differs from the trainers' weights
+        assert all(same[r] for r in ring.ranks if r not in errors), (m, same, errors)
+        assert not all(same[r] for r in reached)  # the flip did land somewhere
+
+
+def test_without_checksums_the_same_flip_goes_unnoticed(ring):
+    """What the checks catch: the same fault with them off is served silently."""
+    m = int(np.flatnonzero(ring.messages.stage == 1)[0])
+    errors, same = _run(ring, m, checksums=False)
+    assert not errors and not all(same.values())
+
+
+def test_a_clean_run_has_one_digest_per_pair_and_hops(ring):
+    errors, same = _run(ring, None)
+    assert not errors and all(same.values())
+    from wb.runtime.engine.program import Program
+
+    prog = Program(RankPlan.of(ring, 4), checksums=True)
+    M, hops = ring.messages, ring.hops
+    mine = np.flatnonzero((M.dst_rank == 4) & (M.src_rank != 4))
+    assert set(prog.routes.inn) == {(int(M.src_rank[k]), int(hops[k])) for k in mine}
+    assert max(prog.units) < DIGEST_TAG
+
+
+def test_peers_that_differ_on_checksums_are_refused_before_any_byte():
+    from wb.runtime.engine.executor import connect
+
+    sm = wb.SourceMap.from_indices(np.arange(64))
+    p = wb.plan([wb.Layout(wb.Worker(0, "a", "trainer"), {"w": wb.BufferSpec(sm, "float32")})],
+                [wb.Layout(wb.Worker(1, "b", "rollout"), {"w": wb.BufferSpec(sm, "float32")})])
+    hub = LocalHub()
+    ts = {0: LocalTransport(0, hub, timeout=20), 1: LocalTransport(1, hub, checksums=False)}
+    errors = run_each(lambda r: connect(RankPlan.of(p, r), ts[r]), [0, 1])
+    assert set(errors) == {0, 1} and all("take checksums otherwise" in str(e)
+                                         for e in errors.values()), errors
+
+
+# --- real processes -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ring_file(ring, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ring")
+    ring.save(d / "plan.npz")
+    return d / "plan.npz"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("staging", [True, False])
+def test_over_ucx_the_version_is_refused_and_the_next_applied(ring, ring_file, tmp_path, staging):
+    stamp = tmp_path / "flipped.json"
+    run = run_ranks(str(ring_file), ring.ranks, str(tmp_path), target=coord_child_main,
+                    options={"versions": 3, "timeout": 30, "receiver_staging": staging},
+                    faults={0: {"flip_in": 2, "flip_send": 0, "stamp": str(stamp)}},
+                    join_timeout=200)
+    flipped = json.loads(stamp.read_text())
+    reached = _reached(ring, flipped["message"])
+    for r in ring.ranks:
+        res = run.results[r]
+        assert res is not None and res["ok"], (r, res)
+        if r < len(ring.trainers):
+            continue
+        assert all(res["checks"]), res  # what was applied is the trainers' weights
+        if r in reached:
+            assert res["applied"] == [1, 3], res
+            (refused,) = res["refused"]
+            if r == flipped["peer"]:
+                assert [0, flipped["message"]] in [b[:2] for b in refused["bad"]], refused
+            if staging:  # the live buffers kept version 1
+                assert refused["version"] == 1 and refused["intact"], refused
+                assert "still hold version 1" in refused["error"]
+            else:
+                assert refused["version"] == -1 and "hold what failed" in refused["error"]
+        else:
+            assert res["applied"] == [1, 2, 3] and "refused" not in res, res

@@ -1,0 +1,63 @@
+"""Checksums on the GPU: the CRC32C kernel (``wb.runtime.engine.crc``) on device buffers equals
+the host library, many buffers of any length and alignment in one launch; and a real transfer of
+CUDA buffers over UCX with one bit flipped on the wire is refused where it lands, the others
+bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
+
+import json
+
+import numpy as np
+import pytest
+
+from harness.cuda import cupy_or_skip
+
+cupy = cupy_or_skip()
+pytest.importorskip("ucxx")
+
+import wb  # noqa: E402
+from harness.multiproc import run_ranks  # noqa: E402
+from wb.runtime.engine import crc  # noqa: E402
+
+
+@pytest.mark.parametrize("sub", [crc.SUB, 64, 7])
+def test_device_kernel_equals_the_library(sub):
+    rng = np.random.default_rng(sub)
+    host = rng.integers(0, 256, 40 << 20, dtype=np.uint8)
+    dev = cupy.asarray(host)
+    cuts = [(0, 0), (3, 1), (8, 4096), (1, 4097), (5, 1 << 20), (2, (8 << 20) + 3),
+            (16 << 20, 24 << 20)]
+    out = cupy.zeros(len(cuts) + 3, cupy.uint32)
+    bufs = [(dev.data.ptr + a, n, len(cuts) - i) for i, (a, n) in enumerate(cuts)]
+    crc.launch(cupy, bufs, out, sub=sub)
+    got = out.get()
+    for i, (a, n) in enumerate(cuts):
+        assert int(got[len(cuts) - i]) == crc.host(host[a:a + n]), (a, n)
+
+
+@pytest.mark.timeout(300)
+def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_plan import deployment
+
+    trainers, rollouts = deployment()
+    p = wb.plan(trainers, rollouts, chunk_bytes=256)
+    p.save(tmp_path / "plan.npz")
+    ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
+    stamp = tmp_path / "flipped.json"
+    run = run_ranks(str(tmp_path / "plan.npz"), ranks, str(tmp_path),
+                    options={"timeout": 60, "cuda_device": 0},
+                    faults={0: {"flip_in": 0, "flip_send": 0, "stamp": str(stamp)}})
+    flipped = json.loads(stamp.read_text())
+    M = p.messages
+    reached, todo = set(), [flipped["message"]]
+    while todo:
+        k = todo.pop()
+        reached.add(int(M.dst_rank[k]))
+        todo += np.flatnonzero(M.parent == k).tolist()
+    for r in ranks:
+        res = run.results[r]
+        if r in reached:
+            assert not res["ok"] and "failed their checksums" in res["error"], res
+        else:
+            assert res["ok"], res
+            assert r < len(trainers) or res["bit_identical"], res

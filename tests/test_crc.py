@@ -1,0 +1,97 @@
+"""CRC32C (``wb.runtime.engine.crc``): the device kernel's CUDA source compiled for the host (one
+thread and one block: its loop visits every stretch in turn) against the ``crc32c`` library, over
+buffers of any length and alignment, many in one launch, with stretches of a few bytes (so that
+the combining of stretches is what is checked); and the combine identity the kernel rests on. On a
+GPU, ``tests/test_checksums_cuda.py`` runs the same source on the device."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from wb.runtime.engine import crc
+
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+
+_HOST = r"""
+#define __global__
+#define __device__ static
+#define __shared__ static
+struct D3 { long long x; };
+static D3 threadIdx, blockIdx, gridDim, blockDim;
+static void __syncthreads() {}
+static void atomicXor(unsigned int* p, unsigned int v) { *p ^= v; }
+"""
+_RUN = r"""
+extern "C" void run(const unsigned long long* ptrs, const long long* lens, const long long* first,
+                    const long long* slots, long long n, long long sub, const unsigned int* tabs,
+                    const unsigned int* pows, unsigned int* out) {
+    threadIdx.x = blockIdx.x = 0;
+    gridDim.x = blockDim.x = 1;
+    wb_crc32c(ptrs, lens, first, slots, n, sub, tabs, pows, out);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    d = tmp_path_factory.mktemp("crc")
+    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c',
+                                      "static void wb_crc32c")
+    cpp, so = d / "crc.cpp", d / "crc.so"
+    cpp.write_text(_HOST + src + _RUN)
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def _launch(lib, bufs, sub):
+    """The kernel over views ``bufs`` (uint8 arrays), each into its own slot."""
+    n = len(bufs)
+    ptrs = np.array([b.ctypes.data for b in bufs] + [0], np.uint64)
+    lens = np.array([b.nbytes for b in bufs] + [0], np.int64)
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum(-(-lens[:n] // sub), out=first[1:])
+    slots = np.arange(n + 1, dtype=np.int64)[::-1].copy()  # slots need not follow the buffers
+    out = np.zeros(n + 1, np.uint32)
+    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
+    p = ctypes.c_void_p
+    lib.run(p(ptrs.ctypes.data), p(lens.ctypes.data), p(first.ctypes.data),
+            p(slots.ctypes.data), ctypes.c_longlong(n), ctypes.c_longlong(sub),
+            p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
+    return [int(out[slots[i]]) for i in range(n)]
+
+
+@needs_cxx
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 7)), min_size=1, max_size=6),
+       st.sampled_from([1, 3, 8, 13, 64, 4096]), st.integers(0, 2**32 - 1))
+def test_kernel_equals_the_library(kernel, shapes, sub, seed):
+    rng = np.random.default_rng(seed)
+    backing = rng.integers(0, 256, sum(n + off for n, off in shapes) + 8, dtype=np.uint8)
+    bufs, at = [], 0
+    for n, off in shapes:  # views at every alignment
+        bufs.append(backing[at + off:at + off + n])
+        at += n + off
+    assert _launch(kernel, bufs, sub) == [crc.host(b) for b in bufs]
+
+
+@needs_cxx
+def test_kernel_sees_one_flipped_bit_anywhere(kernel):
+    a = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+    clean = crc.host(a)
+    for i in (0, 7, 4095, 4096, 9999):
+        b = a.copy()
+        b[i] ^= 1 << (i % 8)
+        assert _launch(kernel, [b], 4096) == [crc.host(b)] != [clean]
+
+
+def test_known_value_and_combine():
+    assert crc.host(b"123456789") == 0xE3069283  # CRC32C's check value
+    assert crc.host(b"") == 0
+    rng = np.random.default_rng(2)
+    for n1, n2 in [(0, 5), (5, 0), (1000, 4097), (3, 1)]:
+        a, b = rng.integers(0, 256, n1, dtype=np.uint8), rng.integers(0, 256, n2, dtype=np.uint8)
+        assert crc.combine(crc.host(a), crc.host(b), n2) == crc.host(np.concatenate([a, b]))

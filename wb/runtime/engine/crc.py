@@ -1,0 +1,180 @@
+"""CRC32C (Castagnoli) of byte buffers, the same value on the host and on a CUDA device.
+
+On the host the ``crc32c`` library computes it (SSE4.2 or ARMv8 instructions, the GIL released
+for long buffers). On a device :func:`launch` computes many buffers' CRCs in one kernel launch:
+each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory), shifts its
+CRC past the bytes that follow its stretch (a multiplication by ``x**(8 n)`` modulo the
+polynomial, zlib's ``crc32_combine`` identity: ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)``)
+and XORs it into its buffer's slot of the output, which must hold zeros before the launch.
+
+The kernel's source (:func:`kernel_source`) is also compiled for the host and checked against the
+library in ``tests/test_crc.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+__all__ = ["host", "combine", "launch", "kernel_source", "tables", "powers", "POLY", "SUB"]
+
+#: CRC32C's polynomial, bit-reflected.
+POLY = 0x82F63B78
+#: Bytes per thread of the device kernel.
+SUB = 4096
+_THREADS = 256
+
+
+def host(buf) -> int:
+    """The CRC32C of a contiguous host buffer (numpy array, bytes, memoryview)."""
+    import crc32c  # a small compiled library; imported where checksums are taken
+
+    if isinstance(buf, np.ndarray):
+        buf = buf.reshape(-1).view(np.uint8)
+    return crc32c.crc32c(buf)
+
+
+@functools.lru_cache(maxsize=None)
+def tables() -> np.ndarray:
+    """The ``(8, 256)`` slice-by-8 tables: row 0 the byte-wise table, row ``k`` the CRC of a byte
+    followed by ``k`` zero bytes."""
+    t = np.zeros((8, 256), np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (POLY if c & 1 else 0)
+        t[0, i] = c
+    for k in range(1, 8):
+        prev = t[k - 1]
+        t[k] = (prev >> 8) ^ t[0][prev & 0xFF]
+    return t
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x)`` modulo the polynomial (bit-reflected: bit 31 is ``x**0``)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def powers() -> np.ndarray:
+    """``x**(2**k)`` modulo the polynomial, ``k = 0..31`` (``uint32``)."""
+    out, p = [], 1 << 30  # x**1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return np.array(out, np.uint32)
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (bytes)."""
+    x, p, k, n = powers(), 1 << 31, 3, int(len2)
+    while n:
+        if n & 1:
+            p = _multmodp(int(x[k & 31]), p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, int(crc1)) ^ int(crc2)
+
+
+_SOURCE = r"""
+__device__ unsigned int wb_multmodp(unsigned int a, unsigned int b) {
+    unsigned int m = 1u << 31, p = 0;
+    while (a) {
+        if (a & m) { p ^= b; a ^= m; }
+        m >>= 1;
+        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
+    }
+    return p;
+}
+
+/* CRC32C of `n` buffers: `ptrs[i]`, `lens[i]` bytes, into `out[slots[i]]` (zeros before);
+   `first[i]` the first of buffer i's stretches of `sub` bytes (first[n]: all of them). */
+extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long long* lens,
+        const long long* first, const long long* slots, long long n, long long sub,
+        const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+    __shared__ unsigned int T[8 * 256];
+    for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) T[i] = tabs[i];
+    __syncthreads();
+    long long total = first[n];
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
+         c += (long long)gridDim.x * blockDim.x) {
+        long long lo = 0, hi = n - 1;  /* the buffer whose stretches hold c */
+        while (lo < hi) {
+            long long mid = (lo + hi + 1) / 2;
+            if (first[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        long long len = lens[lo], a = (c - first[lo]) * sub, b = a + sub < len ? a + sub : len;
+        const unsigned char* p = (const unsigned char*)ptrs[lo] + a;
+        const unsigned char* e = (const unsigned char*)ptrs[lo] + b;
+        unsigned int crc = 0xFFFFFFFFu;
+        while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
+        while (e - p >= 8) {
+            unsigned long long w = *(const unsigned long long*)p;
+            unsigned int lo4 = crc ^ (unsigned int)w, hi4 = (unsigned int)(w >> 32);
+            crc = T[7 * 256 + (lo4 & 0xFF)] ^ T[6 * 256 + ((lo4 >> 8) & 0xFF)]
+                ^ T[5 * 256 + ((lo4 >> 16) & 0xFF)] ^ T[4 * 256 + (lo4 >> 24)]
+                ^ T[3 * 256 + (hi4 & 0xFF)] ^ T[2 * 256 + ((hi4 >> 8) & 0xFF)]
+                ^ T[1 * 256 + ((hi4 >> 16) & 0xFF)] ^ T[hi4 >> 24];
+            p += 8;
+        }
+        while (p < e) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
+        crc ^= 0xFFFFFFFFu;
+        /* shifted past the bytes after this stretch: x**(8 (len - b)) */
+        unsigned long long after = (unsigned long long)(len - b);
+        unsigned int x = 1u << 31;
+        for (int k = 3; after; after >>= 1, ++k)
+            if (after & 1) x = wb_multmodp(pows[k & 31], x);
+        atomicXor(&out[slots[lo]], wb_multmodp(x, crc));
+    }
+}
+"""
+
+
+def kernel_source() -> str:
+    """The CUDA source of :func:`launch`'s kernel (``wb_crc32c``)."""
+    return _SOURCE
+
+
+def launch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
+    """One launch on CuPy's current device and stream: the CRC32C of each ``(pointer, bytes,
+    slot)`` of ``bufs`` XORed into ``out[slot]`` (a CuPy ``uint32`` array, zero at those slots,
+    holding the CRCs once the stream passes the launch)."""
+    if not bufs:
+        return
+    n = len(bufs)
+    meta = np.zeros((4, n + 1), np.int64)  # pointers, lengths, first stretches, slots
+    meta[0, :n] = [b[0] for b in bufs]
+    meta[1, :n] = [b[1] for b in bufs]
+    meta[3, :n] = [b[2] for b in bufs]
+    np.cumsum(np.maximum(-(-meta[1, :n] // sub), 0), out=meta[2, 1:])
+    d = xp.asarray(meta)
+    total = int(meta[2, n])
+    if total == 0:
+        return
+    tabs, pows = _device_tables(xp, d.device.id)
+    blocks = min(-(-total // _THREADS), 4096)
+    _kernel()((blocks,), (_THREADS,), (d[0].view(xp.uint64), d[1], d[2], d[3], np.int64(n),
+                                       np.int64(sub), tabs, pows, out))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tables(xp, device: int):
+    return xp.asarray(tables().reshape(-1)), xp.asarray(powers())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import cupy  # only CUDA buffers come here
+
+    k = cupy.RawKernel(kernel_source(), "wb_crc32c")
+    k.compile()
+    return k

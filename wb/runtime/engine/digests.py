@@ -1,0 +1,256 @@
+"""A checksum on every message: each update's *digests*.
+
+Every unit one rank sends another (a message, or a frame of small ones:
+:mod:`wb.runtime.engine.frames`) is hashed (CRC32C, :mod:`wb.runtime.engine.crc`) by its sender
+once posted and by its receiver once landed, before it is unpacked. Per update, per pair of
+ranks that exchange units and per number of forwards those units are from their trainer
+(:class:`Routes`), the sender then sends one *digest*: a small message (tag ``tag_base +``
+:meth:`Routes.tag`) holding a status word, the number of units and each unit's CRC, in unit
+order. The receiver compares. An update does not finish before every digest came and every unit
+matched; a mismatch fails it (:class:`ChecksumError`) once all its bytes moved, so the transport
+stays intact and no peer waits: with receiver staging nothing of the version is installed.
+
+A forwarder's digest to a peer waits until every peer whose units fed what it forwarded there
+passed its check, so corrupt bytes do not pass a forwarder unnoticed; a forwarder whose input
+failed marks its digests :data:`CORRUPT`, and the ranks downstream fail the version too, naming
+where it went wrong.
+
+What it costs: one small message per pair of ranks (and hop) per update, and a pass over each message's
+bytes at each end: on the host by the ``crc32c`` library as soon as the message is posted or
+landed; on a GPU by one kernel launch per turn of the update loop over all the messages of that
+turn, read back once per peer (:class:`_DeviceSums`). Both ends must agree to take them: the
+transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
+connect` refuses peers that differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from wb.errors import ChecksumError, TransferError
+from wb.runtime.engine import crc
+from wb.runtime.engine.frames import Frame
+
+__all__ = ["ChecksumError", "Routes", "Digests", "checksumming", "DIGEST_TAG", "OK", "CORRUPT"]
+
+#: Digests' tags sit above every message's (a plan holds fewer than this many messages).
+DIGEST_TAG = 1 << 26
+#: Digest status words: its units' CRCs, as sent; or sent on from input that failed its check.
+OK, CORRUPT = 0, 1
+_MAX_RANK = 1 << 20  # digest tags: DIGEST_TAG + hops * _MAX_RANK + sender, below 2**27
+_MAX_HOPS = 1 << 6
+
+
+def checksumming(transport) -> bool:
+    """Whether ``transport``'s messages carry checksums: unless it says ``checksums = False``."""
+    return bool(getattr(transport, "checksums", True))
+
+
+class Routes:
+    """What a rank's program exchanges with each peer, for its digests (made once per program).
+
+    A digest covers the units one rank sends another that are the same number of forwards from
+    their trainer (*hops*, :attr:`wb.RankPlan.hops`): a forward's digest waits for the check of
+    what fed it, one hop fewer, so the waits follow the hops down to the trainers and never
+    close a ring (replicas that forward to each other in a circle).
+
+    Attributes:
+        out: ``{(peer, hops): [unit]}`` the units sent to each peer, in unit order.
+        inn: ``{(peer, hops): [unit]}`` the units received from each peer, in unit order.
+        slot: ``{unit: index}`` of each unit's CRC in an update's array of them.
+        needs: ``{(peer, hops): {(sender, hops - 1)}}``: the digests whose check the digest to
+            ``peer`` waits for (what fed its forwards).
+        buffers: ``{unit: [buffer name]}`` the buffers each received unit writes (for errors).
+        hop_of: ``{unit: hops}``.
+    """
+
+    def __init__(self, prog):
+        units, part = prog.units, prog.part
+        hop = dict(zip(part.index.tolist(), part.hops.tolist()))
+        if units and max(units) >= DIGEST_TAG:
+            raise TransferError(f"rank {prog.rank}: a plan of more than {DIGEST_TAG:,} messages "
+                                f"cannot carry checksums; plan with larger pieces")
+        if hop and (max(hop.values()) >= _MAX_HOPS or max(part.peers, default=0) >= _MAX_RANK):
+            raise TransferError(f"rank {prog.rank}: checksums take plans of fewer than "
+                                f"{_MAX_HOPS} forwards per message and {_MAX_RANK:,} ranks")
+        self.out: dict[tuple[int, int], list[int]] = {}
+        self.inn: dict[tuple[int, int], list[int]] = {}
+        for m in sorted(units):
+            g = units[m]
+            if not g.local:
+                (self.out if g.out else self.inn).setdefault((g.peer, hop[m]), []).append(m)
+        self.hop_of = {m: hop[m] for m in units}
+        self.slot = {m: i for i, m in enumerate(m for ms in (*self.out.values(),
+                                                             *self.inn.values()) for m in ms)}
+        fed_by = {}  # a received message -> its digest's key
+        for key, ms in self.inn.items():
+            for m in ms:
+                g = units[m]
+                for member in (g.members if g.__class__ is Frame else (g,)):
+                    fed_by[member.m] = key
+        self.needs = {key: {fed_by[units[m].parent] for m in ms if units[m].parent in fed_by}
+                      for key, ms in self.out.items()}
+        self.buffers = {}
+        T = prog.part.transfers
+        for ms in self.inn.values():
+            for m in ms:
+                g = units[m]
+                names = dict.fromkeys(prog.slot_buf[int(s)] for member in
+                                      (g.members if g.__class__ is Frame else (g,))
+                                      for s in T.dst_slot[member.ts])
+                self.buffers[m] = list(names)
+
+    @staticmethod
+    def tag(sender: int, hops: int) -> int:
+        """The tag (above ``tag_base``) of ``sender``'s digest of units ``hops`` forwards out."""
+        return DIGEST_TAG + hops * _MAX_RANK + sender
+
+
+class _HostSums:
+    """CRCs of host buffers, taken at once."""
+
+    def __init__(self, n: int):
+        self.values = np.zeros(n, np.uint32)
+
+    def take(self, buf, slot: int) -> None:
+        self.values[slot] = crc.host(buf)
+
+    def flush(self) -> None:
+        pass
+
+    def read(self, slots: list[int]) -> list[int]:
+        return self.values[slots].tolist()
+
+
+class _DeviceSums:
+    """CRCs of CUDA buffers: queued per unit, launched once per turn (:meth:`flush`, before any
+    buffer they read can go back to staging), read back per peer (a stream synchronisation)."""
+
+    def __init__(self, xp, n: int):
+        self.xp, self.values, self.pending = xp, xp.zeros(n, xp.uint32), []
+
+    def take(self, buf, slot: int) -> None:
+        self.pending.append((buf.__cuda_array_interface__["data"][0], int(buf.nbytes), slot))
+
+    def flush(self) -> None:
+        if self.pending:
+            crc.launch(self.xp, self.pending, self.values)
+            self.pending = []
+
+    def read(self, slots: list[int]) -> list[int]:
+        self.flush()
+        return self.values[np.asarray(slots, np.int64)].get().tolist()
+
+
+class Digests:
+    """One update's checksums at one rank (see the module doc): the loop tells it what was sent
+    (:meth:`sent`) and what landed (:meth:`landed`), and gives it a turn (:meth:`turn`)."""
+
+    def __init__(self, routes: Routes, prog, mover, transport, tag_base: int):
+        self.r, self.prog, self.transport, self.base = routes, prog, transport, tag_base
+        n = len(routes.slot)
+        self.sums = _HostSums(n) if mover.xp is np else _DeviceSums(mover.xp, n)
+        # digests by (peer, hops): see Routes
+        self.to_hash_out = {k: len(ms) for k, ms in routes.out.items()}  # units not yet hashed
+        self.to_land = {k: len(ms) for k, ms in routes.inn.items()}  # units not yet landed
+        self.inbox: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}  # (request, digest)
+        self.unchecked = set(routes.inn)  # received digests not checked yet
+        self.failed: set[tuple[int, int]] = set()  # those whose units failed (or came corrupt)
+        self.unsent = set(routes.out)  # digests not posted yet
+        self.outbox: list[tuple[Any, np.ndarray]] = []  # digests posted, not yet complete
+        self.bad: list[tuple[int, int, list[str], str]] = []
+
+    def post(self) -> None:
+        """Posts the receive of every peer's digest (before the update's first message)."""
+        for (s, h), ms in self.r.inn.items():
+            buf = np.zeros(len(ms) + 2, np.uint32)
+            req = self.transport.recv(s, buf, self.base + Routes.tag(s, h))
+            self.inbox[(s, h)] = (req, buf)
+
+    def sent(self, g, buf) -> None:
+        """Unit ``g`` was posted from ``buf``."""
+        self.sums.take(buf, self.r.slot[g.m])
+        self.to_hash_out[(g.peer, self.r.hop_of[g.m])] -= 1
+
+    def landed(self, g, buf) -> None:
+        """Unit ``g`` landed in ``buf`` (before it is unpacked)."""
+        self.sums.take(buf, self.r.slot[g.m])
+        self.to_land[(g.peer, self.r.hop_of[g.m])] -= 1
+
+    def flush(self) -> None:
+        """Queues the hashing of what landed this turn (a device launch) before anything frees
+        the staging it reads."""
+        self.sums.flush()
+
+    def turn(self) -> bool:
+        """Checks the peers whose digest and units are all here, posts the digests that may go,
+        takes completed ones; whether anything moved."""
+        self.sums.flush()
+        moved = False
+        for k in list(self.unchecked):
+            req, buf = self.inbox[k]
+            if not self.to_land[k] and req.done():
+                self._check(k, buf)
+                moved = True
+        for k in list(self.unsent):
+            if not self.to_hash_out[k] and not (self.r.needs[k] & self.unchecked):
+                self._send(k)
+                moved = True
+        if self.outbox:
+            left = [x for x in self.outbox if not x[0].done()]
+            moved |= len(left) < len(self.outbox)
+            self.outbox = left
+        return moved
+
+    def finished(self) -> bool:
+        return not self.unchecked and not self.unsent and not self.outbox
+
+    def waiting(self) -> list[str]:
+        """What it still waits for (for the stall message)."""
+        out = [f"the digest of rank {s} ({h} hops)" for s, h in sorted(self.unchecked)
+               if not self.to_land[(s, h)]]
+        out += [f"checks of {sorted(self.r.needs[k] & self.unchecked)} (rank, hops) before the "
+                f"digest to rank {k[0]}" for k in sorted(self.unsent) if not self.to_hash_out[k]]
+        return out
+
+    def peers(self) -> set[int]:
+        """The peers whose digests it still waits for."""
+        return {k[0] for k in self.unchecked if not self.to_land[k]}
+
+    def error(self, stats) -> ChecksumError | None:
+        return ChecksumError(self.prog.rank, self.bad, stats) if self.bad else None
+
+    # --- one peer's digest ---------------------------------------------------------------------
+    def _check(self, k: tuple[int, int], buf: np.ndarray) -> None:
+        self.unchecked.discard(k)
+        s, ms = k[0], self.r.inn[k]
+        status, count = int(buf[0]), int(buf[1])
+        if status == CORRUPT:
+            what = (f"forwarded by rank {s} from input that failed its checksum there")
+            self.bad += [(s, m, self.r.buffers[m], what) for m in ms]
+            self.failed.add(k)
+            return
+        if status != OK or count != len(ms):
+            self.bad.append((s, ms[0], self.r.buffers[ms[0]],
+                             f"its digest is malformed (status {status}, {count} units for "
+                             f"{len(ms)})"))
+            self.failed.add(k)
+            return
+        got = self.sums.read([self.r.slot[m] for m in ms])
+        for m, mine, theirs in zip(ms, got, buf[2:].tolist()):
+            if mine != theirs:
+                self.bad.append((s, m, self.r.buffers[m],
+                                 f"CRC32C {mine:#010x} here, {theirs:#010x} at its sender"))
+                self.failed.add(k)
+
+    def _send(self, k: tuple[int, int]) -> None:
+        self.unsent.discard(k)
+        ms = self.r.out[k]
+        buf = np.empty(len(ms) + 2, np.uint32)
+        buf[0] = CORRUPT if self.r.needs[k] & self.failed else OK
+        buf[1] = len(ms)
+        buf[2:] = self.sums.read([self.r.slot[m] for m in ms])
+        req = self.transport.send(k[0], buf, self.base + Routes.tag(self.prog.rank, k[1]))
+        self.outbox.append((req, buf))
