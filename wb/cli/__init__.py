@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--trace", action="store_true",
                     help="with --out: also write every rank's per-message times of its last wb "
                          "run (trace_rR.json)")
+    be.add_argument("--checksums", choices=("on", "compare"), default="on",
+                    help="compare: also run wb's plan without its per-message checks "
+                         "(checksums_ratio: wb's EWTT over that)")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     from wb.errors import SpecError
@@ -86,6 +89,7 @@ def _run(args) -> int:
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
                            devices=args.devices, links=args.links, quiet=args.json,
                            out_dir=args.out, modes=args.modes, trace=args.trace,
+                           checksums=args.checksums,
                            **({} if args.polling is None else {"polling": args.polling == "on"}))
         if args.json:
             print(json.dumps(report))

@@ -96,7 +96,7 @@ def _deployment(cfg: dict, *, gpus: int, replicas: int):
 def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = None,
               devices: str = "one", links: str = "shaped", modes=None, quiet: bool = False,
               out_dir: str | None = None, timeout: float = 900.0, trace: bool = False,
-              **overrides) -> dict:
+              checksums: str = "on", **overrides) -> dict:
     """Runs the benchmark; returns its report (what ``--json`` prints last).
 
     Args:
@@ -116,6 +116,9 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         trace: with ``out_dir``, also write ``trace_r{R}.json``: every rank's per-message times in
             its last wb run (:func:`wb.runtime.engine.executor.execute`'s ``trace``), for finding where an
             update's time goes.
+        checksums: ``"on"``: wb checks every message against its sender's CRC32C (its
+            default); ``"compare"``: also runs the same plan without (``wb-unchecked``, in the
+            rotation) and reports ``checksums_ratio``, wb's EWTT over that.
         overrides: any :data:`PROFILES` field.
     """
     if devices not in ("one", "spread", "role") or links not in ("shaped", "real"):
@@ -126,6 +129,10 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     if profile not in PROFILES:
         raise wb.SpecError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     prof = dict(PROFILES[profile], **overrides)
+    if checksums not in ("on", "compare"):
+        raise wb.SpecError(f"checksums must be on or compare, got {checksums!r}")
+    if checksums == "compare":
+        prof["methods"] = (*prof.get("methods", ("wb", "p2p", "broadcast")), "wb-unchecked")
     modes = list(wb.MODES) if modes is None else list(modes)
     # --json keeps stdout for the JSON line; the tables and progress then go to stderr
     # no source path beside every log line: an 80-column terminal has no room for it
@@ -156,11 +163,15 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
             console.log(f"{R} replica(s): wb {one['ewtt_s']['wb']:.3f} s, ideal "
                         f"{one['ideal_s']:.3f} s ({one['ewtt_over_ideal']:.2f}x), bit-identical: "
                         f"{'yes' if one['verified'] else 'NO'}")
+        if one.get("checksums_ratio"):
+            console.log(f"{R} replica(s): wb without checksums "
+                        f"{one['ewtt_s']['wb-unchecked']:.3f} s: checksums_ratio "
+                        f"{one['checksums_ratio']:.3f}")
         if out_dir:  # what is measured so far survives a later replica count that times out
             _save(report, out_dir)
     last = report["by_replicas"][str(max(replicas))]
     report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
-                                            "ewtt_over_ideal", "agst_s",
+                                            "ewtt_over_ideal", "checksums_ratio", "agst_s",
                                             "agst_broadcast_over_both", "verified")})
     report["verified"] = all(r["verified"] for r in report["by_replicas"].values())
     _print(report, console)
@@ -375,6 +386,9 @@ def _summarize(plans, res, ranks, R, modes, prof, links="shaped") -> dict:
                speedup_vs_broadcast=med["broadcast"] / med["wb"] if "broadcast" in med else None,
                speedup_vs_p2p=med["p2p"] / med["wb"] if "p2p" in med else None,
                ewtt_over_ideal=med["wb"] / ideal,
+               # wb with its checks over the same plan without (--checksums compare)
+               checksums_ratio=(med["wb"] / med["wb-unchecked"] if "wb-unchecked" in med
+                                else None),
                traffic_ratio=traffic_ratio(plans["wb"]), link_usage=usage,
                # the bandwidth model at the measured link rates (the messages' cost is measured)
                simulated={"wb": simulate(plans["wb"], measured, message_s=0).ewtt_s,

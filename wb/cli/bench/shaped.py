@@ -102,6 +102,7 @@ class ShapedTransport:
         if nic_Bps <= 0 or nvlink_Bps <= 0:
             raise ValueError(f"link rates must be positive, got {nic_Bps} and {nvlink_Bps}")
         self.inner, self.rank = inner, inner.rank
+        self.checksums = getattr(inner, "checksums", True)  # what its messages carry
         self.gpu_of = {int(r): (str(g[0]), int(g[1])) for r, g in gpu_of.items()}
         self.nic_Bps, self.nvlink_Bps = float(nic_Bps), float(nvlink_Bps)
         self._out = {"nic": _Link(nic_Bps), "nvlink": _Link(nvlink_Bps)}

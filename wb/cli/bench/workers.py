@@ -71,8 +71,9 @@ class _Ctx:
         return barrier(self.store, f"b/{key}", self.all_ranks, self.rank, self.timeout,
                         start=start)
 
-    def transport(self, session: str, plan):
-        """A connected, shaped transport for this rank's peers in ``plan`` (or None)."""
+    def transport(self, session: str, plan, *, checksums: bool = True):
+        """A connected, shaped transport for this rank's peers in ``plan`` (or None), its
+        messages checked against their senders' CRC32C or not."""
         from wb.cli.bench.shaped import ShapedTransport
         from wb.runtime.engine.executor import connect
         from wb.runtime.transport.ucx import UcxTransport
@@ -80,7 +81,8 @@ class _Ctx:
         if plan is None or not plan.peers:
             return None
         t = UcxTransport(self.rank, self.store, session=session, timeout=self.timeout,
-                         cuda_device=self.job.get("cuda"), polling=self.job.get("polling"))
+                         cuda_device=self.job.get("cuda"), polling=self.job.get("polling"),
+                         checksums=checksums)
         # as a Sender/Receiver does at set-up; the measured runs (Program.run) then skip this round
         connect(plan, t)
         job = self.job
@@ -153,9 +155,9 @@ def _run(c: _Ctx, result: dict) -> None:
     methods = list(job["methods"])
     kept: dict[str, list] = {}  # method -> [(transport, program) or None per plan it runs]
 
-    def keep(session: str, key: str):
-        t = c.transport(session, P[key])
-        return None if t is None else (t, Program(P[key]))
+    def keep(session: str, key: str, *, checksums: bool = False):
+        t = c.transport(session, P[key], checksums=checksums)
+        return None if t is None else (t, Program(P[key], checksums=checksums))
     for rep in range(job["repeats"]):
         for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
             key = f"{rep}/{method}"
@@ -163,8 +165,12 @@ def _run(c: _Ctx, result: dict) -> None:
                 v[...] = 0
             _sync(xp)
             if method not in kept:
+                # wb checks every message (its default), "wb-unchecked" is the same plan
+                # without; the baselines are plain transfers
                 kept[method] = ([keep(f"{method}/g", "gather"), keep(f"{method}/b", "bcast")]
-                                if method == "broadcast" else [keep(method, method)])
+                                if method == "broadcast" else
+                                [keep(method, "wb", checksums=method == "wb")]
+                                if method in ("wb", "wb-unchecked") else [keep(method, method)])
             used = [k[0] for k in kept[method] if k is not None]
             for t in used:
                 if hasattr(t, "link_stats"):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host", "combine", "launch", "kernel_source", "tables", "powers", "POLY", "SUB"]
+__all__ = ["host", "load", "combine", "launch", "kernel_source", "tables", "powers", "POLY", "SUB"]
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
@@ -29,11 +29,23 @@ _THREADS = 256
 
 def host(buf) -> int:
     """The CRC32C of a contiguous host buffer (numpy array, bytes, memoryview)."""
-    import crc32c  # a small compiled library; imported where checksums are taken
-
     if isinstance(buf, np.ndarray):
         buf = buf.reshape(-1).view(np.uint8)
-    return crc32c.crc32c(buf)
+    return _library().crc32c(buf)
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The ``crc32c`` library, imported once where checksums are set up (tens of milliseconds:
+    not inside a first update)."""
+    import crc32c
+
+    return crc32c
+
+
+def load() -> None:
+    """Imports what :func:`host` needs now (a program's set-up calls it)."""
+    _library()
 
 
 @functools.lru_cache(maxsize=None)

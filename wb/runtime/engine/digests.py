@@ -67,6 +67,7 @@ class Routes:
     """
 
     def __init__(self, prog):
+        crc.load()
         units, part = prog.units, prog.part
         hop = dict(zip(part.index.tolist(), part.hops.tolist()))
         if units and max(units) >= DIGEST_TAG:
