@@ -11,8 +11,8 @@ The names below are what a user calls, grouped by the layer they live in; everyt
 importable from its module (``wb.runtime.engine.executor.execute``, ``wb.data.plan.parts``...).
 """
 
-from wb.errors import (ChecksumError, PeersLost, PlanError, ProbeError, SpecError, TransferError,
-                       WbError)
+from wb.errors import (AuthError, ChecksumError, PeersLost, PlanError, ProbeError, SpecError,
+                       TransferError, WbError, WbWarning)
 
 from wb.data.fp8 import FP8Blocks
 from wb.data.layout import BufferSpec, Cluster, Layout, Worker
@@ -27,6 +27,7 @@ from wb.algorithms.simulate import simulate
 from wb.runtime.transport import Request, Transport
 from wb.runtime.transport.stores import (DirectoryStore, JaxStore, MemoryStore, RayStore, Store,
                                          TorchStore)
+from wb.runtime.transport.keyed import KeyedStore
 from wb.runtime.transport.ucx import UcxTransport
 from wb.runtime.membership.agree import agree_parts
 from wb.runtime.endpoints.group import ParamsAdapter, ReceiverGroup, SenderGroup
@@ -44,11 +45,11 @@ __all__ = [
     "probe", "plan", "lower_bound", "simulate", "run_local",
     # runtime, transport: moving bytes, meeting through a store
     "Transport", "Request", "UcxTransport", "Store", "MemoryStore", "DirectoryStore",
-    "TorchStore", "JaxStore", "RayStore",
+    "TorchStore", "JaxStore", "RayStore", "KeyedStore",
     # runtime, membership and endpoints: set-up, then versions
     "agree_parts", "Sender", "Receiver", "SenderGroup", "ReceiverGroup", "ParamsAdapter",
     "LocalSession", "MODES", "summarize",
     # errors
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost",
-    "ChecksumError",
+    "ChecksumError", "AuthError", "WbWarning",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost",
-           "ChecksumError"]
+           "ChecksumError", "AuthError", "WbWarning"]
 
 
 class WbError(Exception):
@@ -43,6 +43,14 @@ class PeersLost(TransferError):
 
     def __reduce__(self):  # picklable, as exceptions crossing processes must be
         return type(self), (str(self), self.ranks)
+
+
+class AuthError(TransferError):
+    """A value or peer without the job's key (:mod:`wb.runtime.transport.keyed`): refused."""
+
+
+class WbWarning(UserWarning):
+    """Something a user should know that does not stop the job (e.g. no job key)."""
 
 
 class ChecksumError(TransferError):

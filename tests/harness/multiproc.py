@@ -535,6 +535,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
 
     fault = Fault(**options.get("fault", {}))
     result: dict = {"rank": rank, "applied": [], "checks": []}
+    os.environ.update(options.get("env", {}))  # e.g. the job's key, WB_JOB_KEY
     join = options.get("join_as") or {}
     if join.get("rank") == rank:  # not in the plan: a new rollout joining the running job
         _joiner_main(rank, plan_path, store_dir, result_dir, options, join)
@@ -620,6 +621,62 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                       error_at=time.time())
     Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
 
+
+
+def stranger_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
+                  options: dict) -> None:
+    """A process with another job key than the job's (spawned): it asks to join as rollout
+    ``rank`` (with rollout ``like``'s layout), writes records the job reads (a join request of
+    its own, a version's record), and sends messages under the tags of version ``version`` to
+    rollout ``target``, at the address it reads from the store's raw bytes (the signature cut
+    off, as an attacker who can read the store would)."""
+    import wb
+    from wb.data.plan import Plan, RankPlan
+    from wb.runtime.engine.program import Program
+    from wb.runtime.transport.keyed import MAGIC
+    from wb.runtime.transport.stores import DirectoryStore, set_record
+    from wb.runtime.transport.ucx import UcxTransport
+
+    os.environ["WB_JOB_KEY"] = options["key"]
+    result: dict = {"rank": rank}
+    try:
+        plan = Plan.load(plan_path)
+        raw = DirectoryStore(store_dir)
+        _await_version(store_dir, options["version"] - 1)
+        set_record(raw, "wb/v/99/final", {"forged": True})  # unsigned: refused if ever read
+        raw.set(f"wb/joinreq/{rank + 1}", b"forged")
+        # its messages: every receive of the target in that version, under the plain tags
+        t = UcxTransport(rank, raw, timeout=10)
+        t.connect([])
+        addr = raw.get(f"wb/addr/{options['target']}", 10)
+        addr = addr[len(MAGIC) + 32:] if addr.startswith(MAGIC) else addr
+        from ucxx._lib.arr import Array
+
+        ep = t._worker.create_endpoint_from_worker_address(
+            t._api.UCXAddress.create_from_buffer(np.frombuffer(addr, np.uint8)), False)
+        prog = Program(RankPlan.of(plan, options["target"]))
+        sent = []
+        for m, g in prog.units.items():
+            if not g.out:
+                junk = np.full(g.nbytes, 0x5A, np.uint8)
+                sent.append((ep.tag_send(Array(junk), t._api.UCXXTag(
+                    (options["version"] << 32) + m)), junk))
+        result["sent"] = len(sent)
+        # and asks to join: the leader is never to take it in
+        like = plan.layout_of(options["like"])
+        lay = wb.Layout(wb.Worker(rank, like.worker.node, "rollout", like.worker.local_rank),
+                        dict(like.buffers))
+        bufs = {k: np.zeros(b.sourcemap.shape, b.dtype) for k, b in like.buffers.items()}
+        try:
+            wb.Receiver.join(raw, lay, bufs, transport=UcxTransport(rank, raw, timeout=10),
+                             timeout=10, wait_timeout=10, join_timeout=options["join_s"])
+            result["admitted"] = True
+        except wb.TransferError as e:
+            result.update(admitted=False, join_error=str(e))
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
 
 
 def _messages_main(rank: int, nbytes: int, count: int, store_dir: str, result_dir: str,

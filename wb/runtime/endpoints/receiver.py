@@ -28,6 +28,7 @@ from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Handoff, InPlace, Recycled, Target, allocated
 from wb.runtime.engine.buffers import aligned_empty, as_array
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
+from wb.runtime.transport.keyed import keyed
 from wb.runtime.membership.joining import Admission, request_join
 
 __all__ = ["Receiver"]
@@ -206,6 +207,7 @@ class Receiver:
         """The constructor's work, for a rollout of a job's start or (``admission``) one taken
         into a running job (:meth:`admitted`)."""
         part, roster = take_part(plan, rank, Role.ROLLOUT)
+        store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
         self.staging, self.handoff = bool(staging), bool(handoff)
         recycle = self.handoff and recycle
         # new device memory every version: received through staging (see allocate)

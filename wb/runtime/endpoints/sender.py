@@ -28,6 +28,7 @@ from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
+from wb.runtime.transport.keyed import keyed
 
 __all__ = ["Sender"]
 
@@ -173,6 +174,7 @@ class Sender:
         if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
             layout = layout.get(rank)
         part, roster = take_part(plan, rank, Role.TRAINER)
+        store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
         self._quant, self._peers = None, ()
         if quantize is not None:
             if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts

@@ -12,6 +12,7 @@ from wb.data.fp8 import BlockScaled
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan, RankPlan, parts
 from wb.errors import TransferError
+from wb.runtime.transport.keyed import keyed
 from wb.runtime.membership.records import fetch_part, gather_layouts, publish_layouts
 from wb.runtime.transport.stores import set_large, set_record
 
@@ -84,6 +85,7 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         raise TransferError(f"agree_parts: world must be the number of workers (an int >= 1), "
                             f"got {world!r}")
     layouts = list(layouts)
+    store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
     bad = [type(lay).__name__ for lay in layouts if not isinstance(lay, Layout)]
     if bad:
         raise TransferError(f"agree_parts: layouts must be wb.Layout values, got {bad[0]}")

@@ -16,6 +16,7 @@ from wb.algorithms import planner
 from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import RankPlan
 from wb.errors import PlanError, SpecError, TransferError
+from wb.runtime.transport.keyed import keyed
 from wb.runtime.membership.liveness import new_incarnation
 from wb.runtime.membership.records import fetch_part, publish_parts
 from wb.runtime.transport.stores import get_large, read_record, set_large, set_record
@@ -68,6 +69,7 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
         ``{rank: Admission}``.
     """
     lays = {int(lay.worker.rank): lay for lay in layouts}
+    store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
     token = new_incarnation()
     if len(lays) > 1:  # the leader admits none of them until it sees every one's request
         set_record(store, f"{name}/joingroup/{token}", sorted(lays))

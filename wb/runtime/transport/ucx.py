@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from wb.errors import TransferError
+from wb.errors import AuthError, TransferError
+from wb.runtime.transport.keyed import keyed, tag_secret
 from wb.runtime.transport.stores import Store
 
 __all__ = ["UcxTransport", "default_tls", "cma_usable"]
@@ -147,13 +148,21 @@ class UcxTransport:
         checksums: every message is checked against its sender's CRC32C
             (:mod:`wb.runtime.engine.digests`); every worker of a job must say the same. Default:
             on, unless the environment's ``WB_CHECKSUMS`` is ``0``.
+        key: the job's key (default the environment's ``WB_JOB_KEY``): the addresses and hellos
+            it puts in the store are signed, and peers' are refused without the same key
+            (:mod:`wb.runtime.transport.keyed`); every tag is XORed with 64 bits drawn from the
+            key (:func:`~wb.runtime.transport.keyed.tag_secret`), so a process without it can
+            neither reach a worker (no signed address) nor address a message to one of its
+            receives.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
                  timeout: float = 60.0, cuda_device: int | None = None,
                  polling: bool | None = None, progress: str | None = None,
-                 checksums: bool | None = None):
-        self.rank, self.store, self.session, self.timeout = int(rank), store, session, timeout
+                 checksums: bool | None = None, key: bytes | str | None = None):
+        self.rank, self.session, self.timeout = int(rank), session, timeout
+        self.store = keyed(store, key)
+        self._secret = tag_secret(self.store, session)
         self.checksums = (os.environ.get("WB_CHECKSUMS", "1") != "0" if checksums is None
                           else bool(checksums))
         self.cuda_device = cuda_device
@@ -252,6 +261,10 @@ class UcxTransport:
     def _get(self, key: str, peer: int) -> bytes:
         try:
             return self.store.get(f"{self.session}/{key}", self.timeout)
+        except AuthError as e:
+            raise AuthError(f"rank {self.rank}: peer {peer}'s `{key}` in the rendezvous store is "
+                            f"not signed with this job's key: refused (does that process run "
+                            f"with another WB_JOB_KEY, or none?)") from e
         except TransferError as e:
             raise TransferError(f"rank {self.rank}: peer {peer} did not show up within "
                                 f"{self.timeout:.1f} s (no `{key}` in the rendezvous store); is it "
@@ -378,7 +391,7 @@ class UcxTransport:
         ep = self._ep(peer)
         post = ep.tag_send if what == "send" else ep.tag_recv
         try:
-            req = post(Array(buf), self._api.UCXXTag(int(tag)))
+            req = post(Array(buf), self._api.UCXXTag(int(tag) ^ self._secret))
         except Exception as e:  # noqa: BLE001 - every ucxx error becomes a TransferError
             raise TransferError(f"rank {self.rank}: UCX {what} of tag {tag:#x} with peer {peer} "
                                 f"failed: {type(e).__name__}: {e}") from e

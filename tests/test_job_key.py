@@ -1,0 +1,135 @@
+"""A job key (``wb.runtime.transport.keyed``): every store value signed (HMAC-SHA256 over its key's
+name and bytes) and refused without the same key; a key from ``WB_JOB_KEY``; values of any size
+through ``set_large`` under a store's value limit; and, in real processes over UCX, a process
+with another key is refused: its join request is not taken, the job goes on."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import wb
+from wb.runtime.transport.keyed import KeyedStore, job_key, keyed
+from wb.runtime.transport.stores import (DirectoryStore, MemoryStore, get_large, get_record,
+                                         set_large, set_record)
+
+KEY, OTHER = "k" * 16 + "-job", "o" * 16 + "-other"
+
+
+def test_a_signed_value_reads_back_and_nothing_else_does(tmp_path):
+    raw = DirectoryStore(tmp_path)
+    s = KeyedStore(raw, KEY)
+    s.set("a/b", b"payload")
+    assert s.get("a/b", 1) == b"payload"
+    assert raw.get("a/b", 1) != b"payload"  # what lies in the store is signed
+    raw.set("c", b"from a stranger")  # not signed
+    KeyedStore(raw, OTHER).set("d", b"signed with another key")
+    raw.set("e", raw.get("a/b", 1))  # a signed value under another name
+    tampered = bytearray(raw.get("a/b", 1))
+    tampered[-1] ^= 1
+    raw.set("f", bytes(tampered))
+    for k, what in (("c", "is not signed"), ("d", "another key"), ("e", "another key"),
+                    ("f", "another key")):
+        with pytest.warns(wb.WbWarning), pytest.raises(wb.AuthError, match=what) as e:
+            s.get(k, 1)
+        assert f"`{k}`" in str(e.value)
+
+
+def test_records_and_large_values_under_a_value_limit():
+    class Limited(MemoryStore):
+        max_value_bytes = 160
+
+        def set(self, key, value):
+            assert len(value) <= self.max_value_bytes, len(value)
+            super().set(key, value)
+
+    s = KeyedStore(Limited(), KEY)
+    assert s.max_value_bytes == 160 - 36
+    big = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    set_large(s, "big", big)
+    assert get_large(s, "big", 1) == big
+    set_record(s, "rec", {"v": 3})
+    assert get_record(s, "rec", 1) == {"v": 3}
+    with pytest.raises(wb.AuthError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        get_large(KeyedStore(s.store, OTHER), "big", 1)
+
+
+def test_the_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("WB_JOB_KEY", raising=False)
+    assert job_key() is None
+    store = MemoryStore()
+    with pytest.warns(wb.WbWarning, match="no job key"):
+        assert keyed(store) is store
+    monkeypatch.setenv("WB_JOB_KEY", KEY)
+    assert job_key() == KEY.encode()
+    k = keyed(store)
+    assert isinstance(k, KeyedStore) and keyed(k) is k
+    with pytest.raises(wb.AuthError, match="at least 16 bytes"):
+        job_key("short")
+
+
+def test_a_job_over_a_keyed_store_in_threads(monkeypatch):
+    """wb.LocalSession's workers sign and read through the key the environment gives."""
+    monkeypatch.setenv("WB_JOB_KEY", KEY)
+    sm = wb.SourceMap.from_indices(np.arange(64).reshape(8, 8))
+    t = wb.Layout(wb.Worker(0, "a", "trainer"), {"w": wb.BufferSpec(sm, "float32")})
+    r = wb.Layout(wb.Worker(1, "b", "rollout"), {"w": wb.BufferSpec(sm, "float32")})
+    store = MemoryStore()
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    got = np.zeros_like(w)
+    from harness.threads import run_each
+    from wb.runtime.transport.local import LocalHub, LocalTransport
+
+    hub, plan = LocalHub(), wb.plan([t], [r])
+
+    def run(rank):
+        kw = dict(transport=LocalTransport(rank, hub), store=store, timeout=20, wait_timeout=20)
+        if rank == 0:
+            with wb.Sender(plan, 0, {"w": w}, **kw) as tx:
+                tx.push()
+        else:
+            with wb.Receiver(plan, 1, {"w": got}, **kw) as rx:
+                assert rx.apply() == 1
+    assert not run_each(run, [0, 1])
+    assert np.array_equal(got, w)
+    assert all(v.startswith(b"wbk1") for v in store._data.values())  # every record signed
+
+
+# --- real processes -------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_process_with_another_key_is_refused_and_the_job_goes_on(tmp_path):
+    """The job (2 trainers, 2 rollouts over UCX, the key from WB_JOB_KEY) pushes 4 versions
+    while a process with another key writes records the job reads, sends junk under the tags
+    of version 2 to a rollout, and asks to join: every rollout applies every version
+    bit-identical, the stranger is never admitted, and nothing it wrote is taken."""
+    import json
+    import multiprocessing as mp
+
+    from harness.multiproc import coord_child_main, run_ranks, stranger_main
+
+    sm = wb.SourceMap.from_indices(np.arange(4096).reshape(64, 64))
+    t = [wb.Layout(wb.Worker(r, "t", "trainer", r), {"w": wb.BufferSpec(sm[32 * r:32 * r + 32], "float32")})
+         for r in range(2)]
+    r = [wb.Layout(wb.Worker(2 + k, f"r{k}", "rollout"), {"w": wb.BufferSpec(sm, "float32")})
+         for k in range(2)]
+    wb.plan(t, r).save(tmp_path / "plan.npz")
+    (tmp_path / "results").mkdir()
+    stranger = mp.get_context("spawn").Process(target=stranger_main, daemon=True, args=(
+        10, str(tmp_path / "plan.npz"), str(tmp_path / "store"), str(tmp_path / "results"),
+        {"key": OTHER, "version": 2, "target": 2, "like": 3, "join_s": 12}))
+    stranger.start()
+    run = run_ranks(str(tmp_path / "plan.npz"), [0, 1, 2, 3], str(tmp_path),
+                    target=coord_child_main, join_timeout=200,
+                    options={"versions": 4, "timeout": 30, "step_s": 1.0,
+                             "env": {"WB_JOB_KEY": KEY}})
+    stranger.join(60)
+    for rank in (0, 1, 2, 3):
+        res = run.results[rank]
+        assert res is not None and res["ok"], (rank, res)
+        if rank >= 2:
+            assert res["applied"] == [1, 2, 3, 4] and all(res["checks"]), res
+    assert not any(rep.get("joined") for rep in run.results[0]["repairs"])
+    s = json.loads((tmp_path / "results" / "10.json").read_text())
+    assert s["ok"] and s["sent"] > 0 and s["admitted"] is False, s
+    assert "not admitted" in s["join_error"] or "not signed" in s["join_error"], s
