@@ -20,6 +20,7 @@ _HOST = r"""
 #define __global__
 #define __device__ static
 #define __shared__ static
+struct uint4 { unsigned int x, y, z, w; };
 struct D3 { long long x; };
 static D3 threadIdx, blockIdx, gridDim, blockDim;
 static void __syncthreads() {}
@@ -67,7 +68,7 @@ def _launch(lib, bufs, sub):
 @needs_cxx
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 7)), min_size=1, max_size=6),
-       st.sampled_from([1, 3, 8, 13, 64, 4096]), st.integers(0, 2**32 - 1))
+       st.sampled_from([1, 3, 8, 13, 64, 256, 4096]), st.integers(0, 2**32 - 1))
 def test_kernel_equals_the_library(kernel, shapes, sub, seed):
     rng = np.random.default_rng(seed)
     backing = rng.integers(0, 256, sum(n + off for n, off in shapes) + 8, dtype=np.uint8)
@@ -86,6 +87,19 @@ def test_kernel_sees_one_flipped_bit_anywhere(kernel):
         b = a.copy()
         b[i] ^= 1 << (i % 8)
         assert _launch(kernel, [b], 4096) == [crc.host(b)] != [clean]
+        assert _launch(kernel, [b], 256) == [crc.host(b)]
+
+
+@needs_cxx
+def test_whole_aligned_stretches_take_the_fast_path(kernel):
+    """Stretches of exactly 256 bytes at 16-byte aligned addresses (the loads issued at once),
+    beside ones that are not, in one launch."""
+    rng = np.random.default_rng(3)
+    backing = rng.integers(0, 256, 8192 + 64, dtype=np.uint8)
+    start = (-backing.ctypes.data) % 16
+    bufs = [backing[start:start + 4096], backing[start + 1:start + 1 + 4096],
+            backing[start:start + 4000], backing[start + 16:start + 16 + 256]]
+    assert _launch(kernel, bufs, 256) == [crc.host(b) for b in bufs]
 
 
 def test_known_value_and_combine():

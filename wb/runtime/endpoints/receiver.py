@@ -29,6 +29,7 @@ from wb.runtime.endpoints.targets import Handoff, InPlace, Recycled, Target, all
 from wb.runtime.engine.buffers import aligned_empty, as_array
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
+from wb.runtime.endpoints import checks
 from wb.runtime.membership.joining import Admission, request_join
 
 __all__ = ["Receiver"]
@@ -290,6 +291,35 @@ class Receiver:
     def buffers(self) -> dict[str, Any]:
         """The live buffers (with ``handoff``: the newest applied version's)."""
         return self._target.arrays()
+
+    def check(self, spec, *, maps=None, per_tensor: int | None = checks.DEFAULT_PER_TENSOR,
+              timeout: float | None = None) -> checks.CheckReport:
+        """Checks that the live buffers hold the trainers' weights of the version applied
+        (:mod:`wb.runtime.endpoints.checks`): the sample the trainers claimed
+        (:meth:`wb.Sender.claim`, with the same ``per_tensor``), read here through the source
+        maps, compared after this rollout's conversions. Nothing of the model moves.
+
+        Args:
+            spec: the checkpoint's :class:`wb.CheckpointSpec`.
+            maps: ``{buffer: SourceMap}`` to read through instead of the planned layout's:
+                maps just probed from the loader (``wb_torch.probe``...) show a stale map cache
+                or a loader that changed.
+            per_tensor: as the trainers claimed.
+            timeout: seconds to wait for the trainers' claims (default ``wait_timeout``).
+
+        Returns:
+            A :class:`~wb.runtime.endpoints.checks.CheckReport` (``.ok``, per tensor status).
+        """
+        end, v = self._end, self.version
+        if v <= 0:
+            raise TransferError(f"rank {self.rank}: check() before any version was applied")
+        live = {n: as_array(n, a, rank=self.rank) for n, a in self.buffers.items()}
+        xp = next(iter(live.values()))[0]
+        return checks.check(end.store, [end.key("claim", v, t) for t in end.trainers],
+                            end.layout, {n: a.reshape(-1) for n, (_, a) in live.items()}, xp,
+                            checks.sample(spec, end.key("check", v), per_tensor), spec,
+                            rank=self.rank, version=v, maps=maps,
+                            timeout=end.wait_timeout if timeout is None else timeout)
 
     def ready(self) -> bool:
         """Whether ``apply()`` has a new version to install (never blocks).

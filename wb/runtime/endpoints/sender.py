@@ -29,6 +29,7 @@ from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
+from wb.runtime.endpoints import checks
 
 __all__ = ["Sender"]
 
@@ -273,6 +274,34 @@ class Sender:
         parts += [amax_from_bytes(get_large(end.store, key, end.wait_timeout),
                                   where=f"store key `{key}`") for key in keys_of.values()]
         return combine_amax(parts)
+
+    def claim(self, spec, weights: Mapping[str, Any] | None = None, *,
+              per_tensor: int | None = checks.DEFAULT_PER_TENSOR,
+              version: int | None = None) -> int:
+        """Publishes what this trainer says ``version`` (default: the last pushed) holds, for
+        the rollouts' weight checks (:meth:`wb.Receiver.check`): the values of a seeded sample
+        of the checkpoint elements it holds (``per_tensor`` per tensor; ``None``: all).
+
+        Args:
+            spec: the checkpoint's :class:`wb.CheckpointSpec` (the one the maps were probed with).
+            weights: ``{buffer: array}`` in this trainer's layout to read the values from: the
+                weights it trains (default: the buffers it pushes). Pass the framework's own
+                parameters to catch a push of other buffers than those.
+            per_tensor: elements sampled per checkpoint tensor; every trainer and rollout of a
+                check must say the same.
+            version: the version claimed.
+
+        Returns:
+            How many elements it published.
+        """
+        v = self.version if version is None else int(version)
+        live = (self._live if weights is None else
+                {n: as_array(n, weights[n], rank=self.rank) for n in self._end.layout.buffers})
+        xp = next(iter(live.values()))[0] if live else None
+        ids = checks.sample(spec, self._end.key("check", v), per_tensor)
+        return checks.claim(self._end.store, self._end.key("claim", v, self.rank),
+                            self._end.layout, {n: a.reshape(-1) for n, (_, a) in live.items()},
+                            xp, ids)
 
     def wait(self) -> None:
         """Blocks until the last pushed version is sent (staging); raises if it failed. This wait

@@ -2,7 +2,8 @@
 
 On the host the ``crc32c`` library computes it (SSE4.2 or ARMv8 instructions, the GIL released
 for long buffers). On a device :func:`launch` computes many buffers' CRCs in one kernel launch:
-each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory), shifts its
+each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory, all its
+words loaded at once), shifts its
 CRC past the bytes that follow its stretch (a multiplication by ``x**(8 n)`` modulo the
 polynomial, zlib's ``crc32_combine`` identity: ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)``)
 and XORs it into its buffer's slot of the output, which must hold zeros before the launch.
@@ -22,8 +23,11 @@ __all__ = ["host", "load", "combine", "launch", "kernel_source", "tables", "powe
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
-#: Bytes per thread of the device kernel.
-SUB = 4096
+#: Bytes per thread of the device kernel: short stretches, so that a message's loads are spread
+#: over many threads (one thread hashing 4 KiB waits on device memory word by word: an 8 MiB
+#: message then took about 0.25 ms, and a rollout's unpacking waited on it); stretches of
+#: exactly this many bytes, 16-byte aligned, load all their words at once.
+SUB = 256
 _THREADS = 256
 
 
@@ -108,6 +112,18 @@ __device__ unsigned int wb_multmodp(unsigned int a, unsigned int b) {
     return p;
 }
 
+#define WB_FAST 256
+
+/* eight bytes (lo, hi: little-endian words) into the CRC, slice-by-8 */
+__device__ unsigned int wb_step8(const unsigned int* T, unsigned int crc, unsigned int lo,
+                                 unsigned int hi) {
+    unsigned int a = crc ^ lo;
+    return T[7 * 256 + (a & 0xFF)] ^ T[6 * 256 + ((a >> 8) & 0xFF)]
+         ^ T[5 * 256 + ((a >> 16) & 0xFF)] ^ T[4 * 256 + (a >> 24)]
+         ^ T[3 * 256 + (hi & 0xFF)] ^ T[2 * 256 + ((hi >> 8) & 0xFF)]
+         ^ T[1 * 256 + ((hi >> 16) & 0xFF)] ^ T[hi >> 24];
+}
+
 /* CRC32C of `n` buffers: `ptrs[i]`, `lens[i]` bytes, into `out[slots[i]]` (zeros before);
    `first[i]` the first of buffer i's stretches of `sub` bytes (first[n]: all of them). */
 extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long long* lens,
@@ -128,14 +144,23 @@ extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long 
         const unsigned char* p = (const unsigned char*)ptrs[lo] + a;
         const unsigned char* e = (const unsigned char*)ptrs[lo] + b;
         unsigned int crc = 0xFFFFFFFFu;
+        if (e - p == WB_FAST && !((unsigned long long)p & 15)) {
+            /* a whole aligned stretch: every load issued before the first is used (the
+               latency of device memory is paid once per stretch, not once per word) */
+            uint4 w[WB_FAST / 16];
+#pragma unroll
+            for (int k = 0; k < WB_FAST / 16; ++k) w[k] = ((const uint4*)p)[k];
+#pragma unroll
+            for (int k = 0; k < WB_FAST / 16; ++k) {
+                crc = wb_step8(T, crc, w[k].x, w[k].y);
+                crc = wb_step8(T, crc, w[k].z, w[k].w);
+            }
+            p = e;
+        }
         while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
         while (e - p >= 8) {
             unsigned long long w = *(const unsigned long long*)p;
-            unsigned int lo4 = crc ^ (unsigned int)w, hi4 = (unsigned int)(w >> 32);
-            crc = T[7 * 256 + (lo4 & 0xFF)] ^ T[6 * 256 + ((lo4 >> 8) & 0xFF)]
-                ^ T[5 * 256 + ((lo4 >> 16) & 0xFF)] ^ T[4 * 256 + (lo4 >> 24)]
-                ^ T[3 * 256 + (hi4 & 0xFF)] ^ T[2 * 256 + ((hi4 >> 8) & 0xFF)]
-                ^ T[1 * 256 + ((hi4 >> 16) & 0xFF)] ^ T[hi4 >> 24];
+            crc = wb_step8(T, crc, (unsigned int)w, (unsigned int)(w >> 32));
             p += 8;
         }
         while (p < e) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];

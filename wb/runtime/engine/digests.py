@@ -64,6 +64,7 @@ class Routes:
             ``peer`` waits for (what fed its forwards).
         buffers: ``{unit: [buffer name]}`` the buffers each received unit writes (for errors).
         hop_of: ``{unit: hops}``.
+        aliased: forwards whose bytes are their parent's (their ``slot`` is the parent's).
     """
 
     def __init__(self, prog):
@@ -85,6 +86,19 @@ class Routes:
         self.hop_of = {m: hop[m] for m in units}
         self.slot = {m: i for i, m in enumerate(m for ms in (*self.out.values(),
                                                              *self.inn.values()) for m in ms)}
+        # a forward of exactly its parent's pieces is its parent's bytes: its CRC is the
+        # parent's (checked against the parent's sender before this rank's digest goes), and
+        # it is not hashed again
+        T = part.transfers
+        self.aliased: set[int] = set()
+        for ms in self.out.values():
+            for m in ms:
+                g, q = units[m], units[m].parent
+                p = units.get(q)
+                if (g.__class__ is not Frame and p is not None and p.__class__ is not Frame
+                        and not p.out and np.array_equal(T.piece[g.ts], T.piece[p.ts])):
+                    self.slot[m] = self.slot[q]
+                    self.aliased.add(m)
         fed_by = {}  # a received message -> its digest's key
         for key, ms in self.inn.items():
             for m in ms:
@@ -172,7 +186,8 @@ class Digests:
 
     def sent(self, g, buf) -> None:
         """Unit ``g`` was posted from ``buf``."""
-        self.sums.take(buf, self.r.slot[g.m])
+        if g.m not in self.r.aliased:
+            self.sums.take(buf, self.r.slot[g.m])
         self.to_hash_out[(g.peer, self.r.hop_of[g.m])] -= 1
 
     def landed(self, g, buf) -> None:
