@@ -45,18 +45,27 @@ _KIND = "weight claim"
 def sample(spec: CheckpointSpec, seed: str, per_tensor: int | None = DEFAULT_PER_TENSOR
            ) -> np.ndarray:
     """The checkpoint ids a check of ``seed`` looks at: ``per_tensor`` elements of every tensor
-    drawn at random (every element of the smaller ones; ``None``: every element), sorted. The
-    same on every worker for the same spec and seed."""
-    out = []
-    for k, name in enumerate(spec.names):
-        n, off = int(np.prod(spec.shape(name), dtype=np.int64)), spec.offset(name)
-        if per_tensor is None or n <= per_tensor:
-            out.append(off + np.arange(n, dtype=np.int64))
-            continue
-        digest = hashlib.sha256(f"{seed}\0{k}".encode()).digest()
-        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-        out.append(off + np.sort(rng.choice(n, per_tensor, replace=False)).astype(np.int64))
-    return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+    drawn at random (all of a smaller one; ``None``: every element; two draws of one element
+    count once), sorted. The same on every worker for the same spec and seed."""
+    bounds = np.asarray(spec.offsets, np.int64)  # each tensor's first id, then numel
+    off, n = bounds[:-1], np.diff(bounds)
+    if per_tensor is None:
+        return np.arange(spec.numel, dtype=np.int64)
+    small = n <= per_tensor
+    big = np.flatnonzero(~small)
+    digest = hashlib.sha256(seed.encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    draw = np.floor(rng.random((big.size, per_tensor)) * n[big, None]).astype(np.int64)
+    draw = np.sort(off[big, None] + np.minimum(draw, n[big, None] - 1), axis=1)
+    parts: list = [None] * n.size  # in tensor order: the whole is sorted
+    for t in np.flatnonzero(small).tolist():
+        parts[t] = off[t] + np.arange(n[t], dtype=np.int64)
+    for k, t in enumerate(big.tolist()):
+        parts[t] = draw[k]
+    if not parts:
+        return np.zeros(0, np.int64)
+    out = np.concatenate(parts)
+    return out[np.r_[True, out[1:] != out[:-1]]]  # a twice-drawn element once
 
 
 def _read(flat, xp, pos: np.ndarray) -> np.ndarray:
@@ -89,8 +98,8 @@ def _claims(store, keys: list[str], timeout: float) -> dict[str, tuple[np.ndarra
     ids: dict[str, list] = {}
     bits: dict[str, list] = {}
     for key in keys:
-        raw = unseal(_KIND, get_large(store, key, timeout), where=f"rendezvous: key `{key}`",
-                     remedy="claim the version again")
+        raw = bytes(unseal(_KIND, get_large(store, key, timeout),
+                           where=f"rendezvous: key `{key}`", remedy="claim the version again"))
         n = int.from_bytes(raw[:8], "little")
         at = 8 + n
         for h in json.loads(raw[8:at]):
@@ -103,8 +112,10 @@ def _claims(store, keys: list[str], timeout: float) -> dict[str, tuple[np.ndarra
     out = {}
     for dt in ids:
         i, b = np.concatenate(ids[dt]), np.concatenate(bits[dt])
-        i, first = np.unique(i, return_index=True)
-        out[dt] = (i, b[first])
+        o = np.argsort(i, kind="stable")  # the first trainer's value of an id several hold
+        i, b = i[o], b[o]
+        keep = np.r_[True, i[1:] != i[:-1]]
+        out[dt] = (i[keep], b[keep])
     return out
 
 
@@ -156,7 +167,7 @@ def check(store, keys: list[str], layout, flat: Mapping[str, Any], xp, ids: np.n
     t0 = time.perf_counter()
     claims = _claims(store, keys, timeout)
     names = list(spec.names)
-    offsets = np.array([spec.offset(n) for n in names], np.int64)
+    offsets = np.asarray(spec.offsets, np.int64)[:-1]
     checked = np.zeros(len(names), np.int64)
     fp8 = np.zeros(len(names), bool)
     first: dict[int, tuple] = {}  # tensor index -> its first mismatch

@@ -94,7 +94,7 @@ def keyed(store, key: bytes | str | None = None):
     if k is None:  # once per process: Python's warning filter shows each message once
         warnings.warn("no job key (WB_JOB_KEY): any process that reaches the rendezvous store "
                       "can join, publish an address or write records this job takes",
-                      WbWarning, stacklevel=3)
+                      WbWarning)
         return store
     return KeyedStore(store, k)
 
