@@ -34,14 +34,21 @@ extern "C" void run(const unsigned long long* ptrs, const long long* lens, const
     gridDim.x = blockDim.x = 1;
     wb_crc32c(ptrs, lens, first, slots, n, sub, tabs, pows, out);
 }
+extern "C" void run_one(unsigned long long ptr, long long len, long long slot, long long sub,
+                        const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+    threadIdx.x = blockIdx.x = 0;
+    gridDim.x = blockDim.x = 1;
+    wb_crc32c_one(ptr, len, slot, sub, tabs, pows, out);
+}
 """
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     d = tmp_path_factory.mktemp("crc")
-    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c',
-                                      "static void wb_crc32c")
+    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c(',
+                                      "static void wb_crc32c(")
+    src = src.replace('extern "C" __global__ void wb_crc32c_one(', "static void wb_crc32c_one(")
     cpp, so = d / "crc.cpp", d / "crc.so"
     cpp.write_text(_HOST + src + _RUN)
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
@@ -77,6 +84,21 @@ def test_kernel_equals_the_library(kernel, shapes, sub, seed):
         bufs.append(backing[at + off:at + off + n])
         at += n + off
     assert _launch(kernel, bufs, sub) == [crc.host(b) for b in bufs]
+
+
+@needs_cxx
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 7), st.sampled_from([1, 7, 256, 4096]))
+def test_the_one_buffer_kernel_equals_the_library(kernel, n, off, sub):
+    backing = np.random.default_rng(n).integers(0, 256, n + 8, dtype=np.uint8)
+    b = backing[off:off + n]
+    out = np.zeros(3, np.uint32)
+    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
+    p = ctypes.c_void_p
+    kernel.run_one(ctypes.c_ulonglong(b.ctypes.data), ctypes.c_longlong(n), ctypes.c_longlong(1),
+                   ctypes.c_longlong(sub), p(tabs.ctypes.data), p(pows.ctypes.data),
+                   p(out.ctypes.data))
+    assert int(out[1]) == crc.host(b) and out[0] == out[2] == 0
 
 
 @needs_cxx

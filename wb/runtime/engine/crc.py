@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host", "load", "combine", "launch", "kernel_source", "tables", "powers", "POLY", "SUB"]
+__all__ = ["host", "load", "combine", "launch", "launch_batch", "kernel_source", "tables", "powers", "POLY", "SUB"]
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
@@ -124,14 +124,52 @@ __device__ unsigned int wb_step8(const unsigned int* T, unsigned int crc, unsign
          ^ T[1 * 256 + ((hi >> 16) & 0xFF)] ^ T[hi >> 24];
 }
 
+/* the CRC of bytes [a, b) of a buffer of `len` bytes at `base`, shifted past the bytes after
+   them (x**(8 (len - b))): what XORed together over a buffer's stretches is its CRC */
+__device__ unsigned int wb_stretch(const unsigned int* T, const unsigned int* pows,
+        const unsigned char* base, long long len, long long a, long long b) {
+    const unsigned char* p = base + a;
+    const unsigned char* e = base + b;
+    unsigned int crc = 0xFFFFFFFFu;
+    if (e - p == WB_FAST && !((unsigned long long)p & 15)) {
+        /* a whole aligned stretch: every load issued before the first is used (the latency of
+           device memory is paid once per stretch, not once per word) */
+        uint4 w[WB_FAST / 16];
+#pragma unroll
+        for (int k = 0; k < WB_FAST / 16; ++k) w[k] = ((const uint4*)p)[k];
+#pragma unroll
+        for (int k = 0; k < WB_FAST / 16; ++k) {
+            crc = wb_step8(T, crc, w[k].x, w[k].y);
+            crc = wb_step8(T, crc, w[k].z, w[k].w);
+        }
+        p = e;
+    }
+    while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
+    while (e - p >= 8) {
+        unsigned long long w = *(const unsigned long long*)p;
+        crc = wb_step8(T, crc, (unsigned int)w, (unsigned int)(w >> 32));
+        p += 8;
+    }
+    while (p < e) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
+    crc ^= 0xFFFFFFFFu;
+    unsigned long long after = (unsigned long long)(len - b);
+    unsigned int x = 1u << 31;
+    for (int k = 3; after; after >>= 1, ++k)
+        if (after & 1) x = wb_multmodp(pows[k & 31], x);
+    return wb_multmodp(x, crc);
+}
+
+#define WB_TABLES(tabs) \
+    __shared__ unsigned int T[8 * 256]; \
+    for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) T[i] = tabs[i]; \
+    __syncthreads();
+
 /* CRC32C of `n` buffers: `ptrs[i]`, `lens[i]` bytes, into `out[slots[i]]` (zeros before);
    `first[i]` the first of buffer i's stretches of `sub` bytes (first[n]: all of them). */
 extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long long* lens,
         const long long* first, const long long* slots, long long n, long long sub,
         const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
-    __shared__ unsigned int T[8 * 256];
-    for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) T[i] = tabs[i];
-    __syncthreads();
+    WB_TABLES(tabs)
     long long total = first[n];
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
          c += (long long)gridDim.x * blockDim.x) {
@@ -141,36 +179,20 @@ extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long 
             if (first[mid] <= c) lo = mid; else hi = mid - 1;
         }
         long long len = lens[lo], a = (c - first[lo]) * sub, b = a + sub < len ? a + sub : len;
-        const unsigned char* p = (const unsigned char*)ptrs[lo] + a;
-        const unsigned char* e = (const unsigned char*)ptrs[lo] + b;
-        unsigned int crc = 0xFFFFFFFFu;
-        if (e - p == WB_FAST && !((unsigned long long)p & 15)) {
-            /* a whole aligned stretch: every load issued before the first is used (the
-               latency of device memory is paid once per stretch, not once per word) */
-            uint4 w[WB_FAST / 16];
-#pragma unroll
-            for (int k = 0; k < WB_FAST / 16; ++k) w[k] = ((const uint4*)p)[k];
-#pragma unroll
-            for (int k = 0; k < WB_FAST / 16; ++k) {
-                crc = wb_step8(T, crc, w[k].x, w[k].y);
-                crc = wb_step8(T, crc, w[k].z, w[k].w);
-            }
-            p = e;
-        }
-        while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
-        while (e - p >= 8) {
-            unsigned long long w = *(const unsigned long long*)p;
-            crc = wb_step8(T, crc, (unsigned int)w, (unsigned int)(w >> 32));
-            p += 8;
-        }
-        while (p < e) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
-        crc ^= 0xFFFFFFFFu;
-        /* shifted past the bytes after this stretch: x**(8 (len - b)) */
-        unsigned long long after = (unsigned long long)(len - b);
-        unsigned int x = 1u << 31;
-        for (int k = 3; after; after >>= 1, ++k)
-            if (after & 1) x = wb_multmodp(pows[k & 31], x);
-        atomicXor(&out[slots[lo]], wb_multmodp(x, crc));
+        atomicXor(&out[slots[lo]],
+                  wb_stretch(T, pows, (const unsigned char*)ptrs[lo], len, a, b));
+    }
+}
+
+/* the same for one buffer, given by value (no table to copy to the device first) */
+extern "C" __global__ void wb_crc32c_one(unsigned long long ptr, long long len, long long slot,
+        long long sub, const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+    WB_TABLES(tabs)
+    long long total = (len + sub - 1) / sub;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
+         c += (long long)gridDim.x * blockDim.x) {
+        long long a = c * sub, b = a + sub < len ? a + sub : len;
+        atomicXor(&out[slot], wb_stretch(T, pows, (const unsigned char*)ptr, len, a, b));
     }
 }
 """
@@ -182,9 +204,25 @@ def kernel_source() -> str:
 
 
 def launch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
-    """One launch on CuPy's current device and stream: the CRC32C of each ``(pointer, bytes,
-    slot)`` of ``bufs`` XORed into ``out[slot]`` (a CuPy ``uint32`` array, zero at those slots,
-    holding the CRCs once the stream passes the launch)."""
+    """Launches on CuPy's current device and stream, one per buffer (its pointer, length and
+    slot passed by value: nothing is copied to the device first, so nothing waits for the
+    stream): the CRC32C of each ``(pointer, bytes, slot)`` of ``bufs`` XORed into
+    ``out[slot]`` (a CuPy ``uint32`` array, zero at those slots, holding the CRCs once the
+    stream passes the launches)."""
+    if not bufs:
+        return
+    tabs, pows = _device_tables(xp, out.device.id)
+    k = _kernel("wb_crc32c_one")
+    for ptr, n, slot in bufs:
+        if n:
+            stretches = -(-n // sub)
+            blocks = min(-(-stretches // _THREADS), 4096)
+            k((blocks,), (_THREADS,), (np.uint64(ptr), np.int64(n), np.int64(slot),
+                                       np.int64(sub), tabs, pows, out))
+
+
+def launch_batch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
+    """:func:`launch` in one launch over a table of the buffers (copied to the device first)."""
     if not bufs:
         return
     n = len(bufs)
@@ -193,14 +231,14 @@ def launch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) ->
     meta[1, :n] = [b[1] for b in bufs]
     meta[3, :n] = [b[2] for b in bufs]
     np.cumsum(np.maximum(-(-meta[1, :n] // sub), 0), out=meta[2, 1:])
-    d = xp.asarray(meta)
     total = int(meta[2, n])
     if total == 0:
         return
+    d = xp.asarray(meta)
     tabs, pows = _device_tables(xp, d.device.id)
     blocks = min(-(-total // _THREADS), 4096)
-    _kernel()((blocks,), (_THREADS,), (d[0].view(xp.uint64), d[1], d[2], d[3], np.int64(n),
-                                       np.int64(sub), tabs, pows, out))
+    _kernel("wb_crc32c")((blocks,), (_THREADS,), (d[0].view(xp.uint64), d[1], d[2], d[3],
+                                                   np.int64(n), np.int64(sub), tabs, pows, out))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,9 +247,9 @@ def _device_tables(xp, device: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernel(name: str):
     import cupy  # only CUDA buffers come here
 
-    k = cupy.RawKernel(kernel_source(), "wb_crc32c")
+    k = cupy.RawKernel(kernel_source(), name)
     k.compile()
     return k

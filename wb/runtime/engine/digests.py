@@ -17,8 +17,9 @@ where it went wrong.
 
 What it costs: one small message per pair of ranks (and hop) per update, and a pass over each message's
 bytes at each end: on the host by the ``crc32c`` library as soon as the message is posted or
-landed; on a GPU by one kernel launch per turn of the update loop over all the messages of that
-turn, read back once per peer (:class:`_DeviceSums`). Both ends must agree to take them: the
+landed; on a GPU by a kernel launch per message (its stretches of 256 bytes hashed by threads of their
+own), the CRCs copied back behind an event (:class:`_DeviceSums`: the loop never waits on the
+device for them). A forward of exactly its parent's bytes takes its parent's CRC. Both ends must agree to take them: the
 transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
 connect` refuses peers that differ.
 """
@@ -84,6 +85,7 @@ class Routes:
             if not g.local:
                 (self.out if g.out else self.inn).setdefault((g.peer, hop[m]), []).append(m)
         self.hop_of = {m: hop[m] for m in units}
+        self._device: _DeviceSums | None = None  # kept across updates (see sums)
         self.slot = {m: i for i, m in enumerate(m for ms in (*self.out.values(),
                                                              *self.inn.values()) for m in ms)}
         # a forward of exactly its parent's pieces is its parent's bytes: its CRC is the
@@ -117,6 +119,18 @@ class Routes:
                                       for s in T.dst_slot[member.ts])
                 self.buffers[m] = list(names)
 
+    def sums(self, xp):
+        """Where an update's CRCs go: host ones anew; a device's array and pinned memory kept
+        from update to update (pinned memory costs milliseconds to allocate), zeroed."""
+        n = len(self.slot)
+        if xp is np:
+            return _HostSums(n)
+        if self._device is None:
+            self._device = _DeviceSums(xp, n)
+        self._device.values.fill(0)
+        self._device.pending = []
+        return self._device
+
     @staticmethod
     def tag(sender: int, hops: int) -> int:
         """The tag (above ``tag_base``) of ``sender``'s digest of units ``hops`` forwards out."""
@@ -135,16 +149,23 @@ class _HostSums:
     def flush(self) -> None:
         pass
 
+    def fetch(self) -> None:
+        """Nothing to wait for: ``None`` is a fetch that is done."""
+        return None
+
     def read(self, slots: list[int]) -> list[int]:
         return self.values[slots].tolist()
 
 
 class _DeviceSums:
     """CRCs of CUDA buffers: queued per unit, launched once per turn (:meth:`flush`, before any
-    buffer they read can go back to staging), read back per peer (a stream synchronisation)."""
+    buffer they read can go back to staging), copied to pinned host memory behind an event
+    (:meth:`fetch`): the update loop never waits on the device for them."""
 
     def __init__(self, xp, n: int):
-        self.xp, self.values, self.pending = xp, xp.zeros(n, xp.uint32), []
+        self.xp, self.values, self.pending = xp, xp.zeros(max(n, 1), xp.uint32), []
+        self._pinned = xp.cuda.alloc_pinned_memory(4 * max(n, 1))
+        self.host = np.frombuffer(self._pinned, np.uint32, max(n, 1))
 
     def take(self, buf, slot: int) -> None:
         self.pending.append((buf.__cuda_array_interface__["data"][0], int(buf.nbytes), slot))
@@ -154,9 +175,21 @@ class _DeviceSums:
             crc.launch(self.xp, self.pending, self.values)
             self.pending = []
 
-    def read(self, slots: list[int]) -> list[int]:
+    def fetch(self):
+        """Copies every CRC taken so far to the host behind an event (``.done`` once there)."""
         self.flush()
-        return self.values[np.asarray(slots, np.int64)].get().tolist()
+        xp = self.xp
+        stream = xp.cuda.get_current_stream()
+        xp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.values.data.ptr,
+                                    self.host.nbytes, xp.cuda.runtime.memcpyDeviceToHost,
+                                    stream.ptr)
+        ev = xp.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def read(self, slots: list[int]) -> list[int]:
+        """CRCs of a fetch that is done."""
+        return self.host[slots].tolist()
 
 
 class Digests:
@@ -165,8 +198,7 @@ class Digests:
 
     def __init__(self, routes: Routes, prog, mover, transport, tag_base: int):
         self.r, self.prog, self.transport, self.base = routes, prog, transport, tag_base
-        n = len(routes.slot)
-        self.sums = _HostSums(n) if mover.xp is np else _DeviceSums(mover.xp, n)
+        self.sums = routes.sums(mover.xp)
         # digests by (peer, hops): see Routes
         self.to_hash_out = {k: len(ms) for k, ms in routes.out.items()}  # units not yet hashed
         self.to_land = {k: len(ms) for k, ms in routes.inn.items()}  # units not yet landed
@@ -176,6 +208,8 @@ class Digests:
         self.unsent = set(routes.out)  # digests not posted yet
         self.outbox: list[tuple[Any, np.ndarray]] = []  # digests posted, not yet complete
         self.bad: list[tuple[int, int, list[str], str]] = []
+        # the CRCs on their way to the host (a device's), and what waits for them
+        self.fetching: tuple[Any, list, list] | None = None  # (event, checks, sends)
 
     def post(self) -> None:
         """Posts the receive of every peer's digest (before the update's first message)."""
@@ -202,26 +236,42 @@ class Digests:
 
     def turn(self) -> bool:
         """Checks the peers whose digest and units are all here, posts the digests that may go,
-        takes completed ones; whether anything moved."""
+        takes completed ones; whether anything moved. The CRCs they need are fetched from the
+        device first (behind an event, never waited for here)."""
         self.sums.flush()
         moved = False
-        for k in list(self.unchecked):
-            req, buf = self.inbox[k]
-            if not self.to_land[k] and req.done():
-                self._check(k, buf)
-                moved = True
-        for k in list(self.unsent):
-            if not self.to_hash_out[k] and not (self.r.needs[k] & self.unchecked):
+        if self.fetching is not None:
+            ev, checks, sends = self.fetching
+            if ev is not None and not ev.done:
+                return self._sent_out()
+            self.fetching = None
+            for k in checks:  # checks first: a digest's status says whether they passed
+                self._check(k, self.inbox[k][1])
+            for k in sends:
                 self._send(k)
-                moved = True
-        if self.outbox:
-            left = [x for x in self.outbox if not x[0].done()]
-            moved |= len(left) < len(self.outbox)
-            self.outbox = left
+            moved = True
+        checks = [k for k in self.unchecked if not self.to_land[k] and self.inbox[k][0].done()]
+        sends = [k for k in self.unsent
+                 if not self.to_hash_out[k] and not (self.r.needs[k] & self.unchecked)]
+        if checks or sends:
+            self.fetching = (self.sums.fetch(), checks, sends)
+            self.unchecked.difference_update(checks)  # taken: checked once fetched
+            self.unsent.difference_update(sends)
+            moved = True
+        return self._sent_out() or moved
+
+    def _sent_out(self) -> bool:
+        """Takes the completed digest sends; whether any."""
+        if not self.outbox:
+            return False
+        left = [x for x in self.outbox if not x[0].done()]
+        moved = len(left) < len(self.outbox)
+        self.outbox = left
         return moved
 
     def finished(self) -> bool:
-        return not self.unchecked and not self.unsent and not self.outbox
+        return (not self.unchecked and not self.unsent and not self.outbox
+                and self.fetching is None)
 
     def waiting(self) -> list[str]:
         """What it still waits for (for the stall message)."""
