@@ -3,7 +3,8 @@
 # bench/bench_fp8.py at 9.5 GB with checksums off, then on (--checksums compare), side by side.
 # Needs the ucxx and crc32c wheels for Python 3.12 in .whl/ (carried; see
 # bench/results/checksums/COMMAND.md); writes its files to $OUT.
-#   LAYERS (default 12), REPEAT (2), MPS="0 1" (default 0), SKIP_TESTS=1, BENCH_TIMEOUT (s).
+#   LAYERS (default 12), REPEAT (2), MPS="0 1" (default 0), SKIP_TESTS=1, BENCH_TIMEOUT (s),
+#   TRACE=1: per-message traces of each run too ($OUT/trace<mps>/bf16_{off,on}/trace_<run>.json).
 set -uo pipefail
 source bench/gpu_common.sh
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -16,6 +17,7 @@ for M in ${MPS:-0}; do
   name=checksums_${LAYERS:-12}l$tag
   echo "== $name"
   timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 --layers ${LAYERS:-12} \
-    --experts 64 --repeat ${REPEAT:-2} --warmup 1 --checksums compare --out "$OUT/$name.json" 2>&1 | tail -6
+    --experts 64 --repeat ${REPEAT:-2} --warmup 1 --checksums compare --out "$OUT/$name.json" \
+    ${TRACE:+--trace "$OUT/trace$tag"} 2>&1 | grep -v "WbWarning\|transport = UcxTransport" | tail -6
   if [ "$M" = 1 ]; then mps_off; fi
 done
