@@ -10,8 +10,9 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 
-# both directions of the README's demo (PyTorch -> PyTorch is the wb_torch tests' own pairing)
-@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax"]])
+# both directions of the README's demo (PyTorch -> PyTorch is the wb_torch tests' own pairing),
+# the second with every rollout's weight check after every update
+@pytest.mark.parametrize("args", [[], ["--trainer", "torch", "--rollout", "jax", "--check"]])
 def test_demo_json_last_line(args):
     out = subprocess.run([sys.executable, "-m", "wb", "demo", "--json", *args],
                          capture_output=True, text=True, timeout=240)
@@ -36,6 +37,10 @@ def test_demo_json_last_line(args):
     # the library's own stall records: staging on both sides stalls less than fully synchronous
     assert report["modes"]["both"]["agst_s"] < report["modes"]["sync"]["agst_s"]
     assert report["agst_sync_over_both"] > 1
+    if "--check" in args:  # 4 modes x 3 updates x every rollout rank, each one ok
+        wc = report["weight_checks"]
+        assert wc["reports"] == 12 * report["process_rollout_workers"] == wc["ok"], wc
+        assert wc["mismatched"] == []
 
 
 def test_demo_check_fails_when_no_bytes_move(monkeypatch):

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                            "default bfloat16, the trainer's): wb converts in flight; "
                            "float8_e4m3fn: block-scaled FP8 projections, quantised by the "
                            "trainers")
+    demo.add_argument("--check", action="store_true",
+                      help="after every update, every rollout checks its live weights against "
+                           "the trainers' claim, through its source maps (wb.Receiver.check)")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
                                      "traffic, simulated EWTT and baselines")
@@ -110,7 +113,8 @@ def _run(args) -> int:
         t0 = time.perf_counter()
         report = run_demo(trainer=args.trainer, rollout=args.rollout, replicas=args.replicas,
                           tp=args.tp, quiet=args.json, cuda=args.cuda,
-                          rollout_dtype=args.rollout_dtype)
+                          rollout_dtype=args.rollout_dtype,
+                          check=args.check)
         report["demo_s"] = round(time.perf_counter() - t0, 3)
         if args.json:
             print(json.dumps(report))

@@ -150,7 +150,8 @@ def _worker_table(title: str, layouts: Sequence[Layout]) -> tuple[Table, dict]:
 def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2, tp: int = 2,
              quiet: bool = False, modes: Sequence[str] | None = None, steps: int = 3,
              train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True,
-             cuda: bool = False, rollout_dtype: str | None = None) -> dict:
+             cuda: bool = False, rollout_dtype: str | None = None,
+             check: bool = False) -> dict:
     """Runs the demo and returns its report (what ``--json`` prints).
 
     Args:
@@ -172,6 +173,9 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         rollout_dtype: the PyTorch rollouts' parameter dtype (``"float32"``, ``"float16"``,
             ...; default bfloat16, the checkpoint's): wb converts in flight, and every rollout
             buffer is still checked against the rollout's own load of the checkpoint.
+        check: after every update the trainers claim it and every rollout checks its live
+            buffers against the claim through its source maps (:meth:`wb.Receiver.check`,
+            every element): ``weight_checks`` in the report.
     """
     if replicas < 1 or tp < 1:
         raise wb.SpecError(f"--replicas and --tp must be >= 1, got {replicas} and {tp}")
@@ -294,7 +298,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     if processes:
         report.update(run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
                                      steps=steps, train_s=train_s, gen_s=gen_s, console=console,
-                                     cuda=cuda, rollout_dtype=rollout_dtype))
+                                     cuda=cuda, rollout_dtype=rollout_dtype, check=check))
         report["verified"] = bool(verified and report["transfers_verified"])
     return report
 
@@ -326,7 +330,8 @@ def _jobs(trainer, rollout, *, replicas, tp, common) -> list[dict]:
 def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: Sequence[str],
                   steps: int, train_s: float, gen_s: float, console: Console | None = None,
                   timeout: float = 900.0, expect_offset: int = 0, cuda: bool = False,
-                  rollout_dtype: str | None = None, cfg: dict = TINY) -> dict:
+                  rollout_dtype: str | None = None, cfg: dict = TINY,
+                  check: bool = False) -> dict:
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
     UCX; returns what they measured and checked (the demo's second half; benches call it with a
     larger ``cfg``, a model config of :mod:`wb.layouts.presets`). Other arguments as
@@ -354,7 +359,8 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
         common = dict(cfg=cfg, store_dir=str(work / "store"), result_dir=str(work / "results"),
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
-                      expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype)
+                      expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype,
+                      check=bool(check))
         jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
         n_roll = sum(j["role"] == "rollout" for j in jobs)
         ctx = mp.get_context("spawn")
@@ -439,6 +445,16 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
         console.print(f"Staging on both sides stalled the workers {r:.1f}x less than the fully "
                       f"synchronous mode (AGST {per_mode['both']['agst_s'] * 1e3:.1f} ms vs "
                       f"{per_mode['sync']['agst_s'] * 1e3:.1f} ms per update).")
+    if check:  # every rollout rank's weight check after every update (wb.Receiver.check)
+        reps = [c for r in results for m in r["modes"].values() for c in m.get("weight_checks",
+                                                                               [])]
+        out["weight_checks"] = {"reports": len(reps), "ok": sum(c["ok"] for c in reps),
+                                "mismatched": sorted({n for c in reps for n in c["mismatched"]}),
+                                "max_s": max((c["seconds"] for c in reps), default=None)}
+        all_ok &= bool(reps) and all(c["ok"] for c in reps)
+        out["transfers_verified"] = bool(all_ok)
+        console.print(f"Weight checks: {out['weight_checks']['ok']} of {len(reps)} rollout "
+                      f"reports found every element the trainers claimed.")
     if p is not None:
         out["traffic_ratio_processes"] = traffic_ratio(p)
     for name, err in errors.items():

@@ -94,6 +94,17 @@ def worker_main(job: dict) -> None:
         os.replace(tmp, out)
 
 
+def _weight_check(job, rx, spec, mode, result) -> None:
+    """With ``--check``: this process's rollout ranks check the version just applied against
+    the trainers' claim of it (every element); their reports go into the result."""
+    if not job.get("check"):
+        return
+    for rank, rep in rx.check(spec, per_tensor=None).items():
+        result["modes"].setdefault(mode, {}).setdefault("weight_checks", []).append(
+            {"rank": rank, "version": rep.version, "ok": rep.ok, "mismatched": rep.mismatched,
+             "seconds": rep.seconds})
+
+
 def _progress(store, mode, v, rank):
     store.set(f"demo/progress/{mode}/{v}/{rank}", b"1")
 
@@ -153,6 +164,8 @@ def _jax_trainer(job, store, spec, ckpt, result):
     def step(sender):  # JAX makes a new pytree every step
         state["params"] = train_step(state["params"])
         sender.push(state["params"])
+        if job.get("check"):
+            sender.claim(spec, per_tensor=None)
         if q:  # what it sends are its quantised copies
             return 0, 0
         return _zero_copy(sender.workers, wb_jax.buffers(state["params"], ranks))
@@ -209,7 +222,9 @@ def _torch_trainer(job, store, spec, ckpt, result):
         params = dict(model.named_parameters())
         in_place = {r: {n: params[n] for n in lay.buffers}} if not q else {}
         _train(job, mode, sender,
-               lambda s: (train_step_(model), s.push(), _zero_copy(s.workers, in_place))[2],
+               lambda s: (train_step_(model), s.push(),
+                          job.get("check") and s.claim(spec, per_tensor=None),
+                          _zero_copy(s.workers, in_place))[3],
                result)
 
 
@@ -259,9 +274,10 @@ def _torch_rollout(job, store, spec, ckpt, result):
                     same = (wb_torch.to_numpy(params[n]).tobytes()
                             == wb_torch.to_numpy(want[n]).tobytes())
                     bad += (not same) or params[n].data_ptr() != ptrs[n]
+                _weight_check(job, rx, spec, mode, result)
                 _progress(store, mode, v, rank)
-        result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
-                                 "bad": int(bad)}
+        result["modes"].setdefault(mode, {}).update(
+            {"stats": [s.to_json() for s in rx.stats], "checks": checks, "bad": int(bad)})
         rx.close()
 
 
@@ -309,7 +325,8 @@ def _jax_rollout(job, store, spec, ckpt, result):
                     bad += np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()
                 # zero-copy: the new arrays are the received buffers themselves
                 bad += _zero_copy(rx.workers, wb_jax.buffers(params, ranks))[1]
+                _weight_check(job, rx, spec, mode, result)
                 _progress(store, mode, rx.version, base)
-        result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "checks": checks,
-                                 "bad": int(bad)}
+        result["modes"].setdefault(mode, {}).update(
+            {"stats": [s.to_json() for s in rx.stats], "checks": checks, "bad": int(bad)})
         rx.close()

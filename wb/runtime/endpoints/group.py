@@ -265,6 +265,12 @@ class SenderGroup:
         bufs = self.adapter.buffers(self.params) if new else {}
         return self._ranks.all(lambda s: s.push(buffers=bufs.get(s.rank)))[0]
 
+    def claim(self, spec, **kw) -> int:
+        """Every rank claims the version pushed last, for the rollouts' weight checks (see
+        :meth:`wb.Sender.claim`: ``weights``, ``per_tensor``, ``version``); returns how many
+        elements they published."""
+        return sum(self._ranks.all(lambda s: s.claim(spec, **kw)))
+
     def wait(self) -> None:
         """Blocks until every rank's last pushed version is sent (see :meth:`wb.Sender.wait`)."""
         self._ranks.all(lambda s: s.wait())
@@ -393,6 +399,14 @@ class ReceiverGroup:
         self.params = self.adapter.received(self.params,
                                             {r: w.buffers for r, w in self.workers.items()})
         return self.params
+
+    def check(self, spec, **kw) -> dict:
+        """Every rank checks its live buffers against the trainers' claim of its version (see
+        :meth:`wb.Receiver.check`: ``maps``, ``per_tensor``, ``timeout``; ``maps`` here by rank,
+        ``{rank: {buffer: SourceMap}}``); returns ``{rank: CheckReport}``."""
+        maps = kw.pop("maps", None) or {}
+        return dict(zip(self.workers, self._ranks.all(
+            lambda w: w.check(spec, maps=maps.get(w.rank), **kw))))
 
     def close(self) -> None:
         """Closes every rank's Receiver."""
