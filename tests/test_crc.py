@@ -40,6 +40,12 @@ extern "C" void run_one(unsigned long long ptr, long long len, long long slot, l
     gridDim.x = blockDim.x = 1;
     wb_crc32c_one(ptr, len, slot, sub, tabs, pows, out);
 }
+extern "C" void run_rows(const long long* rows, long long n, long long total, long long sub,
+                         const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+    threadIdx.x = blockIdx.x = 0;
+    gridDim.x = blockDim.x = 1;
+    wb_crc32c_rows(rows, n, total, sub, tabs, pows, out);
+}
 """
 
 
@@ -49,6 +55,7 @@ def kernel(tmp_path_factory):
     src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c(',
                                       "static void wb_crc32c(")
     src = src.replace('extern "C" __global__ void wb_crc32c_one(', "static void wb_crc32c_one(")
+    src = src.replace('extern "C" __global__ void wb_crc32c_rows(', "static void wb_crc32c_rows(")
     cpp, so = d / "crc.cpp", d / "crc.so"
     cpp.write_text(_HOST + src + _RUN)
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
@@ -75,7 +82,7 @@ def _launch(lib, bufs, sub):
 @needs_cxx
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 7)), min_size=1, max_size=6),
-       st.sampled_from([1, 3, 8, 13, 64, 256, 4096]), st.integers(0, 2**32 - 1))
+       st.sampled_from([1, 3, 8, 13, 64, 256, 1024, 4096]), st.integers(0, 2**32 - 1))
 def test_kernel_equals_the_library(kernel, shapes, sub, seed):
     rng = np.random.default_rng(seed)
     backing = rng.integers(0, 256, sum(n + off for n, off in shapes) + 8, dtype=np.uint8)
@@ -102,6 +109,34 @@ def test_the_one_buffer_kernel_equals_the_library(kernel, n, off, sub):
 
 
 @needs_cxx
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 7)), min_size=1, max_size=5),
+       st.sampled_from([1, 64, 1024]))
+def test_the_table_kernel_equals_the_library(kernel, shapes, sub):
+    """The rows a crc.Launcher writes (pointer, length, slot, first stretch), buffers of length
+    0 left out as it leaves them out."""
+    rng = np.random.default_rng(len(shapes))
+    backing = rng.integers(0, 256, sum(n + o for n, o in shapes) + 8, dtype=np.uint8)
+    bufs, at = [], 0
+    for n, o in shapes:
+        bufs.append(backing[at + o:at + o + n])
+        at += n + o
+    live = [(k, b) for k, b in enumerate(bufs) if b.nbytes]
+    rows = np.zeros((max(len(live), 1), 4), np.int64)
+    for i, (k, b) in enumerate(live):
+        rows[i, :3] = (b.ctypes.data, b.nbytes, k)
+    stretches = -(-rows[:, 1] // sub)
+    rows[:, 3] = np.cumsum(stretches) - stretches
+    out = np.zeros(len(bufs), np.uint32)
+    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
+    p = ctypes.c_void_p
+    kernel.run_rows(p(rows.ctypes.data), ctypes.c_longlong(len(live)),
+                    ctypes.c_longlong(int(stretches.sum()) if live else 0), ctypes.c_longlong(sub),
+                    p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
+    assert out.tolist() == [crc.host(b) for b in bufs]
+
+
+@needs_cxx
 def test_kernel_sees_one_flipped_bit_anywhere(kernel):
     a = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
     clean = crc.host(a)
@@ -122,6 +157,7 @@ def test_whole_aligned_stretches_take_the_fast_path(kernel):
     bufs = [backing[start:start + 4096], backing[start + 1:start + 1 + 4096],
             backing[start:start + 4000], backing[start + 16:start + 16 + 256]]
     assert _launch(kernel, bufs, 256) == [crc.host(b) for b in bufs]
+    assert _launch(kernel, bufs, 1024) == [crc.host(b) for b in bufs]
 
 
 def test_known_value_and_combine():

@@ -19,15 +19,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host", "load", "combine", "launch", "launch_batch", "kernel_source", "tables", "powers", "POLY", "SUB"]
+__all__ = ["host", "load", "combine", "launch", "launch_batch", "Launcher", "kernel_source", "tables", "powers", "POLY", "SUB"]
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
 #: Bytes per thread of the device kernel: short stretches, so that a message's loads are spread
-#: over many threads (one thread hashing 4 KiB waits on device memory word by word: an 8 MiB
-#: message then took about 0.25 ms, and a rollout's unpacking waited on it); stretches of
-#: exactly this many bytes, 16-byte aligned, load all their words at once.
-SUB = 256
+#: over many threads (one thread hashing 4 KiB word by word waits on device memory at every
+#: word), long enough that shifting each stretch's CRC into place (a few thousand instructions)
+#: costs little per byte; stretches of exactly this many bytes, 16-byte aligned, load their
+#: words 16 at a time.
+SUB = 1024
 _THREADS = 256
 
 
@@ -112,7 +113,7 @@ __device__ unsigned int wb_multmodp(unsigned int a, unsigned int b) {
     return p;
 }
 
-#define WB_FAST 256
+#define WB_FAST 1024
 
 /* eight bytes (lo, hi: little-endian words) into the CRC, slice-by-8 */
 __device__ unsigned int wb_step8(const unsigned int* T, unsigned int crc, unsigned int lo,
@@ -132,17 +133,18 @@ __device__ unsigned int wb_stretch(const unsigned int* T, const unsigned int* po
     const unsigned char* e = base + b;
     unsigned int crc = 0xFFFFFFFFu;
     if (e - p == WB_FAST && !((unsigned long long)p & 15)) {
-        /* a whole aligned stretch: every load issued before the first is used (the latency of
-           device memory is paid once per stretch, not once per word) */
-        uint4 w[WB_FAST / 16];
+        /* a whole aligned stretch, in groups of 16 words each loaded before the first is used
+           (the latency of device memory is paid once per group, not once per word) */
+        for (int g = 0; g < WB_FAST / 256; ++g, p += 256) {
+            uint4 w[16];
 #pragma unroll
-        for (int k = 0; k < WB_FAST / 16; ++k) w[k] = ((const uint4*)p)[k];
+            for (int k = 0; k < 16; ++k) w[k] = ((const uint4*)p)[k];
 #pragma unroll
-        for (int k = 0; k < WB_FAST / 16; ++k) {
-            crc = wb_step8(T, crc, w[k].x, w[k].y);
-            crc = wb_step8(T, crc, w[k].z, w[k].w);
+            for (int k = 0; k < 16; ++k) {
+                crc = wb_step8(T, crc, w[k].x, w[k].y);
+                crc = wb_step8(T, crc, w[k].z, w[k].w);
+            }
         }
-        p = e;
     }
     while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
     while (e - p >= 8) {
@@ -195,6 +197,24 @@ extern "C" __global__ void wb_crc32c_one(unsigned long long ptr, long long len, 
         atomicXor(&out[slot], wb_stretch(T, pows, (const unsigned char*)ptr, len, a, b));
     }
 }
+
+/* the same for rows [0, n) of a table `rows` (n x 4: pointer, length, slot, first stretch of
+   the row; `total` stretches in all) */
+extern "C" __global__ void wb_crc32c_rows(const long long* rows, long long n, long long total,
+        long long sub, const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+    WB_TABLES(tabs)
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
+         c += (long long)gridDim.x * blockDim.x) {
+        long long lo = 0, hi = n - 1;  /* the row whose stretches hold c */
+        while (lo < hi) {
+            long long mid = (lo + hi + 1) / 2;
+            if (rows[4 * mid + 3] <= c) lo = mid; else hi = mid - 1;
+        }
+        const long long* r = rows + 4 * lo;
+        long long len = r[1], a = (c - r[3]) * sub, b = a + sub < len ? a + sub : len;
+        atomicXor(&out[r[2]], wb_stretch(T, pows, (const unsigned char*)r[0], len, a, b));
+    }
+}
 """
 
 
@@ -203,14 +223,60 @@ def kernel_source() -> str:
     return _SOURCE
 
 
+class Launcher:
+    """Launches of the CRC kernel over a CUDA device's buffers, many per launch, with nothing
+    waiting on the device: each buffer's row (pointer, length, slot, first stretch) is written
+    into pinned host memory at a row of its own for the update (rows are not reused before
+    :meth:`reset`, so an asynchronous copy never reads a row written after it was queued),
+    copied to the device behind the launches before, then one launch hashes them all.
+
+    Args:
+        xp: CuPy.
+        rows: the most buffers hashed between two :meth:`reset` calls.
+    """
+
+    def __init__(self, xp, rows: int, *, sub: int = SUB):
+        self.xp, self.sub, self.n = xp, sub, max(int(rows), 1)
+        self._pinned = xp.cuda.alloc_pinned_memory(32 * self.n)
+        self.host = np.frombuffer(self._pinned, np.int64, 4 * self.n).reshape(self.n, 4)
+        self.dev = xp.zeros((self.n, 4), xp.int64)
+        self.used = 0
+
+    def reset(self) -> None:
+        """A new update: every row may be written again (the last one's launches are done)."""
+        self.used = 0
+
+    def launch(self, bufs: list[tuple[int, int, int]], out: Any) -> None:
+        """The CRC32C of each ``(pointer, bytes, slot)`` XORed into ``out[slot]`` (zero before)
+        once the current stream passes this launch."""
+        bufs = [b for b in bufs if b[1]]
+        if not bufs:
+            return
+        k0, k = self.used, len(bufs)
+        if k0 + k > self.n:
+            raise ValueError(f"CRC launcher: {k0 + k} buffers for {self.n} rows")
+        rows = self.host[k0:k0 + k]
+        rows[:, :3] = bufs
+        stretches = -(-rows[:, 1] // self.sub)
+        rows[:, 3] = np.cumsum(stretches) - stretches
+        total = int(stretches.sum())
+        xp = self.xp
+        stream = xp.cuda.get_current_stream()
+        xp.cuda.runtime.memcpyAsync(self.dev[k0:].data.ptr, rows.ctypes.data, rows.nbytes,
+                                    xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        tabs, pows = _device_tables(xp, out.device.id)
+        blocks = min(-(-total // _THREADS), 4096)
+        _kernel("wb_crc32c_rows")((blocks,), (_THREADS,), (self.dev[k0:], np.int64(k),
+                                                            np.int64(total), np.int64(self.sub),
+                                                            tabs, pows, out))
+        self.used += k
+
+
 def launch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
-    """Launches on CuPy's current device and stream, one per buffer (its pointer, length and
-    slot passed by value: nothing is copied to the device first, so nothing waits for the
-    stream): the CRC32C of each ``(pointer, bytes, slot)`` of ``bufs`` XORed into
+    """One launch per buffer (its pointer, length and slot passed by value), on CuPy's current
+    device and stream: the CRC32C of each ``(pointer, bytes, slot)`` of ``bufs`` XORed into
     ``out[slot]`` (a CuPy ``uint32`` array, zero at those slots, holding the CRCs once the
     stream passes the launches)."""
-    if not bufs:
-        return
     tabs, pows = _device_tables(xp, out.device.id)
     k = _kernel("wb_crc32c_one")
     for ptr, n, slot in bufs:

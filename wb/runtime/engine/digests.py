@@ -17,8 +17,9 @@ where it went wrong.
 
 What it costs: one small message per pair of ranks (and hop) per update, and a pass over each message's
 bytes at each end: on the host by the ``crc32c`` library as soon as the message is posted or
-landed; on a GPU by a kernel launch per message (its stretches of 256 bytes hashed by threads of their
-own), the CRCs copied back behind an event (:class:`_DeviceSums`: the loop never waits on the
+landed; on a GPU by one kernel launch per turn of the update loop over the messages of that turn (their
+stretches of 1 KiB hashed by threads of their own; the table of them copied from pinned
+memory, asynchronously), the CRCs copied back behind an event (:class:`_DeviceSums`: the loop never waits on the
 device for them). A forward of exactly its parent's bytes takes its parent's CRC. Both ends must agree to take them: the
 transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
 connect` refuses peers that differ.
@@ -129,6 +130,7 @@ class Routes:
             self._device = _DeviceSums(xp, n)
         self._device.values.fill(0)
         self._device.pending = []
+        self._device.launcher.reset()
         return self._device
 
     @staticmethod
@@ -166,13 +168,14 @@ class _DeviceSums:
         self.xp, self.values, self.pending = xp, xp.zeros(max(n, 1), xp.uint32), []
         self._pinned = xp.cuda.alloc_pinned_memory(4 * max(n, 1))
         self.host = np.frombuffer(self._pinned, np.uint32, max(n, 1))
+        self.launcher = crc.Launcher(xp, n)  # a unit is hashed once per update: n rows
 
     def take(self, buf, slot: int) -> None:
         self.pending.append((buf.__cuda_array_interface__["data"][0], int(buf.nbytes), slot))
 
     def flush(self) -> None:
         if self.pending:
-            crc.launch(self.xp, self.pending, self.values)
+            self.launcher.launch(self.pending, self.values)
             self.pending = []
 
     def fetch(self):
