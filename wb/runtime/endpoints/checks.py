@@ -31,7 +31,6 @@ from wb.data.dtypes import dtype_info
 from wb.data.sealed import seal, unseal
 from wb.data.sourcemap import SourceMap
 from wb.data.spec import CheckpointSpec
-from wb.errors import TransferError
 from wb.runtime.engine.casts import assign
 from wb.runtime.transport.stores import get_large, set_large
 

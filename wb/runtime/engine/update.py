@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from wb.errors import PeersLost, TransferError
@@ -63,6 +63,21 @@ class ExecStats:
     @property
     def seconds(self) -> float:
         return self.end_s - self.start_s
+
+    def since(self, first: float | None) -> ExecStats:
+        """These stats counted from ``first`` (a failed attempt's start), if earlier."""
+        return self if first is None else replace(self, start_s=min(first, self.start_s))
+
+    @staticmethod
+    def merged(a: ExecStats | None, b: ExecStats) -> ExecStats:
+        """One version's stats over its attempts ``a`` then ``b``: from the first start to the
+        last end, bytes and messages summed, the higher staging peak."""
+        if a is None:
+            return b
+        return ExecStats(b.rank, a.bytes_sent + b.bytes_sent, a.bytes_received + b.bytes_received,
+                         a.bytes_local + b.bytes_local, a.messages_sent + b.messages_sent,
+                         a.messages_received + b.messages_received, a.start_s, b.end_s,
+                         max(a.staging_peak, b.staging_peak))
 
 
 class TraceEntry(NamedTuple):

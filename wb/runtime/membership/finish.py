@@ -30,18 +30,18 @@ needs from the trainers and forwards nothing, the others' routes are planned as 
 there, and nobody waits for it to join; from the version after, a plan with everyone (at the
 bound) takes over. So the others are not disturbed and never wait for a joiner.
 
-Planning again needs every worker's layout (a :class:`Roster`): the leader has it from the whole
-plan where its Sender was given one, or reads it from the store where :func:`wb.agree_parts` put
-it; a leader without a roster fails the version when a rollout dies and admits no joiner.
-Cancelling needs a transport with ``cancel`` (UCX's, the local
-one); without it a dead peer fails the version.
+Planning again needs every worker's layout (a :class:`Roster`): from the whole plan, or from the
+store where :func:`wb.agree_parts` put it; without one a rollout's death fails the version and
+no joiner is admitted. Cancelling needs a transport with ``cancel`` (UCX's, the local one).
+
+A rollout whose bytes failed their checksums (:class:`wb.ChecksumError`) counts as done: the
+version finishes for all, then :meth:`Finisher.run` raises it to that rollout.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import NamedTuple
 
 from wb.algorithms import planner
@@ -95,22 +95,6 @@ def _call(transport, method: str, peers) -> None:
     fn = getattr(transport, method, None)
     if fn is not None:
         fn(peers)
-
-
-def _since(stats: ExecStats, first: float | None) -> ExecStats:
-    """``stats`` of a version counted from ``first`` (a failed attempt's start), if earlier."""
-    return stats if first is None else replace(stats, start_s=min(first, stats.start_s))
-
-
-def _merged(a: ExecStats | None, b: ExecStats) -> ExecStats:
-    """One version's stats over its attempts: from the first start to the last end, bytes and
-    messages summed, the higher staging peak."""
-    if a is None:
-        return b
-    return ExecStats(b.rank, a.bytes_sent + b.bytes_sent, a.bytes_received + b.bytes_received,
-                     a.bytes_local + b.bytes_local, a.messages_sent + b.messages_sent,
-                     a.messages_received + b.messages_received, a.start_s, b.end_s,
-                     max(a.staging_peak, b.staging_peak))
 
 
 class Finisher:
@@ -184,12 +168,7 @@ class Finisher:
     def run(self, v: int, arrays, *, ready: dict | None = None) -> ExecStats:
         """Version ``v`` for this worker, over as many attempts as it takes (``ready``: device
         work still writing ``arrays``, see :meth:`Program.run
-        <wb.runtime.engine.program.Program.run>`; later attempts find it done).
-
-        Raises:
-            ChecksumError: what this worker received failed its checksums; raised once the
-                version finished for every worker (its bytes all moved: it counts as done).
-        """
+        <wb.runtime.engine.program.Program.run>`; later attempts find it done)."""
         self._refused: ChecksumError | None = None
         stats = self._run(v, arrays, ready=ready)
         if self._refused is not None:
@@ -209,9 +188,9 @@ class Finisher:
                                   staging_bytes=end.staging_bytes, timeout=end.timeout,
                                   liveness=end.watch, interrupt=lambda: self._stop(v, a),
                                   ready=ready)
-                    total, ok = _merged(total, ex), True
+                    total, ok = ExecStats.merged(total, ex), True
                 except ChecksumError as e:  # done, refused: the version finishes for all
-                    total, ok, self._refused = _merged(total, e.stats), True, e
+                    total, ok, self._refused = ExecStats.merged(total, e.stats), True, e
                 except PeersLost as e:
                     log.warning("version %d, attempt %d: %s", v, a, e)
                     first = began if first is None else first
@@ -224,7 +203,7 @@ class Finisher:
                 nxt = self._lead(v, a, ok)
             elif not self.is_trainer and ok and self._has(self._key(v, "intent", a + 1)) is None:
                 self.pending_final = v  # done; the next join reads the final record
-                return _since(total, first)
+                return total.since(first)
             else:
                 nxt = self._await(v, a)
             if nxt is None:  # final
@@ -234,7 +213,7 @@ class Finisher:
                 if total is None:
                     raise TransferError(f"rank {end.rank}: version {v} finished without this "
                                         f"rank's part")
-                return _since(total, first)
+                return total.since(first)
             a += 1
             self.repairs.append(nxt)
             if self.is_trainer or end.rank in nxt["need"]:
@@ -246,7 +225,7 @@ class Finisher:
                                checksums=checksumming(end.transport))
             elif ok:  # done before the repair: nothing more to receive
                 self.pending_final = v
-                return _since(total, first)
+                return total.since(first)
             else:
                 raise TransferError(f"rank {end.rank}: version {v} went on without this rank "
                                     f"(called dead after {nxt['dead']}); it holds part of it")
