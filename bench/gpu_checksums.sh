@@ -12,6 +12,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests/test_checksums_cuda.py tests/test_transfer_cuda.py tests/test_crc.py 2>&1 | tail -6 \
     | tee "$OUT/checksum_tests.txt"
 fi
+timeout 120 python3 bench/bench_crc.py --json > "$OUT/crc_kernel.json" 2>&1; cat "$OUT/crc_kernel.json"
 for M in ${MPS:-0}; do
   tag=""; if [ "$M" = 1 ]; then mps_on; tag="_mps"; fi
   name=checksums_${LAYERS:-12}l$tag

@@ -30,7 +30,7 @@ def test_a_signed_value_reads_back_and_nothing_else_does(tmp_path):
     raw.set("f", bytes(tampered))
     for k, what in (("c", "is not signed"), ("d", "another key"), ("e", "another key"),
                     ("f", "another key")):
-        with pytest.warns(wb.WbWarning), pytest.raises(wb.AuthError, match=what) as e:
+        with pytest.warns(wb.errors.WbWarning), pytest.raises(wb.AuthError, match=what) as e:
             s.get(k, 1)
         assert f"`{k}`" in str(e.value)
 
@@ -59,7 +59,7 @@ def test_the_key_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("WB_JOB_KEY", raising=False)
     assert job_key() is None
     store = MemoryStore()
-    with pytest.warns(wb.WbWarning, match="no job key"):
+    with pytest.warns(wb.errors.WbWarning, match="no job key"):
         assert keyed(store) is store
     monkeypatch.setenv("WB_JOB_KEY", KEY)
     assert job_key() == KEY.encode()

@@ -12,7 +12,7 @@ importable from its module (``wb.runtime.engine.executor.execute``, ``wb.data.pl
 """
 
 from wb.errors import (AuthError, ChecksumError, PeersLost, PlanError, ProbeError, SpecError,
-                       TransferError, WbError, WbWarning)
+                       TransferError, WbError)
 
 from wb.data.fp8 import FP8Blocks
 from wb.data.layout import BufferSpec, Cluster, Layout, Worker
@@ -51,5 +51,5 @@ __all__ = [
     "LocalSession", "MODES", "summarize",
     # errors
     "WbError", "SpecError", "ProbeError", "PlanError", "TransferError", "PeersLost",
-    "ChecksumError", "AuthError", "WbWarning",
+    "ChecksumError", "AuthError",
 ]

@@ -11,7 +11,7 @@ no join request (the trainers' leader logs it and goes on), no record; and a tra
 encrypted: anyone who can read the store reads them; and anyone who can write it can still
 overwrite a record (which is then refused, not taken).
 
-Without a key, wb works as before, and says so once per process (:func:`keyed`).
+Without a key nothing is signed, and :func:`keyed` says so once per process.
 """
 
 from __future__ import annotations
