@@ -121,7 +121,7 @@ def test_a_process_with_another_key_is_refused_and_the_job_goes_on(tmp_path):
     stranger.start()
     run = run_ranks(str(tmp_path / "plan.npz"), [0, 1, 2, 3], str(tmp_path),
                     target=coord_child_main, join_timeout=200,
-                    options={"versions": 4, "timeout": 30, "step_s": 1.0,
+                    options={"versions": 4, "timeout": 30, "step_s": 0.5,
                              "env": {"WB_JOB_KEY": KEY}})
     stranger.join(60)
     for rank in (0, 1, 2, 3):
@@ -133,3 +133,37 @@ def test_a_process_with_another_key_is_refused_and_the_job_goes_on(tmp_path):
     s = json.loads((tmp_path / "results" / "10.json").read_text())
     assert s["ok"] and s["sent"] > 0 and s["admitted"] is False, s
     assert "not admitted" in s["join_error"] or "not signed" in s["join_error"], s
+
+
+@pytest.mark.timeout(120)
+def test_peers_answer_the_key_challenge_and_one_with_another_key_is_refused(tmp_path):
+    """Two UCX transports in threads over a keyed store: set-up (connect, then prepare, where
+    each answers the other's challenge) passes; a peer whose messages are keyed by another key
+    (its store records still signed with the job's) is refused at set-up, named with its
+    address, before any update."""
+    from harness.threads import run_each
+    from wb.runtime.transport.keyed import tag_secret
+    from wb.runtime.transport.ucx import UcxTransport
+
+    def pair(d, other_key_at_1=False):
+        store = DirectoryStore(d)
+        ts = {r: UcxTransport(r, KeyedStore(store, KEY), timeout=4) for r in (0, 1)}
+
+        def run(r):
+            t = ts[r]
+            t.connect([1 - r], hello=b"x")
+            if other_key_at_1 and r == 1:  # its messages now keyed otherwise
+                t.store = KeyedStore(store, OTHER)
+                t._secret = tag_secret(t.store, t.session)
+            t.prepare([1 - r])
+        errors = run_each(run, [0, 1])
+        if errors:
+            for t in ts.values():
+                t.abort()
+        else:  # the closing barrier: both at once
+            assert not run_each(lambda r: ts[r].close(), [0, 1])
+        return errors
+    assert not pair(tmp_path / "good")
+    errors = pair(tmp_path / "bad", other_key_at_1=True)
+    assert isinstance(errors.get(0), wb.AuthError), errors
+    assert "peer 1" in str(errors[0]) and "address" in str(errors[0]), errors

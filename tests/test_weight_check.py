@@ -1,9 +1,11 @@
 """The weight check through the source maps (``wb.runtime.endpoints.checks``): trainers claim a
 version (``Sender.claim``), rollouts check their live buffers against it (``Receiver.check``).
-Over a Megatron -> vLLM plan in threads: no false alarm over 100 clean versions; every planted
-mismatch found (one element flipped per tensor, at random, checking every element); a stale map
-(a loader that lays one tensor out otherwise) and a trainer that pushes other weights than it
-claims are reported, on exactly the tensors that differ."""
+On the demo's deployment (its JAX trainers on a 2 x 2 mesh, its PyTorch rollouts: their own
+probed layouts and buffers, the rollouts' the models' parameters), in threads: no false alarm
+over 100 clean versions, and every planted mismatch found (one element flipped per tensor, at
+random, checking every element). On a Megatron -> vLLM plan: a stale map (a loader that lays one
+tensor out otherwise) and a trainer that pushes other weights than it claims are reported, on
+exactly the tensors that differ."""
 
 import numpy as np
 import pytest
@@ -23,11 +25,30 @@ def job():
     return wb.plan(trainers, rollouts), spec_from_config(TINY)
 
 
+@pytest.fixture(scope="module")
+def demo():
+    """The demo's deployment, in process: JAX trainers (the layouts its load function gives, the
+    checkpoint loaded), PyTorch rollouts whose live buffers are their models' parameters."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    from wb.cli.demo.checkpoint import random_checkpoint
+    from wb.cli.demo.runner import _side
+
+    ckpt = random_checkpoint()
+    tl, loaded, _ = _side("jax", "trainer", replicas=1, tp=2, first_rank=0, ckpt=ckpt)
+    rl, _, params = _side("torch", "rollout", replicas=2, tp=2, first_rank=len(tl), ckpt=ckpt)
+    plan = wb.plan(tl, rl)
+    plan.verify()
+    return plan, spec_from_config(TINY), loaded, params
+
+
 def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=None,
-         maps=None):
+         maps=None, weights=None, live=None):
     """Trainers push ``versions`` and claim each; rollouts apply and check each. ``tamper``:
     ``(rank, version) -> fn(buffers)`` run on a rollout's live buffers before its check;
-    ``claim_from``: a trainer's weights it claims instead of what it pushes."""
+    ``claim_from``: a trainer's weights it claims instead of what it pushes; ``weights``,
+    ``live``: ``{rank: {name: array}}`` of the trainers' loaded weights and the rollouts' live
+    buffers (default: made from the layouts)."""
     hub, store = LocalHub(), wb.MemoryStore()
     nt = len(plan.trainers)
     reports: dict[int, list] = {}
@@ -35,7 +56,8 @@ def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=No
     def run(r):
         kw = dict(transport=LocalTransport(r, hub, timeout=30), store=store, timeout=30,
                   wait_timeout=30)
-        base = buffers_for(plan, r, fill=True)
+        base = (weights[r] if weights and r in weights else buffers_for(plan, r, fill=True))
+        base = {k: np.asarray(a) for k, a in base.items()}
         mapped = mapped_of(plan.layout_of(r))
         if r < nt:
             bufs = {k: v.copy() for k, v in base.items()}
@@ -47,12 +69,12 @@ def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=No
                     other = claim_from(r, v, bufs) if claim_from else None
                     tx.claim(spec, other, per_tensor=per_tensor)
         else:
-            live = {k: np.zeros_like(a) for k, a in base.items()}
-            with wb.Receiver(plan, r, live, **kw) as rx:
+            mine = live[r] if live else {k: np.zeros_like(a) for k, a in base.items()}
+            with wb.Receiver(plan, r, mine, **kw) as rx:
                 for v in range(1, versions + 1):
                     assert rx.apply() == v
                     if tamper and (r, v) in tamper:
-                        tamper[(r, v)](live)
+                        tamper[(r, v)](mine)
                     reports.setdefault(r, []).append(
                         rx.check(spec, per_tensor=per_tensor, maps=maps and maps.get(r)))
     errors = run_each(run, plan.ranks)
@@ -60,36 +82,38 @@ def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=No
     return reports
 
 
-def test_no_false_alarm_over_100_clean_versions(job):
-    plan, spec = job
-    reports = _run(plan, spec, 100, per_tensor=8)
+def test_no_false_alarm_over_100_clean_versions(demo):
+    plan, spec, loaded, params = demo
+    reports = _run(plan, spec, 100, per_tensor=8, weights=loaded, live=params)
     for r, reps in reports.items():
         assert len(reps) == 100 and all(rep.ok for rep in reps), (r, [str(x) for x in reps])
         held = [n for n, t in reps[0].tensors.items() if t.status == "ok"]
         assert held and all(t.status in ("ok", "not held") for t in reps[0].tensors.values())
 
 
-def test_every_planted_mismatch_is_found(job):
-    """One element flipped per tensor of rollout 2's buffers at random (where that rollout holds
-    the tensor), every element checked: every flipped tensor is reported, no other."""
-    plan, spec = job
+def test_every_planted_mismatch_is_found(demo):
+    """One element flipped per tensor held by one of the demo's rollout ranks (its models'
+    parameters), at random, every element checked: every flipped tensor is reported, no other."""
+    plan, spec, loaded, params = demo
     rng = np.random.default_rng(7)
-    lay = plan.layout_of(2)
+    target = plan.rollouts[0].worker.rank
+    lay = plan.layout_of(target)
     planted = {}
 
-    def flip(live):
-        for name, b in lay.buffers.items():
-            ids = b.sourcemap.to_indices().reshape(-1)
-            held = np.flatnonzero(ids >= 0)
-            k = int(rng.choice(held))
-            a = live[name].reshape(-1).view(f"u{live[name].dtype.itemsize}")
+    def flip(live):  # one element of every tensor this rank holds, at random
+        ids = {n: b.sourcemap.to_indices().reshape(-1) for n, b in lay.buffers.items()}
+        where = [(n, k) for n, a in ids.items() for k in np.flatnonzero(a >= 0)]
+        tensor = np.array([spec.tensor_of(np.array([ids[n][k]]))[0] for n, k in where])
+        for t in np.unique(tensor):
+            n, k = where[int(rng.choice(np.flatnonzero(tensor == t)))]
+            a = live[n].reshape(-1).view(f"u{live[n].dtype.itemsize}")
             a[k] ^= 1 << int(rng.integers(0, 8))
-            offs = [spec.offset(n) for n in spec.names]
-            t = spec.names[int(np.searchsorted(offs, ids[k], side="right")) - 1]
-            planted.setdefault(t, set()).add(int(ids[k]) - spec.offset(t))
-    reports = _run(plan, spec, 2, per_tensor=None, tamper={(2, 2): flip})
-    first, second = reports[2]
-    assert first.ok and all(rep.ok for r, reps in reports.items() if r != 2 for rep in reps)
+            name = spec.names[int(t)]
+            planted.setdefault(name, set()).add(int(ids[n][k]) - spec.offset(name))
+    reports = _run(plan, spec, 2, per_tensor=None, tamper={(target, 2): flip}, weights=loaded,
+                   live=params)
+    first, second = reports[target]
+    assert first.ok and all(rep.ok for r, reps in reports.items() if r != target for rep in reps)
     assert set(second.mismatched) == set(planted), (second.mismatched, planted)
     for t in planted:
         assert second.tensors[t].first_bad[0] in planted[t]

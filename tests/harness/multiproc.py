@@ -58,6 +58,7 @@ class _FaultyTransport:
         self.inner, self.fault, self.sends = inner, fault, 0
         self.stamped = False
         self.rank = inner.rank
+        self.checksums = getattr(inner, "checksums", True)  # what the peers must agree on
         self.armed = fault.in_version is None
 
     def connect(self, peers, *, hello=b""):
@@ -115,6 +116,9 @@ class _FaultyTransport:
 
     def recv(self, peer, buf, tag):
         return self.inner.recv(peer, buf, tag)
+
+    def prepare(self, peers):  # endpoints, and with a job key its challenge: not faulted
+        return self.inner.prepare(peers)
 
     def describe(self):
         return self.inner.describe()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import glob
 import json
 import logging
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from wb.errors import AuthError, TransferError
-from wb.runtime.transport.keyed import keyed, tag_secret
+from wb.runtime.transport.keyed import KeyedStore, challenge, keyed, tag_secret
 from wb.runtime.transport.stores import Store
 
 __all__ = ["UcxTransport", "default_tls", "cma_usable"]
@@ -375,9 +376,27 @@ class UcxTransport:
         return ep
 
     def prepare(self, peers: Iterable[int]) -> None:
-        """Creates the endpoints to ``peers`` now (connected peers only) rather than at first use."""
+        """Creates the endpoints to ``peers`` now (connected peers only) rather than at first use;
+        with a job key, each peer then answers its challenge (:func:`~wb.runtime.transport.keyed.
+        challenge`: every peer of a plan prepares at its set-up) before any update.
+
+        Raises:
+            AuthError: a peer answered with another key, or not in time (named, with its
+                address)."""
+        peers = [int(p) for p in peers]
         for p in peers:
-            self._ep(int(p))
+            self._ep(p)
+        if isinstance(self.store, KeyedStore) and peers:
+            challenge(self, peers, self.store.key, round_=self._round, timeout=self.timeout,
+                      where=self._address_of)
+
+    def _address_of(self, peer: int) -> str:
+        """`` (address <digest>)``: a peer's UCX worker address, as an error names it."""
+        try:
+            raw = self.store.get(f"{self.session}/addr/{peer}", 0.01)
+        except TransferError:
+            return ""
+        return f" (UCX address sha256 {hashlib.sha256(raw).hexdigest()[:16]})"
 
     def send(self, peer: int, buf, tag: int) -> _UcxRequest:
         return self._post("send", peer, buf, tag)
