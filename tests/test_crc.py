@@ -167,3 +167,18 @@ def test_known_value_and_combine():
     for n1, n2 in [(0, 5), (5, 0), (1000, 4097), (3, 1)]:
         a, b = rng.integers(0, 256, n1, dtype=np.uint8), rng.integers(0, 256, n2, dtype=np.uint8)
         assert crc.combine(crc.host(a), crc.host(b), n2) == crc.host(np.concatenate([a, b]))
+
+
+def test_combine_over_shifts_of_any_length():
+    """Shifts past 2**29 bytes and more (CRC32C's x**(2**32) is not x): the library streamed over
+    zeros (no such buffer is made) against combine."""
+    import crc32c
+
+    head = np.random.default_rng(4).integers(0, 256, 100, dtype=np.uint8)
+    zeros = np.zeros(1 << 24, np.uint8)
+    for n in ((1 << 29) - 1, 1 << 29, (1 << 29) + 3, (1 << 30) + 17):
+        whole, tail = crc32c.crc32c(head), 0
+        for k in range(0, n, zeros.size):
+            chunk = zeros[:min(zeros.size, n - k)]
+            whole, tail = crc32c.crc32c(chunk, whole), crc32c.crc32c(chunk, tail)
+        assert crc.combine(crc.host(head), tail, n) == whole, n

@@ -43,12 +43,13 @@ def demo():
 
 
 def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=None,
-         maps=None, weights=None, live=None):
+         maps=None, weights=None, live=None, staging=False, train_on=False):
     """Trainers push ``versions`` and claim each; rollouts apply and check each. ``tamper``:
     ``(rank, version) -> fn(buffers)`` run on a rollout's live buffers before its check;
     ``claim_from``: a trainer's weights it claims instead of what it pushes; ``weights``,
     ``live``: ``{rank: {name: array}}`` of the trainers' loaded weights and the rollouts' live
-    buffers (default: made from the layouts)."""
+    buffers (default: made from the layouts); ``staging``: sender staging; ``train_on``: the
+    trainers change their weights between push and claim (training goes on)."""
     hub, store = LocalHub(), wb.MemoryStore()
     nt = len(plan.trainers)
     reports: dict[int, list] = {}
@@ -61,11 +62,14 @@ def _run(plan, spec, versions: int, *, per_tensor=16, tamper=None, claim_from=No
         mapped = mapped_of(plan.layout_of(r))
         if r < nt:
             bufs = {k: v.copy() for k, v in base.items()}
-            with wb.Sender(plan, r, bufs, staging=False, **kw) as tx:
+            with wb.Sender(plan, r, bufs, staging=staging, **kw) as tx:
                 for v in range(1, versions + 1):
                     for k, a in version_bits(base, v, mapped).items():
                         bufs[k][...] = a
                     tx.push()
+                    if train_on:  # the next step already writes the weights
+                        for k, a in version_bits(base, v + 7, mapped).items():
+                            bufs[k][...] = a
                     other = claim_from(r, v, bufs) if claim_from else None
                     tx.claim(spec, other, per_tensor=per_tensor)
         else:
@@ -161,3 +165,11 @@ def test_a_trainer_pushing_other_weights_than_it_claims(job):
         both = both[both >= 0]
         want = {spec.names[int(np.searchsorted(offs, i, side="right")) - 1] for i in both}
         assert want and set(reps[0].mismatched) == want, (r, reps[0].mismatched, want)
+
+
+def test_with_sender_staging_a_claim_is_of_what_was_sent(job):
+    """Training goes on after push (sender staging): the claim reads the staged copy that was
+    sent, not the weights the next step is writing; every check is clean."""
+    plan, spec = job
+    reports = _run(plan, spec, 3, per_tensor=None, staging=True, train_on=True)
+    assert all(rep.ok for reps in reports.values() for rep in reps), reports

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from wb.data.layout import Layout
 from wb.data.plan import Plan, RankPlan, part_of
 from wb.errors import TransferError
+from wb.runtime.transport.keyed import keyed
 from wb.runtime.endpoints.receiver import Receiver
 from wb.runtime.endpoints.sender import Sender
 from wb.runtime.endpoints.stats import UpdateStats
@@ -358,6 +359,7 @@ class ReceiverGroup:
         def connect_all():
             for r in lays:
                 transports[r].connect([], hello=b"")
+        store = keyed(store, transport=next(iter(transports.values()), None))
         got = request_joins(store, list(lays.values()), name=name, timeout=join_timeout,
                             meanwhile=connect_all)
         parts = {r: admission.part for r, admission in got.items()}

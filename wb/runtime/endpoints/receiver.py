@@ -208,7 +208,7 @@ class Receiver:
         """The constructor's work, for a rollout of a job's start or (``admission``) one taken
         into a running job (:meth:`admitted`)."""
         part, roster = take_part(plan, rank, Role.ROLLOUT)
-        store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
+        store = keyed(store, transport=transport)  # signed with the job's key, if there is one
         self.staging, self.handoff = bool(staging), bool(handoff)
         recycle = self.handoff and recycle
         # new device memory every version: received through staging (see allocate)
@@ -254,6 +254,7 @@ class Receiver:
         """
         # the transport is started while the request waits (a UCX context and worker take
         # ~0.4 s): once admitted, the version this rank joins waits for it, the others with it
+        store = keyed(store, transport=transport)
         admission = request_join(store, layout, name=name, timeout=join_timeout,
                                  meanwhile=lambda: transport.connect([], hello=b""))
         return cls.admitted(admission, buffers, transport=transport, store=store, name=name,
@@ -368,13 +369,14 @@ class Receiver:
             raise TransferError(str(e)) from None
         except ChecksumError as e:  # refused, every byte moved: the next version comes as usual
             self._next = v + 1
-            if not self._path.keeps_live:
+            kept_live = self._path.keeps_live or not self._target.in_place
+            if not kept_live:
                 self.version = -1
             if not self._closed:
                 self._path.start(v + 1)
-            kept = (f"the live buffers still hold version {self.version}"
-                    if self._path.keeps_live else "the live buffers hold what failed (no "
-                    "receiver staging): do not generate from them before the next apply()")
+            kept = (f"the live buffers still hold version {self.version}" if kept_live else
+                    "the live buffers hold what failed (no receiver staging): do not "
+                    "generate from them before the next apply()")
             raise ChecksumError(e.rank, e.bad, e.stats,
                                 note=f"version {v} refused; {kept}") from e
         except BaseException as e:

@@ -175,7 +175,7 @@ class Sender:
         if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
             layout = layout.get(rank)
         part, roster = take_part(plan, rank, Role.TRAINER)
-        store = keyed(store)  # signed with the job's key (WB_JOB_KEY), if there is one
+        store = keyed(store, transport=transport)  # signed with the job's key, if there is one
         self._quant, self._peers = None, ()
         if quantize is not None:
             if isinstance(quantize, BlockScaled):  # the tasks, rebuilt from both layouts
@@ -285,8 +285,9 @@ class Sender:
         Args:
             spec: the checkpoint's :class:`wb.CheckpointSpec` (the one the maps were probed with).
             weights: ``{buffer: array}`` in this trainer's layout to read the values from: the
-                weights it trains (default: the buffers it pushes). Pass the framework's own
-                parameters to catch a push of other buffers than those.
+                weights it trains. Default: what it sent as ``version`` (with sender staging
+                the staged copy, so training may go on after ``push``). Pass the framework's
+                own parameters to catch a push of other buffers than those.
             per_tensor: elements sampled per checkpoint tensor; every trainer and rollout of a
                 check must say the same.
             version: the version claimed.
@@ -295,8 +296,14 @@ class Sender:
             How many elements it published.
         """
         v = self.version if version is None else int(version)
-        live = (self._live if weights is None else
-                {n: as_array(n, weights[n], rank=self.rank) for n in self._end.layout.buffers})
+        if weights is None and v != self.version:
+            raise TransferError(f"rank {self.rank}: claim(version={v}) of another version than "
+                                f"the last pushed ({self.version}) needs its weights=")
+        if weights is None:  # what was sent: the staged copy, or the live weights
+            sent = getattr(self._path, "sent", None) or {}
+            live = {n: (x, sent.get(n, a)) for n, (x, a) in self._live.items()}
+        else:
+            live = {n: as_array(n, weights[n], rank=self.rank) for n in self._end.layout.buffers}
         xp = next(iter(live.values()))[0] if live else None
         ids = checks.sample(spec, self._end.key("check", v), per_tensor)
         return checks.claim(self._end.store, self._end.key("claim", v, self.rank),

@@ -28,6 +28,8 @@ Live = dict[str, tuple[Any, Any]]  # name -> (array module, array) of the live w
 
 
 class Target(Protocol):
+    in_place: bool  # a direct receive lands in the live buffers themselves
+
     def arrays(self) -> dict[str, Any]:
         """The live buffers (the newest applied version's)."""
 
@@ -47,6 +49,8 @@ class Target(Protocol):
 
 class InPlace:
     """The live buffers keep their addresses: versions are written into them."""
+
+    in_place = True
 
     def __init__(self, live: Live):
         self.live = live
@@ -73,6 +77,8 @@ class Handoff:
     """Every version lands in new buffers made by ``allocate(shape, dtype name)``; the arrays
     handed over are those objects themselves (a JAX array on a GPU, say), not wb's views of
     them, so the framework wraps them without a copy."""
+
+    in_place = False  # versions land in other buffers, adopted once whole
 
     def __init__(self, given: dict[str, Any], layout: Layout, allocate: Callable, rank: int):
         self.layout, self.allocate, self.rank = layout, allocate, rank
@@ -115,6 +121,8 @@ class Recycled:
     device has finished the work queued before; while the caller keeps older versions' arrays,
     new sets are made (logged). Elements no transfer writes (padding) keep the values the set
     got when it was made, from the live version then: the same in every version."""
+
+    in_place = False  # versions land in other buffers, adopted once whole
 
     def __init__(self, given: dict[str, Any], layout: Layout, allocate: Callable, rank: int):
         self.layout, self.allocate, self.rank = layout, allocate, rank

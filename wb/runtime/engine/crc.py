@@ -83,9 +83,10 @@ def _multmodp(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def powers() -> np.ndarray:
-    """``x**(2**k)`` modulo the polynomial, ``k = 0..31`` (``uint32``)."""
+    """``x**(2**k)`` modulo the polynomial, ``k = 0..63`` (``uint32``): every shift of fewer than
+    ``2**61`` bytes (CRC32C's ``x**(2**32)`` is not ``x``: the table does not wrap)."""
     out, p = [], 1 << 30  # x**1
-    for _ in range(32):
+    for _ in range(64):
         out.append(p)
         p = _multmodp(p, p)
     return np.array(out, np.uint32)
@@ -96,7 +97,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
     x, p, k, n = powers(), 1 << 31, 3, int(len2)
     while n:
         if n & 1:
-            p = _multmodp(int(x[k & 31]), p)
+            p = _multmodp(int(x[k]), p)
         n >>= 1
         k += 1
     return _multmodp(p, int(crc1)) ^ int(crc2)
@@ -157,7 +158,7 @@ __device__ unsigned int wb_stretch(const unsigned int* T, const unsigned int* po
     unsigned long long after = (unsigned long long)(len - b);
     unsigned int x = 1u << 31;
     for (int k = 3; after; after >>= 1, ++k)
-        if (after & 1) x = wb_multmodp(pows[k & 31], x);
+        if (after & 1) x = wb_multmodp(pows[k & 63], x);
     return wb_multmodp(x, crc);
 }
 

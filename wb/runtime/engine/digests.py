@@ -89,7 +89,8 @@ class Routes:
         self._device: _DeviceSums | None = None  # kept across updates (see sums)
         self.slot = {m: i for i, m in enumerate(m for ms in (*self.out.values(),
                                                              *self.inn.values()) for m in ms)}
-        # a forward of exactly its parent's pieces is its parent's bytes: its CRC is the
+        # a forward of exactly its parent's pieces, neither converted here, is its parent's
+        # bytes (a conversion there and back may not keep a NaN's payload): its CRC is the
         # parent's (checked against the parent's sender before this rank's digest goes), and
         # it is not hashed again
         T = part.transfers
@@ -99,7 +100,8 @@ class Routes:
                 g, q = units[m], units[m].parent
                 p = units.get(q)
                 if (g.__class__ is not Frame and p is not None and p.__class__ is not Frame
-                        and not p.out and np.array_equal(T.piece[g.ts], T.piece[p.ts])):
+                        and not p.out and not g.conv and not p.conv
+                        and np.array_equal(T.piece[g.ts], T.piece[p.ts])):
                     self.slot[m] = self.slot[q]
                     self.aliased.add(m)
         fed_by = {}  # a received message -> its digest's key
@@ -209,7 +211,7 @@ class Digests:
         self.unchecked = set(routes.inn)  # received digests not checked yet
         self.failed: set[tuple[int, int]] = set()  # those whose units failed (or came corrupt)
         self.unsent = set(routes.out)  # digests not posted yet
-        self.outbox: list[tuple[Any, np.ndarray]] = []  # digests posted, not yet complete
+        self.outbox: list[tuple[Any, np.ndarray, int]] = []  # digests posted, not complete
         self.bad: list[tuple[int, int, list[str], str]] = []
         # the CRCs on their way to the host (a device's), and what waits for them
         self.fetching: tuple[Any, list, list] | None = None  # (event, checks, sends)
@@ -267,7 +269,7 @@ class Digests:
         """Takes the completed digest sends; whether any."""
         if not self.outbox:
             return False
-        left = [x for x in self.outbox if not x[0].done()]
+        left = [x for x in self.outbox if not x[0].done()]  # (request, digest, peer)
         moved = len(left) < len(self.outbox)
         self.outbox = left
         return moved
@@ -282,11 +284,13 @@ class Digests:
                if not self.to_land[(s, h)]]
         out += [f"checks of {sorted(self.r.needs[k] & self.unchecked)} (rank, hops) before the "
                 f"digest to rank {k[0]}" for k in sorted(self.unsent) if not self.to_hash_out[k]]
+        out += [f"sending its digest to rank {peer}" for _, _, peer in self.outbox]
         return out
 
     def peers(self) -> set[int]:
-        """The peers whose digests it still waits for."""
-        return {k[0] for k in self.unchecked if not self.to_land[k]}
+        """The peers whose digests it still waits for, or that its digests still go to."""
+        return ({k[0] for k in self.unchecked if not self.to_land[k]}
+                | {peer for _, _, peer in self.outbox})
 
     def error(self, stats) -> ChecksumError | None:
         return ChecksumError(self.prog.rank, self.bad, stats) if self.bad else None
@@ -322,4 +326,4 @@ class Digests:
         buf[1] = len(ms)
         buf[2:] = self.sums.read([self.r.slot[m] for m in ms])
         req = self.transport.send(k[0], buf, self.base + Routes.tag(self.prog.rank, k[1]))
-        self.outbox.append((req, buf))
+        self.outbox.append((req, buf, k[0]))

@@ -1,7 +1,8 @@
 """Runs one worker's part of a plan: pack, send, receive, unpack, forward.
 
 Each message of the plan is one tagged send from its source rank to its destination rank (tag =
-``tag_base + message index``, the same on every rank). A message whose single region is contiguous
+``tag_base + message index``, the same on every rank; checksums' digests take ``tag_base +
+2**26`` on, below ``2**27``: updates over one transport need tag bases ``2**27`` apart). A message whose single region is contiguous
 in both buffers moves zero-copy (sent from and received into the buffers themselves); others are
 packed into contiguous staging on the sender (strided views, no index arrays) and unpacked at the
 receiver. A message whose source and destination are the same rank is a local copy. A forwarded
@@ -74,7 +75,11 @@ def connect(part: RankPlan, transport) -> list[int]:
                             f"transport")
     prepare = getattr(transport, "prepare", None)
     if prepare is not None:
-        prepare(peers)
+        try:
+            prepare(peers)  # endpoints; with a job key, the peers' challenge
+        except TransferError:
+            abort(transport)
+            raise
     return peers
 
 

@@ -305,6 +305,9 @@ class _Update:
                 self.after(self.fence(), g, None)
             else:
                 buf = self.mover.pack(g)
+                if sums is not None:  # queued before the pack's event: the staging goes back
+                    sums.sent(g, buf)  # to the pool only once the send is done and it passed
+                    sums.flush()
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 self.after(self.fence(), g, buf)
@@ -389,7 +392,7 @@ class _Update:
         elif g.out:  # packed (``buf``), or zero-copy once its buffer was written (None)
             src = buf if buf is not None else self.mover.source(g)
             self.inflight.add(self.transport.send(g.peer, src, self.tag_base + g.m), g, buf)
-            if self.sums is not None:
+            if self.sums is not None and buf is None:  # a packed one was hashed with its pack
                 self.sums.sent(g, src)
             self.mark(g.m, 1)
         else:
@@ -455,7 +458,8 @@ class _Update:
 
     def stalled(self, timeout: float) -> str:
         """The stall error: no progress for ``timeout``, naming peers and plan steps."""
-        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q})
+        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q}
+                       | (self.sums.peers() if self.sums is not None else set()))
         return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
                 f"or hung? Waiting for: " + self.waiting())
 

@@ -189,6 +189,7 @@ class Finisher:
                                   liveness=end.watch, interrupt=lambda: self._stop(v, a),
                                   ready=ready)
                     total, ok = ExecStats.merged(total, ex), True
+                    self._refused = None  # this attempt rewrote every element it holds
                 except ChecksumError as e:  # done, refused: the version finishes for all
                     total, ok, self._refused = ExecStats.merged(total, e.stats), True, e
                 except PeersLost as e:

@@ -85,12 +85,18 @@ class KeyedStore:
         return f"KeyedStore({self.store!r})"
 
 
-def keyed(store, key: bytes | str | None = None):
-    """``store`` signed with the job's key (``key``, else ``WB_JOB_KEY``): a
-    :class:`KeyedStore`, or ``store`` itself when it is one already or there is no key (then a
-    warning, once per process, that nothing keeps a stranger out)."""
+def keyed(store, key: bytes | str | None = None, *, transport=None):
+    """``store`` signed with the job's key (``key``; else the key of ``transport``'s store, a
+    :class:`wb.UcxTransport` made with ``key=``; else ``WB_JOB_KEY``): a :class:`KeyedStore`,
+    or ``store`` itself when it is one already or there is no key (then a warning, once per
+    process, that nothing keeps a stranger out). Where no transport is at hand
+    (:func:`wb.agree_parts`, joining), pass a :class:`KeyedStore` or set ``WB_JOB_KEY``."""
     if isinstance(store, KeyedStore) or store is None:
         return store
+    while key is None and transport is not None:  # through wrappers (.inner) to the store
+        st = getattr(transport, "store", None)
+        key = st.key if isinstance(st, KeyedStore) else None
+        transport = getattr(transport, "inner", None)
     k = job_key(key)
     if k is None:  # once per process: Python's warning filter shows each message once
         warnings.warn("no job key (WB_JOB_KEY): any process that reaches the rendezvous store "
@@ -175,8 +181,9 @@ def challenge(transport, peers, key: bytes, *, round_: int, timeout: float,
             late = sorted(set(peers) - (checked & answered))
             raise AuthError(f"rank {me}: peer{'s' if len(late) > 1 else ''} "
                             f"{', '.join(f'{p}{where(p)}' for p in late)} did not answer the job "
-                            f"key's challenge within {timeout:.0f} s: another key (or none) "
-                            f"keys its messages otherwise; refused")
+                            f"key's challenge within {timeout:.0f} s: its messages are keyed "
+                            f"otherwise (another key), or it is dead, slow, or in another "
+                            f"connect round; refused")
         time.sleep(0.0005)
     while not all(r.done() for r in sent):  # the answers this rank owes have left
         if time.monotonic() > deadline:
