@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import multiprocessing as mp
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -237,7 +238,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
                       probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda),
-                      trace=trace)
+                      trace=trace, job_key=secrets.token_hex(16))
         from wb.cli.bench.workers import bench_main
 
         ctx = mp.get_context("spawn")

@@ -93,6 +93,7 @@ class _Ctx:
 
 
 def bench_main(job: dict) -> None:
+    os.environ.setdefault("WB_JOB_KEY", job["job_key"])  # the bench's job signs its records
     out = Path(job["result_dir"]) / f"{job['rank']}.json"
     result: dict = {"rank": job["rank"], "runs": [], "probe": {}, "modes": {}}
     try:

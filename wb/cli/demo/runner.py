@@ -345,6 +345,7 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                                "'weightbridge[ucx]' (or run with processes=False)") from e
     import json
     import multiprocessing as mp
+    import secrets
     import tempfile
     from pathlib import Path
 
@@ -360,7 +361,7 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
                       expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype,
-                      check=bool(check))
+                      check=bool(check), job_key=secrets.token_hex(16))
         jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
         n_roll = sum(j["role"] == "rollout" for j in jobs)
         ctx = mp.get_context("spawn")

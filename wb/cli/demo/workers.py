@@ -67,6 +67,7 @@ def worker_main(job: dict) -> None:
     """One demo process: ``job`` says its side, framework, ranks and the loop's parameters."""
     out = Path(job["result_dir"]) / f"{job['name']}.json"
     result = {"name": job["name"], "ok": False, "modes": {}}
+    os.environ.setdefault("WB_JOB_KEY", job["job_key"])  # the demo's job signs its records
     if job["kind"] == "jax":  # emulated CPU devices, or the GPUs with --cuda
         if job.get("cuda"):  # sharing them with the other processes: no preallocation
             os.environ["JAX_PLATFORMS"] = "cuda"
