@@ -27,19 +27,6 @@ static void __syncthreads() {}
 static void atomicXor(unsigned int* p, unsigned int v) { *p ^= v; }
 """
 _RUN = r"""
-extern "C" void run(const unsigned long long* ptrs, const long long* lens, const long long* first,
-                    const long long* slots, long long n, long long sub, const unsigned int* tabs,
-                    const unsigned int* pows, unsigned int* out) {
-    threadIdx.x = blockIdx.x = 0;
-    gridDim.x = blockDim.x = 1;
-    wb_crc32c(ptrs, lens, first, slots, n, sub, tabs, pows, out);
-}
-extern "C" void run_one(unsigned long long ptr, long long len, long long slot, long long sub,
-                        const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
-    threadIdx.x = blockIdx.x = 0;
-    gridDim.x = blockDim.x = 1;
-    wb_crc32c_one(ptr, len, slot, sub, tabs, pows, out);
-}
 extern "C" void run_rows(const long long* rows, long long n, long long total, long long sub,
                          const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
     threadIdx.x = blockIdx.x = 0;
@@ -52,10 +39,8 @@ extern "C" void run_rows(const long long* rows, long long n, long long total, lo
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     d = tmp_path_factory.mktemp("crc")
-    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c(',
-                                      "static void wb_crc32c(")
-    src = src.replace('extern "C" __global__ void wb_crc32c_one(', "static void wb_crc32c_one(")
-    src = src.replace('extern "C" __global__ void wb_crc32c_rows(', "static void wb_crc32c_rows(")
+    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c_rows(',
+                                      "static void wb_crc32c_rows(")
     cpp, so = d / "crc.cpp", d / "crc.so"
     cpp.write_text(_HOST + src + _RUN)
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
@@ -63,20 +48,24 @@ def kernel(tmp_path_factory):
 
 
 def _launch(lib, bufs, sub):
-    """The kernel over views ``bufs`` (uint8 arrays), each into its own slot."""
+    """The kernel over views ``bufs`` (uint8 arrays), each into its own slot, from the rows a
+    :class:`crc.Launcher` writes (pointer, length, slot, first stretch; buffers of no bytes left
+    out, as it leaves them out)."""
     n = len(bufs)
-    ptrs = np.array([b.ctypes.data for b in bufs] + [0], np.uint64)
-    lens = np.array([b.nbytes for b in bufs] + [0], np.int64)
-    first = np.zeros(n + 1, np.int64)
-    np.cumsum(-(-lens[:n] // sub), out=first[1:])
-    slots = np.arange(n + 1, dtype=np.int64)[::-1].copy()  # slots need not follow the buffers
-    out = np.zeros(n + 1, np.uint32)
+    slots = np.arange(n, dtype=np.int64)[::-1].copy()  # slots need not follow the buffers
+    live = [k for k, b in enumerate(bufs) if b.nbytes]
+    rows = np.zeros((max(len(live), 1), 4), np.int64)
+    for i, k in enumerate(live):
+        rows[i, :3] = (bufs[k].ctypes.data, bufs[k].nbytes, slots[k])
+    stretches = -(-rows[:, 1] // sub)
+    rows[:, 3] = np.cumsum(stretches) - stretches
+    out = np.zeros(n, np.uint32)
     tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
     p = ctypes.c_void_p
-    lib.run(p(ptrs.ctypes.data), p(lens.ctypes.data), p(first.ctypes.data),
-            p(slots.ctypes.data), ctypes.c_longlong(n), ctypes.c_longlong(sub),
-            p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
-    return [int(out[slots[i]]) for i in range(n)]
+    lib.run_rows(p(rows.ctypes.data), ctypes.c_longlong(len(live)),
+                 ctypes.c_longlong(int(stretches.sum()) if live else 0), ctypes.c_longlong(sub),
+                 p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
+    return [int(out[slots[k]]) for k in range(n)]
 
 
 @needs_cxx
@@ -91,49 +80,6 @@ def test_kernel_equals_the_library(kernel, shapes, sub, seed):
         bufs.append(backing[at + off:at + off + n])
         at += n + off
     assert _launch(kernel, bufs, sub) == [crc.host(b) for b in bufs]
-
-
-@needs_cxx
-@settings(max_examples=30, deadline=None)
-@given(st.integers(0, 5000), st.integers(0, 7), st.sampled_from([1, 7, 256, 4096]))
-def test_the_one_buffer_kernel_equals_the_library(kernel, n, off, sub):
-    backing = np.random.default_rng(n).integers(0, 256, n + 8, dtype=np.uint8)
-    b = backing[off:off + n]
-    out = np.zeros(3, np.uint32)
-    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
-    p = ctypes.c_void_p
-    kernel.run_one(ctypes.c_ulonglong(b.ctypes.data), ctypes.c_longlong(n), ctypes.c_longlong(1),
-                   ctypes.c_longlong(sub), p(tabs.ctypes.data), p(pows.ctypes.data),
-                   p(out.ctypes.data))
-    assert int(out[1]) == crc.host(b) and out[0] == out[2] == 0
-
-
-@needs_cxx
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 7)), min_size=1, max_size=5),
-       st.sampled_from([1, 64, 1024]))
-def test_the_table_kernel_equals_the_library(kernel, shapes, sub):
-    """The rows a crc.Launcher writes (pointer, length, slot, first stretch), buffers of length
-    0 left out as it leaves them out."""
-    rng = np.random.default_rng(len(shapes))
-    backing = rng.integers(0, 256, sum(n + o for n, o in shapes) + 8, dtype=np.uint8)
-    bufs, at = [], 0
-    for n, o in shapes:
-        bufs.append(backing[at + o:at + o + n])
-        at += n + o
-    live = [(k, b) for k, b in enumerate(bufs) if b.nbytes]
-    rows = np.zeros((max(len(live), 1), 4), np.int64)
-    for i, (k, b) in enumerate(live):
-        rows[i, :3] = (b.ctypes.data, b.nbytes, k)
-    stretches = -(-rows[:, 1] // sub)
-    rows[:, 3] = np.cumsum(stretches) - stretches
-    out = np.zeros(len(bufs), np.uint32)
-    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
-    p = ctypes.c_void_p
-    kernel.run_rows(p(rows.ctypes.data), ctypes.c_longlong(len(live)),
-                    ctypes.c_longlong(int(stretches.sum()) if live else 0), ctypes.c_longlong(sub),
-                    p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
-    assert out.tolist() == [crc.host(b) for b in bufs]
 
 
 @needs_cxx

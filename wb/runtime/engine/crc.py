@@ -1,11 +1,11 @@
 """CRC32C (Castagnoli) of byte buffers, the same value on the host and on a CUDA device.
 
 On the host the ``crc32c`` library computes it (SSE4.2 or ARMv8 instructions, the GIL released
-for long buffers). On a device :func:`launch` computes many buffers' CRCs in one kernel launch:
-each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory, all its
-words loaded at once), shifts its
-CRC past the bytes that follow its stretch (a multiplication by ``x**(8 n)`` modulo the
-polynomial, zlib's ``crc32_combine`` identity: ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)``)
+for long buffers). On a device :class:`Launcher` takes many buffers' CRCs in one kernel launch:
+each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory, its words
+loaded 16 at a time), shifts its CRC past the bytes that follow its stretch (a multiplication
+by ``x**(8 n)`` modulo the polynomial, zlib's ``crc32_combine`` identity: ``crc(A + B) =
+shift(crc(A), len(B)) ^ crc(B)``)
 and XORs it into its buffer's slot of the output, which must hold zeros before the launch.
 
 The kernel's source (:func:`kernel_source`) is also compiled for the host and checked against the
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host", "load", "combine", "launch", "launch_batch", "Launcher", "kernel_source", "tables", "powers", "POLY", "SUB"]
+__all__ = ["host", "load", "combine", "Launcher", "kernel_source", "tables", "powers", "POLY", "SUB"]
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
@@ -167,40 +167,9 @@ __device__ unsigned int wb_stretch(const unsigned int* T, const unsigned int* po
     for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) T[i] = tabs[i]; \
     __syncthreads();
 
-/* CRC32C of `n` buffers: `ptrs[i]`, `lens[i]` bytes, into `out[slots[i]]` (zeros before);
-   `first[i]` the first of buffer i's stretches of `sub` bytes (first[n]: all of them). */
-extern "C" __global__ void wb_crc32c(const unsigned long long* ptrs, const long long* lens,
-        const long long* first, const long long* slots, long long n, long long sub,
-        const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
-    WB_TABLES(tabs)
-    long long total = first[n];
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
-         c += (long long)gridDim.x * blockDim.x) {
-        long long lo = 0, hi = n - 1;  /* the buffer whose stretches hold c */
-        while (lo < hi) {
-            long long mid = (lo + hi + 1) / 2;
-            if (first[mid] <= c) lo = mid; else hi = mid - 1;
-        }
-        long long len = lens[lo], a = (c - first[lo]) * sub, b = a + sub < len ? a + sub : len;
-        atomicXor(&out[slots[lo]],
-                  wb_stretch(T, pows, (const unsigned char*)ptrs[lo], len, a, b));
-    }
-}
-
-/* the same for one buffer, given by value (no table to copy to the device first) */
-extern "C" __global__ void wb_crc32c_one(unsigned long long ptr, long long len, long long slot,
-        long long sub, const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
-    WB_TABLES(tabs)
-    long long total = (len + sub - 1) / sub;
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
-         c += (long long)gridDim.x * blockDim.x) {
-        long long a = c * sub, b = a + sub < len ? a + sub : len;
-        atomicXor(&out[slot], wb_stretch(T, pows, (const unsigned char*)ptr, len, a, b));
-    }
-}
-
-/* the same for rows [0, n) of a table `rows` (n x 4: pointer, length, slot, first stretch of
-   the row; `total` stretches in all) */
+/* CRC32C of the buffers of rows [0, n) of a table `rows` (n x 4: pointer, length, slot, first
+   stretch of the row; `total` stretches of `sub` bytes in all), each XORed into `out[slot]`
+   (zeros before) */
 extern "C" __global__ void wb_crc32c_rows(const long long* rows, long long n, long long total,
         long long sub, const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
     WB_TABLES(tabs)
@@ -220,7 +189,7 @@ extern "C" __global__ void wb_crc32c_rows(const long long* rows, long long n, lo
 
 
 def kernel_source() -> str:
-    """The CUDA source of :func:`launch`'s kernel (``wb_crc32c``)."""
+    """The CUDA source of :class:`Launcher`'s kernel (``wb_crc32c_rows``)."""
     return _SOURCE
 
 
@@ -271,41 +240,6 @@ class Launcher:
                                                             np.int64(total), np.int64(self.sub),
                                                             tabs, pows, out))
         self.used += k
-
-
-def launch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
-    """One launch per buffer (its pointer, length and slot passed by value), on CuPy's current
-    device and stream: the CRC32C of each ``(pointer, bytes, slot)`` of ``bufs`` XORed into
-    ``out[slot]`` (a CuPy ``uint32`` array, zero at those slots, holding the CRCs once the
-    stream passes the launches)."""
-    tabs, pows = _device_tables(xp, out.device.id)
-    k = _kernel("wb_crc32c_one")
-    for ptr, n, slot in bufs:
-        if n:
-            stretches = -(-n // sub)
-            blocks = min(-(-stretches // _THREADS), 4096)
-            k((blocks,), (_THREADS,), (np.uint64(ptr), np.int64(n), np.int64(slot),
-                                       np.int64(sub), tabs, pows, out))
-
-
-def launch_batch(xp, bufs: list[tuple[int, int, int]], out: Any, *, sub: int = SUB) -> None:
-    """:func:`launch` in one launch over a table of the buffers (copied to the device first)."""
-    if not bufs:
-        return
-    n = len(bufs)
-    meta = np.zeros((4, n + 1), np.int64)  # pointers, lengths, first stretches, slots
-    meta[0, :n] = [b[0] for b in bufs]
-    meta[1, :n] = [b[1] for b in bufs]
-    meta[3, :n] = [b[2] for b in bufs]
-    np.cumsum(np.maximum(-(-meta[1, :n] // sub), 0), out=meta[2, 1:])
-    total = int(meta[2, n])
-    if total == 0:
-        return
-    d = xp.asarray(meta)
-    tabs, pows = _device_tables(xp, d.device.id)
-    blocks = min(-(-total // _THREADS), 4096)
-    _kernel("wb_crc32c")((blocks,), (_THREADS,), (d[0].view(xp.uint64), d[1], d[2], d[3],
-                                                   np.int64(n), np.int64(sub), tabs, pows, out))
 
 
 @functools.lru_cache(maxsize=None)
