@@ -35,6 +35,27 @@ def test_device_kernel_equals_the_library(sub):
         assert int(got[len(cuts) - i]) == crc.host(host[a:a + n]), (a, n)
 
 
+@pytest.mark.parametrize("sub", [crc.SUB, 7])
+def test_thousands_of_short_buffers_in_one_launch(sub):
+    """Many buffers per block of the kernel (each thread finds its own among them, each warp
+    XORs per buffer), of every length and alignment, slots in any order, over launches."""
+    rng = np.random.default_rng(sub + 1)
+    host = rng.integers(0, 256, 16 << 20, dtype=np.uint8)
+    dev = cupy.asarray(host)
+    n = 6000
+    lens = np.where(rng.random(n) < 0.05, rng.integers(2500, 300_000, n), rng.integers(0, 2500, n))
+    starts = rng.integers(0, host.size - 300_000, n)
+    slots = rng.permutation(n)
+    out = cupy.zeros(n, cupy.uint32)
+    lz = crc.Launcher(cupy, n, sub=sub)
+    bufs = [(dev.data.ptr + int(a), int(b), int(k)) for a, b, k in zip(starts, lens, slots)]
+    for part in np.array_split(np.arange(n), 3):
+        lz.launch([bufs[i] for i in part], out)
+    got = out.get()
+    for a, b, k in zip(starts, lens, slots):
+        assert int(got[k]) == crc.host(host[a:a + b]), (a, b)
+
+
 @pytest.mark.timeout(300)
 def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
     import sys

@@ -1,5 +1,5 @@
 """CRC32C (``wb.runtime.engine.crc``): the device kernel's CUDA source compiled for the host (one
-thread and one block: its loop visits every stretch in turn) against the ``crc32c`` library, over
+thread and one block: its loop visits every stretch in turn; its tables in four copies) against the ``crc32c`` library, over
 buffers of any length and alignment, many in one launch, with stretches of a few bytes (so that
 the combining of stretches is what is checked); and the combine identity the kernel rests on. On a
 GPU, ``tests/test_checksums_cuda.py`` runs the same source on the device."""
@@ -18,8 +18,10 @@ needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compi
 
 _HOST = r"""
 #define __global__
+#define __launch_bounds__(n)
 #define __device__ static
-#define __shared__ static
+#define WB_COPIES 4
+#define WB_SHARED static unsigned int wb_T[4 * 256 * WB_COPIES];
 struct uint4 { unsigned int x, y, z, w; };
 struct D3 { long long x; };
 static D3 threadIdx, blockIdx, gridDim, blockDim;
@@ -28,10 +30,10 @@ static void atomicXor(unsigned int* p, unsigned int v) { *p ^= v; }
 """
 _RUN = r"""
 extern "C" void run_rows(const long long* rows, long long n, long long total, long long sub,
-                         const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
+                         const unsigned int* tabs, const unsigned int* zeros, unsigned int* out) {
     threadIdx.x = blockIdx.x = 0;
     gridDim.x = blockDim.x = 1;
-    wb_crc32c_rows(rows, n, total, sub, tabs, pows, out);
+    wb_crc32c_rows(rows, n, total, sub, tabs, zeros, out);
 }
 """
 
@@ -39,7 +41,7 @@ extern "C" void run_rows(const long long* rows, long long n, long long total, lo
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     d = tmp_path_factory.mktemp("crc")
-    src = crc.kernel_source().replace('extern "C" __global__ void wb_crc32c_rows(',
+    src = crc.kernel_source().replace('extern "C" __global__ void __launch_bounds__(1024) wb_crc32c_rows(',
                                       "static void wb_crc32c_rows(")
     cpp, so = d / "crc.cpp", d / "crc.so"
     cpp.write_text(_HOST + src + _RUN)
@@ -60,11 +62,13 @@ def _launch(lib, bufs, sub):
     stretches = -(-rows[:, 1] // sub)
     rows[:, 3] = np.cumsum(stretches) - stretches
     out = np.zeros(n, np.uint32)
-    tabs, pows = crc.tables().reshape(-1).copy(), crc.powers()
+    tabs = crc.tables()[:4].reshape(-1).copy()
+    zeros = crc.shifts(int(stretches.max()) + 1, sub)
+    total = int(stretches.sum()) if live else 0
     p = ctypes.c_void_p
     lib.run_rows(p(rows.ctypes.data), ctypes.c_longlong(len(live)),
-                 ctypes.c_longlong(int(stretches.sum()) if live else 0), ctypes.c_longlong(sub),
-                 p(tabs.ctypes.data), p(pows.ctypes.data), p(out.ctypes.data))
+                 ctypes.c_longlong(total), ctypes.c_longlong(sub),
+                 p(tabs.ctypes.data), p(zeros.ctypes.data), p(out.ctypes.data))
     return [int(out[slots[k]]) for k in range(n)]
 
 
@@ -94,9 +98,9 @@ def test_kernel_sees_one_flipped_bit_anywhere(kernel):
 
 
 @needs_cxx
-def test_whole_aligned_stretches_take_the_fast_path(kernel):
-    """Stretches of exactly 256 bytes at 16-byte aligned addresses (the loads issued at once),
-    beside ones that are not, in one launch."""
+def test_groups_of_words_at_any_alignment(kernel):
+    """Stretches holding whole groups of 16 words (their loads issued at once) at 16-byte aligned
+    addresses and not, short first stretches and not, in one launch."""
     rng = np.random.default_rng(3)
     backing = rng.integers(0, 256, 8192 + 64, dtype=np.uint8)
     start = (-backing.ctypes.data) % 16
@@ -128,3 +132,16 @@ def test_combine_over_shifts_of_any_length():
             chunk = zeros[:min(zeros.size, n - k)]
             whole, tail = crc32c.crc32c(chunk, whole), crc32c.crc32c(chunk, tail)
         assert crc.combine(crc.host(head), tail, n) == whole, n
+
+
+def test_shift_table_against_the_library():
+    """The kernel's table of shifts past ``j`` whole stretches (doubled, vectorised): shifting
+    ``crc(A)`` past ``n`` bytes is ``crc(A + B) ^ crc(B)`` for any ``B`` of ``n`` bytes (here
+    zeros), the library's values."""
+    a = np.random.default_rng(5).integers(0, 256, 50, dtype=np.uint8)
+    for sub in (1, 7, 1024):
+        z = crc.shifts(37, sub)
+        for j in (0, 1, 2, 5, 16, 36):
+            b = np.zeros(j * sub, np.uint8)
+            want = crc.host(np.concatenate([a, b])) ^ crc.host(b)
+            assert crc._multmodp(int(z[j]), crc.host(a)) == want, (sub, j)

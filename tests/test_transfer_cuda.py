@@ -16,7 +16,11 @@ from harness.multiproc import run_ranks  # noqa: E402
 
 
 @pytest.mark.timeout(300)
-def test_cuda_buffers_end_to_end_bit_identical(tmp_path):
+@pytest.mark.parametrize("staging_bytes", [256 << 20, 2048])
+def test_cuda_buffers_end_to_end_bit_identical(tmp_path, staging_bytes):
+    """Also with staging for a few messages at a time: each buffer goes back to the pool and
+    is received into again while the checksums' stream may still be hashing it (they hold it
+    until their event passes)."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_plan import deployment
@@ -26,7 +30,7 @@ def test_cuda_buffers_end_to_end_bit_identical(tmp_path):
     p.save(tmp_path / "plan.npz")
     ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
     run = run_ranks(str(tmp_path / "plan.npz"), ranks, str(tmp_path),
-                    options={"timeout": 60, "cuda_device": 0})
+                    options={"timeout": 60, "cuda_device": 0, "staging_bytes": staging_bytes})
     assert all(run.results[r] and run.results[r]["ok"] for r in ranks), run.results
     assert all(run.results[lay.worker.rank]["bit_identical"] for lay in rollouts)
 

@@ -2,11 +2,14 @@
 
 On the host the ``crc32c`` library computes it (SSE4.2 or ARMv8 instructions, the GIL released
 for long buffers). On a device :class:`Launcher` takes many buffers' CRCs in one kernel launch:
-each thread takes :data:`SUB` bytes of a buffer (slice-by-8 tables in shared memory, its words
-loaded 16 at a time), shifts its CRC past the bytes that follow its stretch (a multiplication
-by ``x**(8 n)`` modulo the polynomial, zlib's ``crc32_combine`` identity: ``crc(A + B) =
-shift(crc(A), len(B)) ^ crc(B)``)
-and XORs it into its buffer's slot of the output, which must hold zeros before the launch.
+each thread takes one stretch of :data:`SUB` bytes of a buffer (stretches counted from the
+buffer's end, so that only its first may be shorter), hashes it slice-by-4 from tables in shared
+memory (one copy of each table per lane of a warp: lookups never wait on each other, the bank
+of every lane's entry is its own), its words loaded 16 at a time, then shifts its CRC past the
+whole stretches that follow it (one multiplication by ``x**(8 SUB j)`` modulo the polynomial,
+from a table of them: zlib's ``crc32_combine`` identity, ``crc(A + B) = shift(crc(A), len(B)) ^
+crc(B)``). A warp XORs its lanes' values per buffer before one atomic XOR into the buffer's slot
+of the output, which must hold zeros before the launch.
 
 The kernel's source (:func:`kernel_source`) is also compiled for the host and checked against the
 library in ``tests/test_crc.py``.
@@ -19,17 +22,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["host", "load", "combine", "Launcher", "kernel_source", "tables", "powers", "POLY", "SUB"]
+__all__ = ["host", "load", "combine", "Launcher", "kernel_source", "tables", "powers", "shifts",
+           "POLY", "SUB", "COPIES",
+           "GROUP"]
 
 #: CRC32C's polynomial, bit-reflected.
 POLY = 0x82F63B78
 #: Bytes per thread of the device kernel: short stretches, so that a message's loads are spread
-#: over many threads (one thread hashing 4 KiB word by word waits on device memory at every
-#: word), long enough that shifting each stretch's CRC into place (a few thousand instructions)
-#: costs little per byte; stretches of exactly this many bytes, 16-byte aligned, load their
-#: words 16 at a time.
+#: over many threads, long enough that a stretch's binary search for its buffer, its shift and
+#: its share of the warp's atomic cost little per byte.
 SUB = 1024
-_THREADS = 256
+#: Copies of each of the kernel's four tables in shared memory, one per lane (``32``: a warp's
+#: lookups are served at once; ``16`` halves the memory, two lanes sharing a bank).
+COPIES = 32
+#: 16-byte words each thread loads at once (registers: a thread of a block of 1024 has 64).
+GROUP = 8
+_THREADS = 1024
 
 
 def host(buf) -> int:
@@ -92,18 +100,58 @@ def powers() -> np.ndarray:
     return np.array(out, np.uint32)
 
 
-def combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (bytes)."""
-    x, p, k, n = powers(), 1 << 31, 3, int(len2)
+def _xpow8n(n: int) -> int:
+    """``x**(8 n)`` modulo the polynomial: a shift past ``n`` bytes."""
+    x, p, k = powers(), 1 << 31, 3
     while n:
         if n & 1:
             p = _multmodp(int(x[k]), p)
         n >>= 1
         k += 1
-    return _multmodp(p, int(crc1)) ^ int(crc2)
+    return p
+
+
+def _multmodp_many(a: np.ndarray, b: int) -> np.ndarray:
+    """:func:`_multmodp` of each of ``a`` (``uint32``) by ``b``."""
+    p = np.zeros_like(a)
+    m = 1 << 31
+    for _ in range(32):
+        p ^= np.where(a & np.uint32(m), np.uint32(b), np.uint32(0))
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def shifts(n: int, sub: int = SUB) -> np.ndarray:
+    """``x**(8 sub j)`` modulo the polynomial for ``j < n`` (``uint32``): the device kernel's
+    shift of a stretch past the ``j`` whole stretches after it (doubling: each half the first
+    half multiplied by one power)."""
+    z = np.empty(max(int(n), 1), np.uint32)
+    z[0], have = 1 << 31, 1
+    while have < z.size:
+        take = min(have, z.size - have)
+        z[have:have + take] = _multmodp_many(z[:take], _xpow8n(sub * have))
+        have += take
+    return z
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (bytes)."""
+    return _multmodp(_xpow8n(int(len2)), int(crc1)) ^ int(crc2)
 
 
 _SOURCE = r"""
+#ifndef WB_COPIES
+#define WB_COPIES 32
+#endif
+#ifndef WB_GROUP
+#define WB_GROUP 8
+#endif
+#ifndef WB_SHARED
+#define WB_SHARED extern __shared__ unsigned int wb_T[];
+#endif
+
 __device__ unsigned int wb_multmodp(unsigned int a, unsigned int b) {
     unsigned int m = 1u << 31, p = 0;
     while (a) {
@@ -114,75 +162,111 @@ __device__ unsigned int wb_multmodp(unsigned int a, unsigned int b) {
     return p;
 }
 
-#define WB_FAST 1024
+/* entry i of table t, in this lane's copy (T: the tables offset by the lane) */
+#define WB_AT(t, i) T[((t) * 256 + (i)) * WB_COPIES]
 
-/* eight bytes (lo, hi: little-endian words) into the CRC, slice-by-8 */
-__device__ unsigned int wb_step8(const unsigned int* T, unsigned int crc, unsigned int lo,
-                                 unsigned int hi) {
-    unsigned int a = crc ^ lo;
-    return T[7 * 256 + (a & 0xFF)] ^ T[6 * 256 + ((a >> 8) & 0xFF)]
-         ^ T[5 * 256 + ((a >> 16) & 0xFF)] ^ T[4 * 256 + (a >> 24)]
-         ^ T[3 * 256 + (hi & 0xFF)] ^ T[2 * 256 + ((hi >> 8) & 0xFF)]
-         ^ T[1 * 256 + ((hi >> 16) & 0xFF)] ^ T[hi >> 24];
+/* four bytes (a little-endian word) into the CRC, slice-by-4 */
+__device__ unsigned int wb_step4(const unsigned int* T, unsigned int crc, unsigned int w) {
+    unsigned int a = crc ^ w;
+    return WB_AT(3, a & 0xFF) ^ WB_AT(2, (a >> 8) & 0xFF) ^ WB_AT(1, (a >> 16) & 0xFF)
+         ^ WB_AT(0, a >> 24);
 }
 
-/* the CRC of bytes [a, b) of a buffer of `len` bytes at `base`, shifted past the bytes after
-   them (x**(8 (len - b))): what XORed together over a buffer's stretches is its CRC */
-__device__ unsigned int wb_stretch(const unsigned int* T, const unsigned int* pows,
-        const unsigned char* base, long long len, long long a, long long b) {
-    const unsigned char* p = base + a;
-    const unsigned char* e = base + b;
+/* bytes [lo, hi) of a 16-byte word into the CRC, one by one */
+__device__ unsigned int wb_bytes(const unsigned int* T, unsigned int crc, uint4 w, int lo, int hi) {
+    unsigned int q[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        if (i >= lo && i < hi) crc = (crc >> 8) ^ WB_AT(0, (crc ^ (q[i / 4] >> (8 * (i % 4)))) & 0xFF);
+    return crc;
+}
+
+/* the CRC32C of bytes [p, e), at any address: device memory is read in aligned 16-byte words
+   only (a word holding bytes out of the range lies in the same allocation), each group of them
+   loaded before the first is used (the latency of device memory paid once per group) */
+__device__ unsigned int wb_crc(const unsigned int* T, const unsigned char* p,
+                               const unsigned char* e) {
     unsigned int crc = 0xFFFFFFFFu;
-    if (e - p == WB_FAST && !((unsigned long long)p & 15)) {
-        /* a whole aligned stretch, in groups of 16 words each loaded before the first is used
-           (the latency of device memory is paid once per group, not once per word) */
-        for (int g = 0; g < WB_FAST / 256; ++g, p += 256) {
-            uint4 w[16];
+    if (p >= e) return 0;
+    const uint4* w = (const uint4*)((unsigned long long)p & ~15ull);
+    const uint4* we = (const uint4*)(((unsigned long long)e + 15) & ~15ull);
+    int head = (int)((unsigned long long)p & 15), tail = (int)((unsigned long long)e & 15);
+    if (head) {  /* the word the range starts inside */
+        int hi = (w + 1 == we && tail) ? tail : 16;
+        crc = wb_bytes(T, crc, *w, head, hi);
+        if (++w == we) return crc ^ 0xFFFFFFFFu;
+    }
+    const uint4* full = tail ? we - 1 : we;  /* the whole words end here */
+    while (w < full) {
+        uint4 g[WB_GROUP];
+        long long left = full - w;
+        if (left >= WB_GROUP) {
 #pragma unroll
-            for (int k = 0; k < 16; ++k) w[k] = ((const uint4*)p)[k];
+            for (int k = 0; k < WB_GROUP; ++k) g[k] = w[k];
 #pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                crc = wb_step8(T, crc, w[k].x, w[k].y);
-                crc = wb_step8(T, crc, w[k].z, w[k].w);
+            for (int k = 0; k < WB_GROUP; ++k) {
+                crc = wb_step4(T, crc, g[k].x);
+                crc = wb_step4(T, crc, g[k].y);
+                crc = wb_step4(T, crc, g[k].z);
+                crc = wb_step4(T, crc, g[k].w);
             }
+            w += WB_GROUP;
+        } else {
+#pragma unroll
+            for (int k = 0; k < WB_GROUP; ++k) if (k < left) g[k] = w[k];
+#pragma unroll
+            for (int k = 0; k < WB_GROUP; ++k) if (k < left) {
+                crc = wb_step4(T, crc, g[k].x);
+                crc = wb_step4(T, crc, g[k].y);
+                crc = wb_step4(T, crc, g[k].z);
+                crc = wb_step4(T, crc, g[k].w);
+            }
+            w = full;
         }
     }
-    while (p < e && ((unsigned long long)p & 7)) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
-    while (e - p >= 8) {
-        unsigned long long w = *(const unsigned long long*)p;
-        crc = wb_step8(T, crc, (unsigned int)w, (unsigned int)(w >> 32));
-        p += 8;
-    }
-    while (p < e) crc = (crc >> 8) ^ T[(crc ^ *p++) & 0xFF];
-    crc ^= 0xFFFFFFFFu;
-    unsigned long long after = (unsigned long long)(len - b);
-    unsigned int x = 1u << 31;
-    for (int k = 3; after; after >>= 1, ++k)
-        if (after & 1) x = wb_multmodp(pows[k & 63], x);
-    return wb_multmodp(x, crc);
+    if (tail && w < we) crc = wb_bytes(T, crc, *w, 0, tail);  /* the word the range ends in */
+    return crc ^ 0xFFFFFFFFu;
 }
-
-#define WB_TABLES(tabs) \
-    __shared__ unsigned int T[8 * 256]; \
-    for (int i = threadIdx.x; i < 8 * 256; i += blockDim.x) T[i] = tabs[i]; \
-    __syncthreads();
 
 /* CRC32C of the buffers of rows [0, n) of a table `rows` (n x 4: pointer, length, slot, first
-   stretch of the row; `total` stretches of `sub` bytes in all), each XORed into `out[slot]`
-   (zeros before) */
-extern "C" __global__ void wb_crc32c_rows(const long long* rows, long long n, long long total,
-        long long sub, const unsigned int* tabs, const unsigned int* pows, unsigned int* out) {
-    WB_TABLES(tabs)
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < total;
-         c += (long long)gridDim.x * blockDim.x) {
-        long long lo = 0, hi = n - 1;  /* the row whose stretches hold c */
-        while (lo < hi) {
-            long long mid = (lo + hi + 1) / 2;
-            if (rows[4 * mid + 3] <= c) lo = mid; else hi = mid - 1;
+   stretch of the row; `total` stretches of `sub` bytes in all, counted from each buffer's end),
+   each XORed into `out[slot]` (zeros before); `zeros[j]`: x**(8 sub j) modulo the polynomial for
+   every j below a row's stretches. Blocks of whole warps; 4 * 256 * WB_COPIES words of dynamic
+   shared memory. */
+extern "C" __global__ void __launch_bounds__(1024) wb_crc32c_rows(const long long* rows,
+        long long n, long long total, long long sub, const unsigned int* tabs,
+        const unsigned int* zeros, unsigned int* out) {
+    WB_SHARED
+    for (int i = threadIdx.x; i < 4 * 256 * WB_COPIES; i += blockDim.x) wb_T[i] = tabs[i / WB_COPIES];
+    __syncthreads();
+    const unsigned int* T = wb_T + threadIdx.x % WB_COPIES;
+    const int lane = threadIdx.x & 31;
+    /* whole warps go round the loop together (their lanes' results are combined) */
+    for (long long base = (long long)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total;
+         base += (long long)gridDim.x * blockDim.x) {
+        long long c = base + lane, row = -1;
+        unsigned int v = 0;
+        if (c < total) {
+            long long lo = 0, hi = n - 1;  /* the row whose stretches hold c */
+            while (lo < hi) {
+                long long mid = (lo + hi + 1) / 2;
+                if (rows[4 * mid + 3] <= c) lo = mid; else hi = mid - 1;
+            }
+            const long long* r = rows + 4 * lo;
+            long long len = r[1], j = (len + sub - 1) / sub - 1 - (c - r[3]);  /* stretches after */
+            long long e = len - j * sub, a = e > sub ? e - sub : 0;
+            const unsigned char* base_p = (const unsigned char*)r[0];
+            v = wb_crc(T, base_p + a, base_p + e);
+            if (j) v = wb_multmodp(zeros[j], v);
+            row = lo;
         }
-        const long long* r = rows + 4 * lo;
-        long long len = r[1], a = (c - r[3]) * sub, b = a + sub < len ? a + sub : len;
-        atomicXor(&out[r[2]], wb_stretch(T, pows, (const unsigned char*)r[0], len, a, b));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        unsigned int peers = __match_any_sync(0xFFFFFFFFu, row);  /* lanes of the same buffer */
+        v = __reduce_xor_sync(peers, v);
+        if (row >= 0 && lane == __ffs(peers) - 1) atomicXor(&out[rows[4 * row + 2]], v);
+#else
+        if (row >= 0) atomicXor(&out[rows[4 * row + 2]], v);
+#endif
     }
 }
 """
@@ -203,13 +287,18 @@ class Launcher:
     Args:
         xp: CuPy.
         rows: the most buffers hashed between two :meth:`reset` calls.
+        sub: bytes per stretch (tests take short ones); ``copies``, ``group``: see
+            :data:`COPIES`, :data:`GROUP`.
     """
 
-    def __init__(self, xp, rows: int, *, sub: int = SUB):
+    def __init__(self, xp, rows: int, *, sub: int = SUB, copies: int = COPIES,
+                 group: int = GROUP):
         self.xp, self.sub, self.n = xp, sub, max(int(rows), 1)
+        self.variant = (int(copies), int(group))
         self._pinned = xp.cuda.alloc_pinned_memory(32 * self.n)
         self.host = np.frombuffer(self._pinned, np.int64, 4 * self.n).reshape(self.n, 4)
         self.dev = xp.zeros((self.n, 4), xp.int64)
+        self.zeros = None  # shifts(len, sub) on the device, grown to the longest buffer's
         self.used = 0
 
     def reset(self) -> None:
@@ -229,28 +318,39 @@ class Launcher:
         rows[:, :3] = bufs
         stretches = -(-rows[:, 1] // self.sub)
         rows[:, 3] = np.cumsum(stretches) - stretches
-        total = int(stretches.sum())
+        total, most = int(stretches.sum()), int(stretches.max())
         xp = self.xp
+        if self.zeros is None or self.zeros.size < most:  # the first update's, mostly
+            self.zeros = xp.asarray(shifts(max(1 << (most - 1).bit_length(), 1024), self.sub))
         stream = xp.cuda.get_current_stream()
         xp.cuda.runtime.memcpyAsync(self.dev[k0:].data.ptr, rows.ctypes.data, rows.nbytes,
                                     xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        tabs, pows = _device_tables(xp, out.device.id)
-        blocks = min(-(-total // _THREADS), 4096)
-        _kernel("wb_crc32c_rows")((blocks,), (_THREADS,), (self.dev[k0:], np.int64(k),
-                                                            np.int64(total), np.int64(self.sub),
-                                                            tabs, pows, out))
+        kernel, smem, blocks = _kernel(*self.variant, out.device.id)
+        tabs = _device_tables(xp, out.device.id)
+        kernel((min(-(-total // _THREADS), blocks),), (_THREADS,),
+               (self.dev[k0:], np.int64(k), np.int64(total), np.int64(self.sub), tabs,
+                self.zeros, out), shared_mem=smem)
         self.used += k
 
 
 @functools.lru_cache(maxsize=None)
 def _device_tables(xp, device: int):
-    return xp.asarray(tables().reshape(-1)), xp.asarray(powers())
+    return xp.asarray(tables()[:4].reshape(-1))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str):
+def _kernel(copies: int, group: int, device: int):
+    """The kernel for ``copies`` copies of its tables and loads of ``group`` words, its shared
+    memory and how many of its blocks the device holds at once (the launch's most: each then
+    loops over stretches)."""
     import cupy  # only CUDA buffers come here
 
-    k = cupy.RawKernel(kernel_source(), name)
+    k = cupy.RawKernel(f"#define WB_COPIES {copies}\n#define WB_GROUP {group}\n"
+                       + kernel_source(), "wb_crc32c_rows")
+    smem = 4 * 256 * copies * 4
+    k.max_dynamic_shared_size_bytes = smem
     k.compile()
-    return k
+    dev = cupy.cuda.Device(device)
+    per_sm = max(min(dev.attributes["MaxSharedMemoryPerMultiprocessor"] // (smem + 1024),
+                     dev.attributes["MaxThreadsPerMultiProcessor"] // _THREADS), 1)
+    return k, smem, per_sm * dev.attributes["MultiProcessorCount"]

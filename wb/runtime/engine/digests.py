@@ -17,10 +17,11 @@ where it went wrong.
 
 What it costs: one small message per pair of ranks (and hop) per update, and a pass over each message's
 bytes at each end: on the host by the ``crc32c`` library as soon as the message is posted or
-landed; on a GPU by one kernel launch per turn of the update loop over the messages of that turn (their
-stretches of 1 KiB hashed by threads of their own; the table of them copied from pinned
-memory, asynchronously), the CRCs copied back behind an event (:class:`_DeviceSums`: the loop never waits on the
-device for them). A forward of exactly its parent's bytes takes its parent's CRC. Both ends must agree to take them: the
+landed; on a GPU by one kernel launch per :data:`FLUSH_BYTES` of messages (or when the update
+loop is idle), on a stream of its own (their stretches of 1 KiB hashed by threads of their own; the table of
+them copied from pinned memory, asynchronously), the CRCs copied back behind an event
+(:class:`_DeviceSums`: the loop never waits on the device for them; staging they read goes back
+to the pool once they passed). A forward of exactly its parent's bytes takes its parent's CRC. Both ends must agree to take them: the
 transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
 connect` refuses peers that differ.
 """
@@ -35,7 +36,8 @@ from wb.errors import ChecksumError, TransferError
 from wb.runtime.engine import crc
 from wb.runtime.engine.frames import Frame
 
-__all__ = ["ChecksumError", "Routes", "Digests", "checksumming", "DIGEST_TAG", "OK", "CORRUPT"]
+__all__ = ["ChecksumError", "Routes", "Digests", "checksumming", "DIGEST_TAG", "OK", "CORRUPT",
+           "FLUSH_BYTES"]
 
 #: Digests' tags sit above every message's (a plan holds fewer than this many messages).
 DIGEST_TAG = 1 << 26
@@ -43,6 +45,8 @@ DIGEST_TAG = 1 << 26
 OK, CORRUPT = 0, 1
 _MAX_RANK = 1 << 20  # digest tags: DIGEST_TAG + hops * _MAX_RANK + sender, below 2**27
 _MAX_HOPS = 1 << 6
+#: A device launches its hashing once this many bytes are queued (or when nothing else moves).
+FLUSH_BYTES = 32 << 20
 
 
 def checksumming(transport) -> bool:
@@ -130,9 +134,7 @@ class Routes:
             return _HostSums(n)
         if self._device is None:
             self._device = _DeviceSums(xp, n)
-        self._device.values.fill(0)
-        self._device.pending = []
-        self._device.launcher.reset()
+        self._device.reset()
         return self._device
 
     @staticmethod
@@ -150,47 +152,85 @@ class _HostSums:
     def take(self, buf, slot: int) -> None:
         self.values[slot] = crc.host(buf)
 
-    def flush(self) -> None:
+    def flush(self, *, idle: bool = True) -> None:
         pass
 
     def fetch(self) -> None:
         """Nothing to wait for: ``None`` is a fetch that is done."""
         return None
 
+    def guard(self) -> None:
+        """Nothing reads a buffer after it was taken."""
+        return None
+
+    def passed(self, token) -> bool:
+        return True
+
     def read(self, slots: list[int]) -> list[int]:
         return self.values[slots].tolist()
 
 
 class _DeviceSums:
-    """CRCs of CUDA buffers: queued per unit, launched once per turn (:meth:`flush`, before any
-    buffer they read can go back to staging), copied to pinned host memory behind an event
-    (:meth:`fetch`): the update loop never waits on the device for them."""
+    """CRCs of CUDA buffers: queued per unit, launched in batches (:meth:`flush`: at least
+    :data:`FLUSH_BYTES`, or when the loop has nothing else to do, or when CRCs are wanted) on a
+    stream of their own (behind what the current stream queued so far: what wrote the buffers),
+    so that hashing overlaps the packing, unpacking and sending and costs few launches; copied
+    to pinned host memory behind an event (:meth:`fetch`): the update loop never waits on the
+    device for them. Staging they read goes back to the pool once its batch passed
+    (:meth:`guard`, :meth:`passed`)."""
 
     def __init__(self, xp, n: int):
-        self.xp, self.values, self.pending = xp, xp.zeros(max(n, 1), xp.uint32), []
+        self.xp, self.values = xp, xp.zeros(max(n, 1), xp.uint32)
         self._pinned = xp.cuda.alloc_pinned_memory(4 * max(n, 1))
         self.host = np.frombuffer(self._pinned, np.uint32, max(n, 1))
         self.launcher = crc.Launcher(xp, n)  # a unit is hashed once per update: n rows
+        self.stream = xp.cuda.Stream(non_blocking=True)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new update (the last one's fetches are done)."""
+        with self.stream:
+            self.values.fill(0)
+        self.pending, self.pending_bytes = [], 0
+        self.batches: list = []  # an event after each launched batch
+        self.launcher.reset()
 
     def take(self, buf, slot: int) -> None:
         self.pending.append((buf.__cuda_array_interface__["data"][0], int(buf.nbytes), slot))
+        self.pending_bytes += int(buf.nbytes)
 
-    def flush(self) -> None:
-        if self.pending:
-            self.launcher.launch(self.pending, self.values)
-            self.pending = []
+    def _event(self, stream):
+        ev = self.xp.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def flush(self, *, idle: bool = True) -> None:
+        """Launches the batch taken so far (unless it is short of :data:`FLUSH_BYTES` and not
+        ``idle``)."""
+        if self.pending and (idle or self.pending_bytes >= FLUSH_BYTES):
+            self.stream.wait_event(self._event(self.xp.cuda.get_current_stream()))
+            with self.stream:
+                self.launcher.launch(self.pending, self.values)
+            self.batches.append(self._event(self.stream))
+            self.pending, self.pending_bytes = [], 0
+
+    def guard(self):
+        """A token for the batch reading the buffers taken so far (:meth:`passed` says when it
+        has), or ``None`` when it has."""
+        token = len(self.batches) if self.pending else len(self.batches) - 1
+        return None if token < 0 or self.passed(token) else token
+
+    def passed(self, token: int) -> bool:
+        return token < len(self.batches) and self.batches[token].done
 
     def fetch(self):
         """Copies every CRC taken so far to the host behind an event (``.done`` once there)."""
         self.flush()
         xp = self.xp
-        stream = xp.cuda.get_current_stream()
         xp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.values.data.ptr,
                                     self.host.nbytes, xp.cuda.runtime.memcpyDeviceToHost,
-                                    stream.ptr)
-        ev = xp.cuda.Event(block=False, disable_timing=True)
-        ev.record(stream)
-        return ev
+                                    self.stream.ptr)
+        return self._event(self.stream)
 
     def read(self, slots: list[int]) -> list[int]:
         """CRCs of a fetch that is done."""
@@ -234,16 +274,20 @@ class Digests:
         self.sums.take(buf, self.r.slot[g.m])
         self.to_land[(g.peer, self.r.hop_of[g.m])] -= 1
 
-    def flush(self) -> None:
-        """Queues the hashing of what landed this turn (a device launch) before anything frees
-        the staging it reads."""
-        self.sums.flush()
+    def guard(self):
+        """A token to pass (:meth:`passed`) before staging taken so far may be written again
+        (``None``: now)."""
+        return self.sums.guard()
 
-    def turn(self) -> bool:
+    def passed(self, token) -> bool:
+        return self.sums.passed(token)
+
+    def turn(self, idle: bool) -> bool:
         """Checks the peers whose digest and units are all here, posts the digests that may go,
         takes completed ones; whether anything moved. The CRCs they need are fetched from the
-        device first (behind an event, never waited for here)."""
-        self.sums.flush()
+        device first (behind an event, never waited for here). Hashing queued on a device is
+        launched once enough is (or the loop is ``idle``)."""
+        self.sums.flush(idle=idle)
         moved = False
         if self.fetching is not None:
             ev, checks, sends = self.fetching

@@ -147,7 +147,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
             progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
             progressed |= u.take_device_work()
             if u.sums is not None:
-                progressed |= u.sums.turn()
+                progressed |= u.sums.turn(idle=not progressed)
             if u.finished():
                 break
             now = time.monotonic()
@@ -205,7 +205,7 @@ class _Update:
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
-                 "sums")
+                 "sums", "held")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool):
@@ -237,6 +237,7 @@ class _Update:
         # checksums (wb.runtime.engine.digests): what is sent and landed is hashed
         self.sums = (Digests(prog.routes, prog, mover, transport, tag_base)
                      if prog.routes is not None else None)
+        self.held: list[tuple[Any, Any]] = []  # (token, staging) still read by hashing
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -305,9 +306,8 @@ class _Update:
                 self.after(self.fence(), g, None)
             else:
                 buf = self.mover.pack(g)
-                if sums is not None:  # queued before the pack's event: the staging goes back
-                    sums.sent(g, buf)  # to the pool only once the send is done and it passed
-                    sums.flush()
+                if sums is not None:  # hashed this turn, behind the pack; the send does not
+                    sums.sent(g, buf)  # wait for it, the staging's reuse does (release)
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 self.after(self.fence(), g, buf)
@@ -332,11 +332,10 @@ class _Update:
         the unpacking passed its event) or, zero-copy, has landed."""
         got = self.inflight.completed(full=full)
         marks, sums = self.marks, self.sums
-        if sums is not None and got:  # hashed as landed, before unpacking frees the staging
+        if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
             for _, g, buf in got:
                 if not g.out:
                     sums.landed(g, buf if buf is not None else self.mover.target(g))
-            sums.flush()
         for req, g, buf in got:
             if g.out:
                 self.bytes_sent += g.nbytes
@@ -346,7 +345,7 @@ class _Update:
                 if buf is not None:
                     self.staged_send -= g.nbytes
                     self.packed_done.add(g.m)
-                    self.mover.release(buf)
+                    self.release(buf)
             elif buf is not None:
                 self.mover.unpack(g, buf)
                 self.after(self.fence(), g, buf)
@@ -355,7 +354,16 @@ class _Update:
         return bool(got)
 
     def take_device_work(self) -> bool:
-        """Does what follows each pack, unpack or local copy whose event has passed."""
+        """Does what follows each pack, unpack or local copy whose event has passed; gives back
+        the staging whose hashing has."""
+        if self.held:
+            passed, left = self.sums.passed, []
+            for token, buf in self.held:
+                if passed(token):
+                    self.mover.release(buf)
+                else:
+                    left.append((token, buf))
+            self.held = left
         if not self.fenced:
             return False
         waiting, passed = [], False
@@ -369,7 +377,7 @@ class _Update:
         return passed
 
     def finished(self) -> bool:
-        return (not len(self.inflight) and not self.fenced
+        return (not len(self.inflight) and not self.fenced and not self.held
                 and self.next_in == len(self.prog.staged_receives)
                 and self.sent_out == self.prog.n_out
                 and (self.sums is None or self.sums.finished()))
@@ -398,10 +406,19 @@ class _Update:
         else:
             self.landed(g, buf)
 
+    def release(self, buf) -> None:
+        """Staging back to the pool, once no hashing reads it (a receive may be posted into it at
+        once, outside any stream)."""
+        token = self.sums.guard() if self.sums is not None else None
+        if token is None:
+            self.mover.release(buf)
+        else:
+            self.held.append((token, buf))
+
     def landed(self, g, buf) -> None:
         if buf is not None:
             self.staged_recv -= g.nbytes
-            self.mover.release(buf)
+            self.release(buf)
         self.bytes_received += g.nbytes
         if g.__class__ is Frame:
             self.messages_received += len(g.members)
