@@ -1,4 +1,4 @@
-"""``python -m wb``: the command line (``demo``, ``plan``, ``bench``), the applications that sit above
+"""``python -m wb``: the command line (``demo``, ``plan``, ``bench``, ``check``), the applications that sit above
 the library and its shims (the only part of ``wb`` that imports ``wb_torch`` / ``wb_jax``, lazily)."""
 
 from __future__ import annotations
@@ -73,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare: also run wb's plan without its per-message checks "
                          "(checksums_ratio: wb's EWTT over that)")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ch = sub.add_parser("check", help="ask a running job's rollouts to check the weights they "
+                                      "serve against the trainers' (through their source maps); "
+                                      "exit 0 if every one matches")
+    ch.add_argument("--store", required=True, metavar="DIR|tcp://HOST:PORT",
+                    help="the job's store: a DirectoryStore's directory, or a torch TCPStore; "
+                         "signed with WB_JOB_KEY as the job's")
+    ch.add_argument("--name", default="wb", help="the job's name (Sender/Receiver name=; "
+                                                 "default wb)")
+    ch.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds to wait for every rollout's answer (default 120)")
+    ch.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     from wb.errors import SpecError
 
@@ -83,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "check":
+        from wb.cli.check import run_check
+
+        report = run_check(args.store, name=args.name, timeout=args.timeout, quiet=args.json)
+        if args.json:
+            print(json.dumps(report))
+        return 0 if report["ok"] else 1
     if args.command == "bench":
         from wb.cli.bench.runner import run_bench
 

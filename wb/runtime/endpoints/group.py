@@ -272,6 +272,11 @@ class SenderGroup:
         elements they published."""
         return sum(self._ranks.all(lambda s: s.claim(spec, **kw)))
 
+    def serve_checks(self, spec, **kw) -> None:
+        """Every rank answers weight checks asked from outside (see
+        :meth:`wb.Sender.serve_checks`: ``per_tensor``)."""
+        self._ranks.all(lambda s: s.serve_checks(spec, **kw))
+
     def wait(self) -> None:
         """Blocks until every rank's last pushed version is sent (see :meth:`wb.Sender.wait`)."""
         self._ranks.all(lambda s: s.wait())
@@ -409,6 +414,12 @@ class ReceiverGroup:
         maps = kw.pop("maps", None) or {}
         return dict(zip(self.workers, self._ranks.all(
             lambda w: w.check(spec, maps=maps.get(w.rank), **kw))))
+
+    def serve_checks(self, spec, **kw) -> None:
+        """Every rank answers weight checks asked from outside (see
+        :meth:`wb.Receiver.serve_checks`: ``per_tensor``; ``maps`` here by rank)."""
+        maps = kw.pop("maps", None) or {}
+        self._ranks.all(lambda w: w.serve_checks(spec, maps=maps.get(w.rank), **kw))
 
     def close(self) -> None:
         """Closes every rank's Receiver."""

@@ -29,7 +29,7 @@ from wb.runtime.endpoints.targets import Handoff, InPlace, Recycled, Target, all
 from wb.runtime.engine.buffers import aligned_empty, as_array
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
-from wb.runtime.endpoints import checks
+from wb.runtime.endpoints import asks, checks
 from wb.runtime.membership.joining import Admission, request_join
 
 __all__ = ["Receiver"]
@@ -236,6 +236,7 @@ class Receiver:
         self._next = self.version + 1  # the version the next apply() receives
         self._error: TransferError | None = None  # the failure every later call raises
         self._closed = False
+        self._desk: asks.Desk | None = None  # answers checks asked from outside (serve_checks)
         self._path.start(self._next)  # with staging, the first version lands from now
 
     @classmethod
@@ -387,7 +388,31 @@ class Receiver:
         self._end.record(v, time.perf_counter() - t0, moved)
         if not self._closed:
             self._path.start(v + 1)
+        if self._desk is not None:
+            self._desk.poll()
         return v
+
+    def serve_checks(self, spec, *, maps=None,
+                     per_tensor: int | None = checks.DEFAULT_PER_TENSOR) -> None:
+        """Answers weight checks asked for from outside the job (``python -m wb check``,
+        :mod:`wb.runtime.endpoints.asks`): at the first ``apply`` of a version every trainer
+        claimed after the ask, :meth:`check` (``maps``, ``per_tensor``: as there) and the
+        report published. Looks for one at each apply (a store read at most every second)."""
+        end = self._end
+
+        def act(n: int) -> dict | None:
+            v = self.version
+            since = asks.claimed_since(end.store, end.name, n, end.trainers)
+            if v <= 0 or since is None or since > v:
+                return None  # its trainers claim later versions: answered at one of those
+            rep = self.check(spec, maps=maps, per_tensor=per_tensor, timeout=30.0)
+            counts: dict[str, int] = {}
+            for t in rep.tensors.values():
+                counts[t.status] = counts.get(t.status, 0) + 1
+            return {"version": v, "ok": rep.ok, "counts": counts, "report": str(rep),
+                    "mismatched": rep.mismatched[:100], "seconds": round(rep.seconds, 3)}
+
+        self._desk = asks.Desk(end.store, end.name, self.rank, "rollout", act)
 
     def close(self) -> None:
         """Stops waiting for a next version and closes the transport."""

@@ -29,7 +29,7 @@ from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
-from wb.runtime.endpoints import checks
+from wb.runtime.endpoints import asks, checks
 
 __all__ = ["Sender"]
 
@@ -212,6 +212,7 @@ class Sender:
             raise
         self.version = 0
         self._closed = False
+        self._desk: asks.Desk | None = None
 
     @property
     def buffers(self) -> dict[str, Any]:
@@ -259,7 +260,24 @@ class Sender:
         self._end.announce(v)
         self.version = v
         self._path.send(v, self._live, t0, ready)
+        if self._desk is not None:
+            self._desk.poll()
         return v
+
+    def serve_checks(self, spec, *, per_tensor: int | None = checks.DEFAULT_PER_TENSOR) -> None:
+        """Answers weight checks asked for from outside the job (``python -m wb check``,
+        :mod:`wb.runtime.endpoints.asks`): while one is open, every push is claimed
+        (:meth:`claim` of what was sent, ``per_tensor`` elements per tensor, as the rollouts'
+        :meth:`wb.Receiver.serve_checks` must say). Looks for one at each push (a store read at
+        most every second)."""
+        since: dict[int, int] = {}  # ask -> the first version claimed for it
+
+        def act(n: int) -> dict:
+            count = self.claim(spec, per_tensor=per_tensor)
+            return {"version": self.version, "since": since.setdefault(n, self.version),
+                    "claimed": count}
+
+        self._desk = asks.Desk(self._end.store, self._end.name, self.rank, "trainer", act)
 
     def _exchange(self, v: int, keys: np.ndarray, amax: np.ndarray) -> tuple:
         """Publishes the ``amax`` of this worker's parts of blocks for version ``v`` and returns
