@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "serve against the trainers' (through their source maps); "
                                       "exit 0 if every one matches")
     ch.add_argument("--store", required=True, metavar="DIR|tcp://HOST:PORT",
-                    help="the job's store: a DirectoryStore's directory, or a torch TCPStore; "
-                         "signed with WB_JOB_KEY as the job's")
+                    help="the job's store: a DirectoryStore's directory (or dir:/path), or a "
+                         "torch TCPStore; signed with WB_JOB_KEY as the job's")
     ch.add_argument("--name", default="wb", help="the job's name (Sender/Receiver name=; "
                                                  "default wb)")
     ch.add_argument("--timeout", type=float, default=120.0,

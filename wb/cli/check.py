@@ -16,30 +16,22 @@ import time
 from wb.errors import SpecError, TransferError
 from wb.runtime.endpoints import asks
 from wb.runtime.transport.keyed import keyed
-from wb.runtime.transport.stores import DirectoryStore, TorchStore
 
 __all__ = ["open_store", "run_check"]
 
 
 def open_store(where: str):
-    """The job's store from the command line: a directory (``DirectoryStore``), or
-    ``tcp://HOST:PORT`` (a ``torch.distributed.TCPStore`` client, the keys under ``wb/`` as
-    ``wb.TorchStore`` puts them); signed with ``WB_JOB_KEY`` as the workers' are."""
-    if where.startswith("tcp://"):
-        host, _, port = where[len("tcp://"):].rpartition(":")
-        if not host or not port.isdigit():
-            raise SpecError(f"--store {where!r}: expected tcp://HOST:PORT")
-        from datetime import timedelta
+    """The job's store from the command line, signed with ``WB_JOB_KEY`` as the workers' are:
+    ``tcp://HOST:PORT`` or ``dir:/path`` as :func:`wb_vllm.trainer.open_store` takes them, or a
+    bare directory (a ``wb.DirectoryStore``)."""
+    from wb_vllm.trainer import open_store as by_url  # imports neither vLLM nor torch
 
-        import torch.distributed as dist  # the command line may import the frameworks
-
-        raw = TorchStore(dist.TCPStore(host, int(port), is_master=False,
-                                       timeout=timedelta(seconds=30)))
-    else:
+    if not where.startswith(("tcp://", "dir:")):
         if not os.path.isdir(where):
-            raise SpecError(f"--store {where!r}: no such directory (the job's DirectoryStore)")
-        raw = DirectoryStore(where)
-    return keyed(raw)
+            raise SpecError(f"--store {where!r}: no such directory (the job's DirectoryStore), "
+                            f"nor tcp://HOST:PORT")
+        where = "dir:" + where
+    return keyed(by_url(where))
 
 
 def run_check(where: str, *, name: str = "wb", timeout: float = 120.0,
