@@ -62,7 +62,7 @@ def _launch(lib, bufs, sub):
     stretches = -(-rows[:, 1] // sub)
     rows[:, 3] = np.cumsum(stretches) - stretches
     out = np.zeros(n, np.uint32)
-    tabs = crc.tables()[:4].reshape(-1).copy()
+    tabs = crc.tables().reshape(-1).copy()
     zeros = crc.shifts(int(stretches.max()) + 1, sub)
     total = int(stretches.sum()) if live else 0
     p = ctypes.c_void_p

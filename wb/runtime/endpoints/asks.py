@@ -148,12 +148,11 @@ def gather(store, name: str, n: int, ranks: dict[int, str], *, timeout: float,
     rollouts = {r for r, role in ranks.items() if role == "rollout"}
     deadline = time.monotonic() + timeout
     while True:
-        for r in ranks:
+        for r in ranks.keys() - got.keys():  # a trainer's first answer says what it claims
             raw = _try(store, _key(name, "answer", n, r))
-            if raw is not None and (r not in got or r in rollouts):
-                new = r not in got
+            if raw is not None:
                 got[r] = json.loads(raw)
-                if new and on_answer is not None:
+                if on_answer is not None:
                     on_answer(r, got[r])
         if rollouts <= got.keys() or time.monotonic() > deadline:
             break

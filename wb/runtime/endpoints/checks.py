@@ -141,15 +141,20 @@ class CheckReport(NamedTuple):
         return "mismatch" not in st and "ok" in st
 
     @property
+    def counts(self) -> dict[str, int]:
+        """``{status: tensors}``."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.status] = out.get(t.status, 0) + 1
+        return out
+
+    @property
     def mismatched(self) -> list[str]:
         return [n for n, t in self.tensors.items() if t.status == "mismatch"]
 
     def __str__(self) -> str:
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            counts[t.status] = counts.get(t.status, 0) + 1
         lines = [f"rank {self.rank}, version {self.version}: "
-                 + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                 + ", ".join(f"{n} {s}" for s, n in sorted(self.counts.items()))
                  + f" ({self.seconds:.2f} s)"]
         for name in self.mismatched[:8]:
             i, buf, want, got = self.tensors[name].first_bad

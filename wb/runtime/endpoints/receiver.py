@@ -406,10 +406,7 @@ class Receiver:
             if v <= 0 or since is None or since > v:
                 return None  # its trainers claim later versions: answered at one of those
             rep = self.check(spec, maps=maps, per_tensor=per_tensor, timeout=30.0)
-            counts: dict[str, int] = {}
-            for t in rep.tensors.values():
-                counts[t.status] = counts.get(t.status, 0) + 1
-            return {"version": v, "ok": rep.ok, "counts": counts, "report": str(rep),
+            return {"version": v, "ok": rep.ok, "counts": rep.counts, "report": str(rep),
                     "mismatched": rep.mismatched[:100], "seconds": round(rep.seconds, 3)}
 
         self._desk = asks.Desk(end.store, end.name, self.rank, "rollout", act)

@@ -63,15 +63,15 @@ def load() -> None:
 
 @functools.lru_cache(maxsize=None)
 def tables() -> np.ndarray:
-    """The ``(8, 256)`` slice-by-8 tables: row 0 the byte-wise table, row ``k`` the CRC of a byte
+    """The ``(4, 256)`` slice-by-4 tables: row 0 the byte-wise table, row ``k`` the CRC of a byte
     followed by ``k`` zero bytes."""
-    t = np.zeros((8, 256), np.uint32)
+    t = np.zeros((4, 256), np.uint32)
     for i in range(256):
         c = i
         for _ in range(8):
             c = (c >> 1) ^ (POLY if c & 1 else 0)
         t[0, i] = c
-    for k in range(1, 8):
+    for k in range(1, 4):
         prev = t[k - 1]
         t[k] = (prev >> 8) ^ t[0][prev & 0xFF]
     return t
@@ -335,7 +335,7 @@ class Launcher:
 
 @functools.lru_cache(maxsize=None)
 def _device_tables(xp, device: int):
-    return xp.asarray(tables()[:4].reshape(-1))
+    return xp.asarray(tables().reshape(-1))
 
 
 @functools.lru_cache(maxsize=None)

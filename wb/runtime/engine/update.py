@@ -306,8 +306,8 @@ class _Update:
                 self.after(self.fence(), g, None)
             else:
                 buf = self.mover.pack(g)
-                if sums is not None:  # hashed this turn, behind the pack; the send does not
-                    sums.sent(g, buf)  # wait for it, the staging's reuse does (release)
+                if sums is not None:  # hashed in a later batch, behind the pack; the send does
+                    sums.sent(g, buf)  # not wait for it, the staging's reuse does (release)
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 self.after(self.fence(), g, buf)
