@@ -17,10 +17,13 @@ from harness.multiproc import run_ranks  # noqa: E402
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("staging_bytes", [256 << 20, 2048])
-def test_cuda_buffers_end_to_end_bit_identical(tmp_path, staging_bytes):
+@pytest.mark.parametrize("ipc", ["cuda", "off"])
+def test_cuda_buffers_end_to_end_bit_identical(tmp_path, monkeypatch, staging_bytes, ipc):
     """Also with staging for a few messages at a time: each buffer goes back to the pool and
     is received into again while the checksums' stream may still be hashing it (they hold it
-    until their event passes)."""
+    until their event passes). One-sided between the processes (the default) and over UCX
+    tags."""
+    monkeypatch.setenv("WB_IPC", ipc)
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_plan import deployment
@@ -42,5 +45,5 @@ def test_torch_sender_receiver_on_cuda_tensors(tmp_path, staging):
     from harness.cuda import cuda_sender_receiver_child, run_pair
 
     res = run_pair(cuda_sender_receiver_child, tmp_path, {"staging": staging, "versions": 3})
-    assert all(r["ok"] for r in res), res
+    assert all(r["ok"] for r in res), [(r.get("error"), r.get("trace", "")[-2000:]) for r in res]
     assert res[1]["checks"] == [True] * 3 and res[1]["same_ptr"] == [True] * 3

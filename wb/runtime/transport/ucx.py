@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from wb.errors import AuthError, TransferError
+from wb.runtime.transport.ipc import Channel, CudaMemory, HostMemory, host_id
 from wb.runtime.transport.keyed import KeyedStore, challenge, keyed, tag_secret
 from wb.runtime.transport.stores import Store
 
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 _GPU_TLS = "cuda_ipc,cuda_copy,"
 _PROGRESS = ("polling", "blocking", "caller")  # who progresses the worker (UcxTransport)
+_IPC = ("cuda", "host", "off")  # how messages move within a host (UcxTransport)
 _TICK_S = 5e-6  # a request's done() progresses the worker at most this often (progress="caller")
 _CLOSE_WAIT_S = 10.0  # for peers to close their endpoints, once all are done (they close at once)
 
@@ -155,12 +157,20 @@ class UcxTransport:
             key (:func:`~wb.runtime.transport.keyed.tag_secret`), so a process without it can
             neither reach a worker (no signed address) nor address a message to one of its
             receives.
+        ipc: how messages move between processes of this host: ``"cuda"`` (CUDA buffers
+            one-sided, through CUDA IPC handles: :mod:`~wb.runtime.transport.ipc`), ``"host"``
+            (host buffers one-sided, with ``process_vm_readv``) or ``"off"`` (every message a
+            UCX tag message). Default: the environment's ``WB_IPC``, else ``"cuda"`` with
+            ``cuda_device`` and ``"off"`` without. A pair of ranks goes one-sided only where
+            both chose the same and share the host; other messages, and whatever cannot go
+            one-sided, are UCX tag messages.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
                  timeout: float = 60.0, cuda_device: int | None = None,
                  polling: bool | None = None, progress: str | None = None,
-                 checksums: bool | None = None, key: bytes | str | None = None):
+                 checksums: bool | None = None, key: bytes | str | None = None,
+                 ipc: str | None = None):
         self.rank, self.session, self.timeout = int(rank), session, timeout
         self.store = keyed(store, key)
         self._secret = tag_secret(self.store, session)
@@ -178,6 +188,17 @@ class UcxTransport:
             raise TransferError(f"UcxTransport: progress={progress!r} (or WB_UCX_PROGRESS) must "
                                 f"be one of {', '.join(_PROGRESS)}")
         self.progress_mode = progress
+        ipc = ipc or os.environ.get("WB_IPC") or ("cuda" if cuda_device is not None else "off")
+        ipc = {"0": "off", "1": "cuda" if cuda_device is not None else "host"}.get(ipc, ipc)
+        if ipc not in _IPC or (ipc == "cuda" and cuda_device is None):
+            raise TransferError(f"UcxTransport: ipc={ipc!r} (or WB_IPC) must be one of "
+                                f"{', '.join(_IPC)}; 'cuda' needs cuda_device")
+        if ipc == "host" and not cma_usable():
+            log.info("rank %d: ipc='host' needs process_vm_readv, refused here: off", rank)
+            ipc = "off"
+        self.ipc_mode = ipc
+        self._ipc: Channel | None = None
+        self._ipc_peers: dict[int, bool] = {}
         self.polling = progress == "polling"
         self._last_tick = 0.0
         self.tls = tls or default_tls()
@@ -203,6 +224,8 @@ class UcxTransport:
             self._start()
         else:
             self._round += 1
+            if self._ipc is not None:
+                self._ipc.new_round()
         self.store.set(f"{self.session}/hello/{self._round}/{self.rank}", hello)
         # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
         # plan) before any endpoint exists.
@@ -242,6 +265,12 @@ class UcxTransport:
         if not caller:
             self._worker.start_progress_thread(polling_mode=self.polling)
         self._round = 0
+        if self.ipc_mode != "off":
+            self._ipc = Channel(self, CudaMemory(self.cuda_device) if self.ipc_mode == "cuda"
+                                else HostMemory())
+        self.store.set(f"{self.session}/ipc/{self.rank}", json.dumps(
+            {"host": host_id(), "memory": self.ipc_mode,
+             "seq0": self._ipc.seq0 if self._ipc is not None else 0}).encode())
         self.store.set(f"{self.session}/addr/{self.rank}", self._worker.address.tobytes())
         log.info("rank %d: UCX %s, TLS=%s, progress %s", self.rank, self._api.get_ucx_version(),
                  self.tls, self.progress_mode)
@@ -275,6 +304,11 @@ class UcxTransport:
         if self._worker is None:
             return
         all_done = False
+        if self._ipc is not None:  # its copies finish and its mappings close while peers live
+            self._ipc.close()
+        if self.progress_mode == "caller":  # the barrier, then closing, need the worker progressed
+            # (a peer's last message may wait for an acknowledgement this worker still sends)
+            self._worker.start_progress_thread(polling_mode=False)
         try:
             if barrier:  # peers may still be receiving what UCX already counts as sent
                 self.store.set(f"{self.session}/done/{self.rank}", b"1")
@@ -286,8 +320,6 @@ class UcxTransport:
                                             f"of the plan within {self.timeout:.1f} s") from e
                 all_done = True
         finally:
-            if self.progress_mode == "caller":  # closing needs the worker progressed meanwhile
-                self._worker.start_progress_thread(polling_mode=False)
             # Endpoints close through the progress thread (delayed submission): close them while
             # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
             closed = threading.Semaphore(0)
@@ -311,6 +343,7 @@ class UcxTransport:
             self._worker.stop_progress_thread()
             self._worker = self._ctx = None
             self._posted, self._abandoned = weakref.WeakSet(), []  # no worker writes any more
+            self._ipc, self._ipc_peers = None, {}
 
     def _closed_barrier(self) -> None:
         # A peer that stops its worker while an endpoint of this rank to it still flushes on
@@ -340,6 +373,8 @@ class UcxTransport:
             self._worker.cancel_inflight_requests()
         self._abandoned = [r for r in (*self._abandoned, *self._posted) if not r.req.completed]
         self._posted = weakref.WeakSet()
+        if self._ipc is not None:
+            self._ipc.cancel()
 
     def add_peers(self, peers: Iterable[int]) -> None:
         """Allows sends and receives with ``peers`` too (ranks of the same session, whose
@@ -355,6 +390,10 @@ class UcxTransport:
             ep = self._eps.pop(p, None)
             if ep is not None:  # closed with the others, while the progress thread runs
                 self._stale.append(ep)
+        if self._ipc is not None:
+            self._ipc.forget(gone)
+        for p in gone:  # a process that takes the rank later is met anew (its own record)
+            self._ipc_peers.pop(p, None)
 
     # --- transfers -----------------------------------------------------------------------------
     def _ep(self, peer: int):
@@ -398,11 +437,32 @@ class UcxTransport:
             return ""
         return f" (UCX address sha256 {hashlib.sha256(raw).hexdigest()[:16]})"
 
-    def send(self, peer: int, buf, tag: int) -> _UcxRequest:
+    def send(self, peer: int, buf, tag: int):
+        if self._ipc is not None and self._one_sided(peer):
+            return self._ipc.send(peer, buf, tag)
         return self._post("send", peer, buf, tag)
 
-    def recv(self, peer: int, buf, tag: int) -> _UcxRequest:
+    def recv(self, peer: int, buf, tag: int):
+        if self._ipc is not None and self._one_sided(peer):
+            return self._ipc.recv(peer, buf, tag)
         return self._post("recv", peer, buf, tag)
+
+    def _one_sided(self, peer: int) -> bool:
+        """Whether messages with ``peer`` go through the one-sided channel: both chose the same
+        kind and share this host (both ranks decide alike from both records)."""
+        ok = self._ipc_peers.get(peer)
+        if ok is None:
+            if peer not in self._peers:
+                raise TransferError(f"rank {self.rank} is not connected to peer {peer}; pass it "
+                                    f"to connect()")
+            theirs = json.loads(self._get(f"ipc/{peer}", peer))
+            ok = self._ipc_peers[peer] = (theirs.get("memory") == self.ipc_mode
+                                          and theirs.get("host") == host_id())
+            if ok:
+                self._ipc.meet(peer, int(theirs["seq0"]))
+                log.info("rank %d: messages with peer %d go one-sided (%s)", self.rank, peer,
+                         self.ipc_mode)
+        return ok
 
     def _post(self, what: str, peer: int, buf, tag: int) -> _UcxRequest:
         from ucxx._lib.arr import Array
@@ -422,5 +482,6 @@ class UcxTransport:
     def describe(self) -> str:
         cuda = bool(self._ctx.cuda_support) if self._ctx is not None else None
         return json.dumps({"transport": "ucx", "rank": self.rank, "tls": self.tls,
-                           "progress": self.progress_mode,
+                           "progress": self.progress_mode, "ipc": self.ipc_mode,
+                           "one_sided": self._ipc.describe() if self._ipc is not None else None,
                            "cuda_support": cuda, "peers": self._peers})

@@ -1,0 +1,120 @@
+"""UcxTransport's one-sided channel (wb.runtime.transport.ipc) on hosts: the same protocol as
+between GPUs (notes in batches, the receiver copies, acks in batches, fallbacks over UCX), with
+host memory read by ``process_vm_readv``; between spawned processes over UCX on loopback."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx")
+
+from harness.ipc import run_pair  # noqa: E402
+from wb.runtime.transport.ucx import cma_usable  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cma_usable(), reason="process_vm_readv refused here")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late", [False, True], ids=["receives-first", "notes-first"])
+def test_messages_arrive_exactly_one_sided(tmp_path, late):
+    """300 messages of 1 byte to 4 MiB from random offsets into others: every byte exact; each
+    went one-sided (the receiver copied it) and the sender saw it acknowledged."""
+    res = run_pair(str(tmp_path), ipc="host", count=300, cuda=None, late=late)
+    assert all("error" not in r for r in res), res
+    assert res[1]["exact"]
+    assert res[0]["counts"] == res[1]["counts"] == {"one_sided": 300, "over_ucx": 0, "nacked": 0}
+
+
+@pytest.mark.timeout(120)
+def test_without_one_sided_the_same_messages_go_over_ucx_tags(tmp_path):
+    res = run_pair(str(tmp_path), ipc="off", count=60, cuda=None, late=False)
+    assert all("error" not in r for r in res), res
+    assert res[1]["exact"] and res[0]["counts"] is None
+
+
+@pytest.mark.timeout(120)
+def test_memory_the_receiver_cannot_read_is_nacked_and_sent_over_ucx(tmp_path, monkeypatch):
+    """Two ranks in threads of one process, the receiver unable to read any note's memory (as
+    when CUDA refuses to open a handle): each message is nacked, then sent over UCX tags; every
+    byte still exact."""
+    from wb.runtime.transport import ipc
+
+    monkeypatch.setattr(ipc.HostMemory, "copy", lambda *a, **k: None)
+    res = run_pair(str(tmp_path), threads=True, ipc="host", count=40, cuda=None, late=False)
+    assert all("error" not in r for r in res), res
+    assert res[1]["exact"]
+    assert res[1]["counts"] == {"one_sided": 0, "over_ucx": 0, "nacked": 40}
+    # the first nack marks the sender's memory refused: the rest go over UCX without a note's
+    # round trip, or after their own nack when already noted
+    assert res[0]["counts"]["over_ucx"] == 40
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_of_another_size_is_refused_at_both_ends(tmp_path):
+    import threading
+
+    from wb.errors import TransferError
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    store = DirectoryStore(str(tmp_path))
+    t = [UcxTransport(r, store, session="sz", timeout=20, ipc="host") for r in (0, 1)]
+    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    try:
+        s = t[0].send(1, np.ones(100, np.uint8), 5)
+        r = t[1].recv(0, np.zeros(90, np.uint8), 5)
+        errors = {}
+        for _ in range(100000):
+            for name, q in (("send", s), ("recv", r)):
+                if name not in errors:
+                    try:
+                        q.done()
+                    except TransferError as e:
+                        errors[name] = str(e)
+            if len(errors) == 2:
+                break
+        assert "90 bytes, the peer sent 100" in errors["recv"]
+        assert "not 100 bytes" in errors["send"]
+    finally:
+        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
+        [th.start() for th in ths]
+        [th.join() for th in ths]
+
+
+@pytest.mark.timeout(180)
+def test_a_plan_runs_bit_identical_one_sided(tmp_path, monkeypatch):
+    """The executor's own messages (packed, zero-copy, forwards, frames, digests) one-sided
+    between spawned processes: every rollout buffer bit-identical."""
+    import sys
+    from pathlib import Path
+
+    import wb
+    from harness.multiproc import run_ranks
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_plan import deployment
+
+    monkeypatch.setenv("WB_IPC", "host")
+    trainers, rollouts = deployment()
+    p = wb.plan(trainers, rollouts, chunk_bytes=256)
+    p.save(tmp_path / "plan.npz")
+    ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
+    run = run_ranks(str(tmp_path / "plan.npz"), ranks, str(tmp_path), options={"timeout": 60})
+    assert all(run.results[r] and run.results[r]["ok"] for r in ranks), run.results
+    assert all(run.results[lay.worker.rank]["bit_identical"] for lay in rollouts)
+
+
+@pytest.mark.timeout(120)
+def test_a_send_over_ucx_done_at_once_still_cues_its_receiver(tmp_path, monkeypatch):
+    """Memory that cannot be exported goes as a UCX send, which may be done as soon as posted (a
+    small eager message): its note, the receiver's cue to post the receive, must go out at
+    once, not at a later pump that a finished update never makes."""
+    from wb.runtime.transport import ipc
+
+    monkeypatch.setattr(ipc.HostMemory, "export", lambda self, buf: None)
+    # seed 25: three messages of 641-2,223 bytes (eager: done as posted)
+    res = run_pair(str(tmp_path), threads=True, ipc="host", count=3, cuda=None, late=True,
+                   seed=25)
+    assert all("error" not in r for r in res), res
+    assert res[1]["exact"] and res[1]["counts"]["over_ucx"] == 3

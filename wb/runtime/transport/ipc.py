@@ -1,0 +1,570 @@
+"""One-sided moves between the processes of one host: a sender says where its bytes are, the
+receiver copies them itself, and both sides trade those notes in batches.
+
+A tagged message through UCX's rendezvous costs two control messages of its own (the sender's
+"ready to send" and the receiver's "done"), over TCP between the processes of a host (UCX's
+shared-memory rings are left out: :mod:`~wb.runtime.transport.ucx`), and a CUDA one some 20 us
+of the caller's time: a rollout rank posting hundreds per update spends longer posting than the
+bytes take to move. :class:`Channel` carries the same messages with the same tags and the same
+:class:`~wb.runtime.transport.Request` semantics, but
+
+- a send only notes ``(tag, bytes, where they are)``: an exported handle of the memory that holds
+  them (CUDA IPC; a process id and address on hosts, read with ``process_vm_readv``);
+- every turn of the caller's loop, the notes gathered for a peer go as one small control message
+  (a *batch*), over UCX tags;
+- the receiver matches each note with its posted receive (whichever came first), opens the handle
+  once (cached by its bytes: a new allocation at an old address has another handle), and copies
+  the bytes on a stream of its own per sender (CUDA: ``cudaMemcpyAsync`` behind no one, an event
+  per message); a receive completes when its copy has;
+- the receiver's acknowledgements go back in batches too; a send completes with its ack, so the
+  sender never reuses memory a peer may still read.
+
+Whatever cannot go one-sided still moves, over plain UCX tag messages, and says so in its note:
+memory that cannot be exported (host memory under CUDA, memory the driver will not export such
+as virtual-memory allocations) goes as a UCX send at once; a handle the receiver cannot open (no
+peer access between the devices, another IPC namespace, a peer in the same process) is answered
+with a *nack*, after which the sender sends that message, and every later one from the same
+allocation, over UCX, and logs it once.
+
+Nothing here is sent unsigned or unkeyed: control messages are UCX tag messages of the owning
+transport (tags XORed with the job key's secret), and the handles travel only inside them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from wb.errors import TransferError
+
+__all__ = ["Channel", "CudaMemory", "HostMemory", "host_id", "CTRL_TAG"]
+
+log = logging.getLogger(__name__)
+
+#: Tags of control messages: bit 62 (updates use bits 0-61 for versions below 2**30; the key's
+#: challenge bit 63), the sending rank in bits 32-61, a sequence number below.
+CTRL_TAG = 1 << 62
+CTRL_BYTES = 64 << 10  # a control receive (kept posted); what is sent stays below EAGER_BYTES
+#: Control messages stay below UCX's rendezvous threshold (ucxx sets 8 KiB), so each goes out
+#: eagerly when posted: a rendezvous one would need this side to progress UCX again, and a
+#: side whose update is over may not until its next one, while its peer waits for the acks.
+EAGER_BYTES = 8000
+WINDOW = 8  # control receives kept posted per peer
+FLUSH_ROWS = 64  # notes gathered for one peer before they go whatever the caller does
+HANDLE_BYTES = 64  # a cudaIpcMemHandle_t
+_PUMP_S = 5e-6  # a request's done() runs the channel at most this often
+
+# the rows of a control message: notes of sends, acknowledgements of receives
+ROW = np.dtype([("tag", "<u8"), ("nbytes", "<u8"), ("offset", "<u8"), ("handle", "<u4"),
+                ("kind", "<u4")])
+HEADER = struct.Struct("<II")  # rows, handles
+NOTE_IPC, NOTE_UCX, ACK_OK, ACK_NACK, ACK_SIZE = 1, 2, 3, 4, 5
+# CUpointer_attribute values (cuda.h)
+_BUFFER_ID, _RANGE_START, _RANGE_SIZE = 7, 11, 12
+
+
+def _rndv_thresh() -> int:
+    """UCX's rendezvous threshold as the environment sets it (bytes; ``k``/``m`` suffixes), or
+    :data:`EAGER_BYTES` plus a margin where unset or ``auto``."""
+    v = os.environ.get("UCX_RNDV_THRESH", "").strip().lower().rstrip("b")
+    mult = {"k": 1 << 10, "m": 1 << 20}.get(v[-1:], 1)
+    digits = v[:-1] if mult > 1 else v
+    return int(digits) * mult if digits.isdigit() else EAGER_BYTES + 64
+
+
+def host_id() -> str:
+    """This host, as processes that can share memory see it: its name and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+class _Iov(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class HostMemory:
+    """Host buffers of another process, read with ``process_vm_readv`` (UCX's ``cma``; needs
+    :func:`~wb.runtime.transport.ucx.cma_usable`). Copies are synchronous: each completes before
+    the call returns."""
+
+    name = "host"
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._pid = os.getpid()
+
+    def export(self, buf) -> tuple[bytes, int] | None:
+        ai = getattr(buf, "__array_interface__", None)
+        if ai is None or getattr(buf, "__cuda_array_interface__", None) is not None:
+            return None
+        return struct.pack("<q", self._pid).ljust(HANDLE_BYTES, b"\0"), int(ai["data"][0])
+
+    def open(self, handle: bytes) -> Any:
+        return struct.unpack_from("<q", handle)[0]
+
+    def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
+        """Copies ``nbytes`` at ``offset`` of the opened memory into ``buf``: a token for
+        :meth:`passed`, or ``None`` where the memory cannot be read (the caller falls back)."""
+        dst = int(buf.__array_interface__["data"][0])
+        done = 0
+        while done < nbytes:
+            local = _Iov(dst + done, nbytes - done)
+            remote = _Iov(offset + done, nbytes - done)
+            n = self._libc.process_vm_readv(int(opened), ctypes.byref(local), 1,
+                                            ctypes.byref(remote), 1, 0)
+            if n <= 0:
+                log.info("process_vm_readv from pid %s failed: errno %d", opened, ctypes.get_errno())
+                return None
+            done += n
+        return True
+
+    def passed(self, token) -> bool:
+        return True
+
+    def new_round(self) -> None:
+        pass
+
+    def wait_all(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CudaMemory:
+    """CUDA buffers of other processes of this host, through legacy CUDA IPC handles (CuPy's
+    runtime calls; the allocation's range and buffer id from the driver): exported once per
+    allocation (checked again once a round), opened once per handle, copied by ``cudaMemcpyAsync`` on a stream per sending peer,
+    an event per copy."""
+
+    name = "cuda"
+
+    def __init__(self, device: int):
+        import cupy
+
+        self.cp, self.device = cupy, int(device)
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        attrs = self._cuda.cuPointerGetAttributes
+        attrs.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                          ctypes.c_uint64]
+        self._attrs = attrs
+        # this process's exports, by allocation: starts (sorted), and for each its end, handle,
+        # buffer id and the round it was last checked in
+        self._starts: list[int] = []
+        self._exports: dict[int, list] = {}
+        self._round = 0
+        self._opened: dict[bytes, int] = {}  # handle -> mapped start
+        self._used: set[bytes] = set()  # handles copied from since the last round
+        self._streams: dict[int, Any] = {}
+        self._events: list = []  # free events
+
+    def _describe(self, ptr: int) -> tuple[int, int, int] | None:
+        """(start, size, buffer id) of the allocation holding ``ptr``: one driver call."""
+        kinds = (ctypes.c_int * 3)(_BUFFER_ID, _RANGE_START, _RANGE_SIZE)
+        bid, start, size = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+        out = (ctypes.c_void_p * 3)(ctypes.addressof(bid), ctypes.addressof(start),
+                                    ctypes.addressof(size))
+        if self._attrs(3, kinds, out, ctypes.c_uint64(ptr)) != 0 or not size.value:
+            return None
+        return start.value, size.value, bid.value
+
+    def export(self, buf) -> tuple[bytes, int] | None:
+        cai = getattr(buf, "__cuda_array_interface__", None)
+        if cai is None:
+            return None
+        ptr = int(cai["data"][0])
+        k = bisect.bisect_right(self._starts, ptr) - 1
+        if k >= 0:
+            start = self._starts[k]
+            end, handle, bid, checked = self._exports[start]
+            if ptr < end:
+                if checked == self._round:
+                    return handle, ptr - start
+                # first use this round: still the same allocation? (another at the same address
+                # has another buffer id, and another handle)
+                now = self._describe(ptr)
+                if now is not None and now[0] == start and now[2] == bid:
+                    self._exports[start][3] = self._round
+                    return handle, ptr - start
+        got = self._describe(ptr)
+        if got is None:
+            return None
+        start, size, bid = got
+        try:
+            handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(start))
+        except Exception as e:  # noqa: BLE001 - not exportable (e.g. a VMM allocation): UCX
+            log.info("CUDA memory at %#x cannot be exported (%s): sent over UCX", ptr, e)
+            return None
+        # drop exports this allocation overlaps (freed ones whose addresses it reuses)
+        for s in [s for s in self._starts if s < start + size and self._exports[s][0] > start]:
+            self._starts.remove(s)
+            del self._exports[s]
+        bisect.insort(self._starts, start)
+        self._exports[start] = [start + size, handle, bid, self._round]
+        return handle, ptr - start
+
+    def open(self, handle: bytes) -> Any:
+        start = self._opened.get(handle)
+        if start is None:
+            try:
+                start = self.cp.cuda.runtime.ipcOpenMemHandle(handle, 1)  # lazy peer access
+            except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
+                log.info("a peer's CUDA IPC handle cannot be opened here (%s)", e)
+                return None
+            self._opened[handle] = start
+        self._used.add(handle)
+        return start
+
+    def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
+        cp = self.cp
+        stream = self._streams.get(peer)
+        if stream is None:
+            with cp.cuda.Device(self.device):
+                stream = self._streams[peer] = cp.cuda.Stream(non_blocking=True)
+        cai = getattr(buf, "__cuda_array_interface__", None)
+        dst = int(cai["data"][0]) if cai is not None else int(buf.__array_interface__["data"][0])
+        try:
+            cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)  # default
+            event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
+            event.record(stream)
+        except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
+            log.info("a CUDA IPC copy from peer %d failed (%s)", peer, e)
+            return None
+        return event
+
+    def passed(self, token) -> bool:
+        if token.done:
+            self._events.append(token)
+            return True
+        return False
+
+    def wait_all(self) -> None:
+        for s in self._streams.values():
+            s.synchronize()
+
+    def new_round(self) -> None:
+        """Checks this process's exports again at first use (allocations may have changed since)
+        and closes the
+        handles no copy used since the last round (after every copy has finished)."""
+        self._round += 1
+        stale = [h for h in self._opened if h not in self._used]
+        if stale:
+            self.wait_all()
+            for h in stale:
+                self._close(h)
+        self._used = set()
+
+    def _close(self, handle: bytes) -> None:
+        start = self._opened.pop(handle)
+        try:
+            self.cp.cuda.runtime.ipcCloseMemHandle(start)
+        except Exception:  # noqa: BLE001 - closing anyway (its process may be gone)
+            log.debug("closing a CUDA IPC mapping failed", exc_info=True)
+
+    def close(self) -> None:
+        self.wait_all()
+        for h in list(self._opened):
+            self._close(h)
+
+
+class _Req:
+    """A send or receive through a :class:`Channel`: pending, done, failed, or handed to UCX."""
+
+    __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "__weakref__")
+
+    def __init__(self, chan, peer: int, tag: int, what: str, buf):
+        self.chan, self.peer, self.tag, self.what, self.buf = chan, peer, tag, what, buf
+        self.ok, self.error, self.ucx = False, None, None
+
+    def done(self) -> bool:
+        if self.ucx is not None:
+            if self.ucx.done():
+                return True
+            self.chan.pump(soon=True)  # what this one waits for may be a note or nack unsent
+            return False
+        if not self.ok and self.error is None:
+            self.chan.pump(soon=True)
+            if self.ucx is not None:
+                return self.ucx.done()
+        if self.error is not None:
+            err = TransferError(self.error)
+            err.peer = self.peer
+            raise err
+        return self.ok
+
+
+class Channel:
+    """Sends and receives of one :class:`~wb.runtime.transport.ucx.UcxTransport` with the peers
+    of its host, one-sided (the module doc). ``memory`` is a :class:`CudaMemory` or
+    :class:`HostMemory`; control messages and fallbacks go through ``transport``'s ``_post``."""
+
+    def __init__(self, transport, memory):
+        self.t, self.mem, self.rank = transport, memory, transport.rank
+        self._lock = threading.RLock()
+        self._last = 0.0
+        self._sends: dict[tuple[int, int], _Req] = {}  # noted, waiting for their ack
+        self._recvs: dict[tuple[int, int], _Req] = {}  # posted, no note yet
+        self._notes: dict[tuple[int, int], tuple] = {}  # (kind, nbytes, handle, offset)
+        self._copies: dict[int, deque] = {}  # peer -> (request, token), in copy order
+        self._out: dict[int, list] = {}  # peer -> rows (kind, tag, nbytes, handle, offset)
+        self._ctrl: dict[int, dict[int, tuple]] = {}  # peer -> seq -> (request, buffer)
+        self._next_in: dict[int, int] = {}  # peer -> next sequence number to post a receive for
+        self._seq: dict[int, int] = {}  # peer -> next sequence number to send
+        self._sent: list = []  # control sends in flight (request, buffer)
+        self._refused: set[tuple[int, bytes]] = set()  # (peer, handle) that peer cannot open
+        self._kept: list = []  # buffers of sends a cancel left behind (peers may still read)
+        # This process's control messages to each peer are numbered from here: a process that
+        # takes a dead one's rank starts elsewhere, so the receives its peers still have posted
+        # for the dead one (UCX cannot withdraw them) never take its messages.
+        self.seq0 = secrets.randbits(32)
+        self.eager = min(EAGER_BYTES, _rndv_thresh() - 64)
+        self._met: dict[int, int] = {}  # peer -> the seq0 it was met with
+        # messages this side sent or received one-sided, over UCX (not exportable, or as a nack
+        # asked) and refused by a nack (this side could not open the sender's memory)
+        self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0}
+
+    # --- the caller's side ---------------------------------------------------------------------
+    def meet(self, peer: int, seq0: int) -> None:
+        """Starts the control channel with ``peer`` (numbering its messages from ``seq0``, as its
+        record says): keeps :data:`WINDOW` control receives posted for it from now on."""
+        with self._lock:
+            if self._met.get(peer) == seq0 and peer in self._ctrl:
+                return  # the same process again (forgotten, then back): numbering goes on
+            self._met[peer] = seq0
+            self._ctrl[peer], self._next_in[peer] = {}, int(seq0)
+            self._seq[peer] = self.seq0
+            for _ in range(WINDOW):
+                self._post_ctrl(peer)
+
+    def send(self, peer: int, buf, tag: int) -> _Req:
+        with self._lock:
+            req = _Req(self, peer, tag, "send", buf)
+            exp = self.mem.export(buf)
+            if exp is not None and (peer, exp[0]) in self._refused:
+                exp = None
+            out = self._out.setdefault(peer, [])
+            if exp is None:
+                self.counts["over_ucx"] += 1
+                req.ucx = self.t._post("send", peer, buf, tag)
+                out.append((NOTE_UCX, tag, buf.nbytes, b"", 0))
+            else:
+                self._sends[peer, tag] = req
+                out.append((NOTE_IPC, tag, buf.nbytes, *exp))
+            # a long run of posts: the peer starts on the first ones. A send over UCX may be
+            # done at once, before any pump: its note (the peer's cue to post the receive) goes now
+            if exp is None or len(out) >= FLUSH_ROWS:
+                self.pump()
+            return req
+
+    def recv(self, peer: int, buf, tag: int) -> _Req:
+        with self._lock:
+            req = _Req(self, peer, tag, "recv", buf)
+            note = self._notes.pop((peer, tag), None)
+            if note is None:
+                self._recvs[peer, tag] = req
+            else:
+                self._start(req, *note)
+            return req
+
+    def pump(self, *, soon: bool = False) -> None:
+        """Progresses UCX, takes control messages, starts matched copies, completes finished
+        ones, and sends what is noted for each peer as one batch. ``soon``: unless it ran in the
+        last few microseconds."""
+        now = time.perf_counter()
+        if soon and now - self._last < _PUMP_S:
+            return
+        self._last = now
+        with self._lock:
+            self.t.progress()
+            self._take_control()
+            self._finish_copies()
+            self._flush()
+
+    # --- rounds, faults, the end ---------------------------------------------------------------
+    def new_round(self) -> None:
+        with self._lock:
+            self.mem.new_round()
+
+    def cancel(self) -> None:
+        """After the transport cancelled what UCX had in flight: sends the notes gathered so far,
+        waits for this side's copies, drops every request of the attempt (what was sent stays
+        alive: a peer may still read it). Control receives cancelled with the rest are posted again as they report it."""
+        with self._lock:
+            # what was posted goes out, as a UCX post does at once: peers still in the attempt
+            # (not every rank gives it up) may be waiting for those notes
+            self._flush()
+            self.mem.wait_all()
+            self._kept += [r.buf for r in self._sends.values()]
+            self._sends.clear()
+            self._recvs.clear()
+            self._notes.clear()
+            self._copies.clear()
+            self._out.clear()
+
+    def forget(self, peers) -> None:
+        with self._lock:
+            gone = set(peers)
+            for d in (self._sends, self._recvs, self._notes):
+                for k in [k for k in d if k[0] in gone]:
+                    d.pop(k)
+            for p in gone:  # its control window stays, should the same process come back
+                for q in (self._copies, self._out):
+                    q.pop(p, None)
+            self._refused = {(p, h) for p, h in self._refused if p not in gone}
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush()  # notes and acks still gathered: peers may wait for them
+            self.mem.close()
+            self._kept.clear()
+
+    def describe(self) -> dict:
+        return {"memory": self.mem.name, "peers": sorted(self._ctrl), **self.counts}
+
+    # --- inside --------------------------------------------------------------------------------
+    def _post_ctrl(self, peer: int, seq: int | None = None) -> None:
+        if seq is None:
+            seq = self._next_in[peer]
+            self._next_in[peer] = (seq + 1) & 0xFFFFFFFF
+        buf = np.empty(CTRL_BYTES, np.uint8)
+        req = self.t._post("recv", peer, buf, CTRL_TAG | peer << 32 | seq)
+        self._ctrl[peer][seq] = (req, buf)
+
+    def _take_control(self) -> None:
+        for peer, posted in list(self._ctrl.items()):
+            for seq, (req, buf) in list(posted.items()):
+                if not req.req.completed:
+                    continue
+                del posted[seq]
+                try:
+                    req.done()
+                except TransferError as e:
+                    if "cancel" in str(e).lower():  # a cancel() took it: post it again
+                        self._post_ctrl(peer, seq)
+                        continue
+                    self._fail_peer(peer, str(e))
+                    break
+                self._post_ctrl(peer)
+                self._read(peer, buf)
+
+    def _read(self, peer: int, buf: np.ndarray) -> None:
+        nrows, nhandles = HEADER.unpack_from(buf)
+        at = HEADER.size
+        rows = np.frombuffer(buf, ROW, nrows, at)
+        at += nrows * ROW.itemsize
+        handles = [bytes(buf[at + k * HANDLE_BYTES:at + (k + 1) * HANDLE_BYTES])
+                   for k in range(nhandles)]
+        for tag, nbytes, offset, h, kind in rows.tolist():
+            if kind in (NOTE_IPC, NOTE_UCX):
+                note = (kind, nbytes, handles[h] if kind == NOTE_IPC else b"", offset)
+                req = self._recvs.pop((peer, tag), None)
+                if req is None:
+                    self._notes[peer, tag] = note
+                else:
+                    self._start(req, *note)
+                continue
+            req = self._sends.pop((peer, tag), None)
+            if req is None:  # an ack of an attempt this side cancelled
+                continue
+            if kind == ACK_OK:
+                self.counts["one_sided"] += 1
+                req.ok = True
+            elif kind == ACK_NACK:
+                handle = self.mem.export(req.buf)
+                if handle is not None and (peer, handle[0]) not in self._refused:
+                    self._refused.add((peer, handle[0]))
+                    log.warning("rank %d: peer %d cannot open this rank's memory for one-sided "
+                                "reads: its messages from that allocation go over UCX tags",
+                                self.rank, peer)
+                self.counts["over_ucx"] += 1
+                req.ucx = self.t._post("send", peer, req.buf, tag)
+            else:
+                req.error = (f"rank {self.rank}: send of tag {tag:#x} to peer {peer}: the peer's "
+                             f"receive is not {req.buf.nbytes:,} bytes (refused)")
+
+    def _start(self, req: _Req, kind: int, nbytes: int, handle: bytes, offset: int) -> None:
+        """Moves a matched note's bytes into ``req``'s buffer (or hands it to UCX)."""
+        peer, tag = req.peer, req.tag
+        if nbytes != req.buf.nbytes:
+            req.error = (f"rank {self.rank}: receive of tag {tag:#x} from peer {peer} is "
+                         f"{req.buf.nbytes:,} bytes, the peer sent {nbytes:,} (refused)")
+            if kind == NOTE_IPC:
+                self._out.setdefault(peer, []).append((ACK_SIZE, tag, 0, b"", 0))
+            return
+        if kind == NOTE_UCX:
+            self.counts["over_ucx"] += 1
+            req.ucx = self.t._post("recv", peer, req.buf, tag)
+            return
+        opened = self.mem.open(handle)
+        token = None if opened is None else self.mem.copy(req.buf, opened, offset, nbytes, peer)
+        if token is None:  # the sender sends it over UCX once it reads the nack
+            self.counts["nacked"] += 1
+            req.ucx = self.t._post("recv", peer, req.buf, tag)
+            self._out.setdefault(peer, []).append((ACK_NACK, tag, 0, b"", 0))
+            return
+        self.counts["one_sided"] += 1
+        self._copies.setdefault(peer, deque()).append((req, token))
+
+    def _finish_copies(self) -> None:
+        for peer, q in self._copies.items():
+            while q and self.mem.passed(q[0][1]):
+                req, _ = q.popleft()
+                req.ok = True
+                self._out.setdefault(peer, []).append((ACK_OK, req.tag, 0, b"", 0))
+
+    def _flush(self) -> None:
+        self._sent = [(r, b) for r, b in self._sent if not r.req.completed]
+        for peer, rows in self._out.items():
+            if not rows:
+                continue
+            handles: dict[bytes, int] = {}
+            batch = []
+            for row in rows:
+                kind, tag, nbytes, handle, offset = row
+                h = handles.setdefault(handle, len(handles)) if kind == NOTE_IPC else 0
+                batch.append((tag, nbytes, offset, h, kind))
+                room = HEADER.size + (len(batch) + 1) * ROW.itemsize + \
+                    (len(handles) + 1) * HANDLE_BYTES
+                if room > self.eager:
+                    self._send_ctrl(peer, batch, handles)
+                    handles, batch = {}, []
+            if batch:
+                self._send_ctrl(peer, batch, handles)
+            rows.clear()
+
+    def _send_ctrl(self, peer: int, batch: list, handles: dict) -> None:
+        arr = np.array(batch, ROW)
+        msg = np.empty(HEADER.size + arr.nbytes + len(handles) * HANDLE_BYTES, np.uint8)
+        HEADER.pack_into(msg, 0, len(batch), len(handles))
+        msg[HEADER.size:HEADER.size + arr.nbytes] = arr.view(np.uint8)
+        at = HEADER.size + arr.nbytes
+        for handle, k in handles.items():
+            msg[at + k * HANDLE_BYTES:at + (k + 1) * HANDLE_BYTES] = np.frombuffer(handle, np.uint8)
+        seq = self._seq[peer]
+        self._seq[peer] = (seq + 1) & 0xFFFFFFFF
+        req = self.t._post("send", peer, msg, CTRL_TAG | self.rank << 32 | seq)
+        self._sent.append((req, msg))
+
+    def _fail_peer(self, peer: int, why: str) -> None:
+        """A peer's control channel failed (it died): every request with it fails, naming it."""
+        for d in (self._sends, self._recvs):
+            for k in [k for k in d if k[0] == peer]:
+                d.pop(k).error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
+        for req, _ in self._copies.pop(peer, ()):
+            req.error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
+        self._ctrl.pop(peer, None)
