@@ -36,9 +36,9 @@ def test_memory_the_receiver_cannot_read_is_nacked_and_sent_over_ucx(tmp_path, m
     """Two ranks in threads of one process, the receiver unable to read any note's memory (as
     when CUDA refuses to open a handle): each message is nacked, then sent over UCX tags; every
     byte still exact."""
-    from wb.runtime.transport import ipc
+    from wb.runtime.transport import memory
 
-    monkeypatch.setattr(ipc.HostMemory, "copy", lambda *a, **k: None)
+    monkeypatch.setattr(memory.HostMemory, "copy", lambda *a, **k: None)
     res = run_pair(str(tmp_path), threads=True, ipc="host", count=40, cuda=None, late=False)
     assert all("error" not in r for r in res), res
     assert res[1]["exact"]
@@ -110,11 +110,51 @@ def test_a_send_over_ucx_done_at_once_still_cues_its_receiver(tmp_path, monkeypa
     """Memory that cannot be exported goes as a UCX send, which may be done as soon as posted (a
     small eager message): its note, the receiver's cue to post the receive, must go out at
     once, not at a later pump that a finished update never makes."""
-    from wb.runtime.transport import ipc
+    from wb.runtime.transport import memory
 
-    monkeypatch.setattr(ipc.HostMemory, "export", lambda self, buf: None)
+    monkeypatch.setattr(memory.HostMemory, "export", lambda self, buf: None)
     # seed 25: three messages of 641-2,223 bytes (eager: done as posted)
     res = run_pair(str(tmp_path), threads=True, ipc="host", count=3, cuda=None, late=True,
                    seed=25)
     assert all("error" not in r for r in res), res
     assert res[1]["exact"] and res[1]["counts"]["over_ucx"] == 3
+
+
+def test_a_process_that_takes_a_dead_ranks_place_is_numbered_apart():
+    """UCX cannot withdraw a posted receive: the control receives a rank keeps posted for a dead
+    peer stay. A process that takes that rank numbers its control messages from its own start
+    (its record's ``seq0``), so none of them lands in those; the same process met again (a peer
+    forgotten, then back) keeps its numbering."""
+    from wb.runtime.transport.ipc import CTRL_TAG, WINDOW, Channel
+    from wb.runtime.transport.memory import HostMemory
+
+    posted = []
+
+    class _Pending:
+        class req:  # noqa: N801 - the shape of a UCX request: never completes
+            completed = False
+
+    class _T:
+        rank = 0
+
+        def _post(self, what, peer, buf, tag):
+            posted.append((what, peer, tag))
+            return _Pending()
+
+        def progress(self):
+            pass
+
+    c = Channel(_T(), HostMemory())
+    c.meet(3, 1000)
+    first = [tag for _, _, tag in posted]
+    assert first == [CTRL_TAG | 3 << 32 | (1000 + k) for k in range(WINDOW)]
+    c.forget([3])
+    c.meet(3, 1000)  # the same process: nothing posted again
+    assert len(posted) == WINDOW
+    c.meet(3, 77)  # another process in rank 3's place
+    again = {tag for _, _, tag in posted[WINDOW:]}
+    assert again == {CTRL_TAG | 3 << 32 | (77 + k) for k in range(WINDOW)}
+    assert not again & set(first)
+    c.send(3, np.zeros(8, np.uint8), 9)
+    c.pump()
+    assert posted[-1] == ("send", 3, CTRL_TAG | 0 << 32 | c.seq0)  # from its own start

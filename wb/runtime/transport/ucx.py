@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from wb.errors import AuthError, TransferError
-from wb.runtime.transport.ipc import Channel, CudaMemory, HostMemory, host_id
+from wb.runtime.transport.ipc import Channel
+from wb.runtime.transport.memory import CudaMemory, HostMemory, host_id
 from wb.runtime.transport.keyed import KeyedStore, challenge, keyed, tag_secret
 from wb.runtime.transport.stores import Store
 

@@ -1,0 +1,228 @@
+"""Memory that another process of this host can read: what :mod:`~wb.runtime.transport.ipc`'s
+one-sided messages are made of. A *memory* exports a buffer as ``(handle, offset)`` (or ``None``:
+not exportable), opens a peer's handle once, copies ``nbytes`` at an offset of an opened one into
+a local buffer (a token, or ``None``: it cannot, and the message goes over UCX), and says when a
+copy's token has passed.
+
+- :class:`CudaMemory`: legacy CUDA IPC handles of the allocations holding the bytes (the driver
+  gives an allocation's range and buffer id), ``cudaMemcpyAsync`` on a stream per sending peer.
+- :class:`HostMemory`: a process id and an address, read with ``process_vm_readv`` (UCX's
+  ``cma``): for hosts without GPUs, and for testing the protocol where there are none.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+__all__ = ["CudaMemory", "HostMemory", "host_id", "HANDLE_BYTES"]
+
+log = logging.getLogger(__name__)
+
+HANDLE_BYTES = 64  # a cudaIpcMemHandle_t; a host handle is padded to it
+# CUpointer_attribute values (cuda.h)
+_BUFFER_ID, _RANGE_START, _RANGE_SIZE = 7, 11, 12
+
+
+def host_id() -> str:
+    """This host, as processes that can share memory see it: its name and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+class _Iov(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class HostMemory:
+    """Host buffers of another process, read with ``process_vm_readv`` (UCX's ``cma``; needs
+    :func:`~wb.runtime.transport.ucx.cma_usable`). Copies are synchronous: each completes before
+    the call returns."""
+
+    name = "host"
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._pid = os.getpid()
+
+    def export(self, buf) -> tuple[bytes, int] | None:
+        ai = getattr(buf, "__array_interface__", None)
+        if ai is None or getattr(buf, "__cuda_array_interface__", None) is not None:
+            return None
+        return struct.pack("<q", self._pid).ljust(HANDLE_BYTES, b"\0"), int(ai["data"][0])
+
+    def open(self, handle: bytes) -> Any:
+        return struct.unpack_from("<q", handle)[0]
+
+    def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
+        """Copies ``nbytes`` at ``offset`` of the opened memory into ``buf``: a token for
+        :meth:`passed`, or ``None`` where the memory cannot be read (the caller falls back)."""
+        dst = int(buf.__array_interface__["data"][0])
+        done = 0
+        while done < nbytes:
+            local = _Iov(dst + done, nbytes - done)
+            remote = _Iov(offset + done, nbytes - done)
+            n = self._libc.process_vm_readv(int(opened), ctypes.byref(local), 1,
+                                            ctypes.byref(remote), 1, 0)
+            if n <= 0:
+                log.info("process_vm_readv from pid %s failed: errno %d", opened, ctypes.get_errno())
+                return None
+            done += n
+        return True
+
+    def passed(self, token) -> bool:
+        return True
+
+    def new_round(self) -> None:
+        pass
+
+    def wait_all(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CudaMemory:
+    """CUDA buffers of other processes of this host, through legacy CUDA IPC handles (CuPy's
+    runtime calls; the allocation's range and buffer id from the driver): exported once per
+    allocation (checked again once a round), opened once per handle, copied by
+    ``cudaMemcpyAsync`` on a stream per sending peer, an event per copy."""
+
+    name = "cuda"
+
+    def __init__(self, device: int):
+        import cupy
+
+        self.cp, self.device = cupy, int(device)
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        attrs = self._cuda.cuPointerGetAttributes
+        attrs.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
+                          ctypes.c_uint64]
+        self._attrs = attrs
+        # this process's exports, by allocation: starts (sorted), and for each its end, handle,
+        # buffer id and the round it was last checked in
+        self._starts: list[int] = []
+        self._exports: dict[int, list] = {}
+        self._round = 0
+        self._opened: dict[bytes, int] = {}  # handle -> mapped start
+        self._used: set[bytes] = set()  # handles copied from since the last round
+        self._streams: dict[int, Any] = {}
+        self._events: list = []  # free events
+
+    def _describe(self, ptr: int) -> tuple[int, int, int] | None:
+        """(start, size, buffer id) of the allocation holding ``ptr``: one driver call."""
+        kinds = (ctypes.c_int * 3)(_BUFFER_ID, _RANGE_START, _RANGE_SIZE)
+        bid, start, size = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+        out = (ctypes.c_void_p * 3)(ctypes.addressof(bid), ctypes.addressof(start),
+                                    ctypes.addressof(size))
+        if self._attrs(3, kinds, out, ctypes.c_uint64(ptr)) != 0 or not size.value:
+            return None
+        return start.value, size.value, bid.value
+
+    def export(self, buf) -> tuple[bytes, int] | None:
+        cai = getattr(buf, "__cuda_array_interface__", None)
+        if cai is None:
+            return None
+        ptr = int(cai["data"][0])
+        k = bisect.bisect_right(self._starts, ptr) - 1
+        if k >= 0:
+            start = self._starts[k]
+            end, handle, bid, checked = self._exports[start]
+            if ptr < end:
+                if checked == self._round:
+                    return handle, ptr - start
+                # first use this round: still the same allocation? (another at the same address
+                # has another buffer id, and another handle)
+                now = self._describe(ptr)
+                if now is not None and now[0] == start and now[2] == bid:
+                    self._exports[start][3] = self._round
+                    return handle, ptr - start
+        got = self._describe(ptr)
+        if got is None:
+            return None
+        start, size, bid = got
+        try:
+            handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(start))
+        except Exception as e:  # noqa: BLE001 - not exportable (e.g. a VMM allocation): UCX
+            log.info("CUDA memory at %#x cannot be exported (%s): sent over UCX", ptr, e)
+            return None
+        # drop exports this allocation overlaps (freed ones whose addresses it reuses)
+        for s in [s for s in self._starts if s < start + size and self._exports[s][0] > start]:
+            self._starts.remove(s)
+            del self._exports[s]
+        bisect.insort(self._starts, start)
+        self._exports[start] = [start + size, handle, bid, self._round]
+        return handle, ptr - start
+
+    def open(self, handle: bytes) -> Any:
+        start = self._opened.get(handle)
+        if start is None:
+            try:
+                start = self.cp.cuda.runtime.ipcOpenMemHandle(handle, 1)  # lazy peer access
+            except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
+                log.info("a peer's CUDA IPC handle cannot be opened here (%s)", e)
+                return None
+            self._opened[handle] = start
+        self._used.add(handle)
+        return start
+
+    def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
+        cp = self.cp
+        stream = self._streams.get(peer)
+        if stream is None:
+            with cp.cuda.Device(self.device):
+                stream = self._streams[peer] = cp.cuda.Stream(non_blocking=True)
+        cai = getattr(buf, "__cuda_array_interface__", None)
+        dst = int(cai["data"][0]) if cai is not None else int(buf.__array_interface__["data"][0])
+        try:
+            cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)  # default
+            event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
+            event.record(stream)
+        except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
+            log.info("a CUDA IPC copy from peer %d failed (%s)", peer, e)
+            return None
+        return event
+
+    def passed(self, token) -> bool:
+        if token.done:
+            self._events.append(token)
+            return True
+        return False
+
+    def wait_all(self) -> None:
+        for s in self._streams.values():
+            s.synchronize()
+
+    def new_round(self) -> None:
+        """Checks this process's exports again at first use (allocations may have changed since)
+        and closes the
+        handles no copy used since the last round (after every copy has finished)."""
+        self._round += 1
+        stale = [h for h in self._opened if h not in self._used]
+        if stale:
+            self.wait_all()
+            for h in stale:
+                self._close(h)
+        self._used = set()
+
+    def _close(self, handle: bytes) -> None:
+        start = self._opened.pop(handle)
+        try:
+            self.cp.cuda.runtime.ipcCloseMemHandle(start)
+        except Exception:  # noqa: BLE001 - closing anyway (its process may be gone)
+            log.debug("closing a CUDA IPC mapping failed", exc_info=True)
+
+    def close(self) -> None:
+        self.wait_all()
+        for h in list(self._opened):
+            self._close(h)
