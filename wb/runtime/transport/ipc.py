@@ -59,6 +59,7 @@ CTRL_BYTES = 64 << 10  # a control receive (kept posted); what is sent stays bel
 EAGER_BYTES = 8000
 WINDOW = 8  # control receives kept posted per peer
 FLUSH_ROWS = 64  # notes gathered for one peer before they go whatever the caller does
+FULL_EVERY = 16  # pumps between looks at every posted control receive
 _PUMP_S = 5e-6  # a request's done() runs the channel at most this often
 
 # the rows of a control message: notes of sends, acknowledgements of receives
@@ -114,6 +115,7 @@ class Channel:
         self.t, self.mem, self.rank = transport, memory, transport.rank
         self._lock = threading.RLock()
         self._last = 0.0
+        self._pumps = 0
         self._sends: dict[tuple[int, int], _Req] = {}  # noted, waiting for their ack
         self._recvs: dict[tuple[int, int], _Req] = {}  # posted, no note yet
         self._notes: dict[tuple[int, int], tuple] = {}  # (kind, nbytes, handle, offset)
@@ -243,11 +245,24 @@ class Channel:
         self._ctrl[peer][seq] = (req, buf)
 
     def _take_control(self) -> None:
-        for peer, posted in list(self._ctrl.items()):
-            for seq, (req, buf) in list(posted.items()):
-                if not req.req.completed:
-                    continue
-                del posted[seq]
+        # A peer's control messages complete in the order it sent them (eager, one endpoint):
+        # each pump looks at each peer's receives up to the first not yet complete, and at all
+        # of them every FULL_EVERY pumps (one left behind by a cancelled send of the peer's).
+        self._pumps += 1
+        full = self._pumps % FULL_EVERY == 0
+        for peer in list(self._ctrl):
+            posted = self._ctrl.get(peer)
+            while posted:
+                seq = None
+                for k, item in posted.items():
+                    if item[0].req.completed:
+                        seq = k
+                        break
+                    if not full:
+                        break
+                if seq is None:
+                    break
+                req, buf = posted.pop(seq)
                 try:
                     req.done()
                 except TransferError as e:
@@ -325,7 +340,8 @@ class Channel:
                 self._out.setdefault(peer, []).append((ACK_OK, req.tag, 0, b"", 0))
 
     def _flush(self) -> None:
-        self._sent = [(r, b) for r, b in self._sent if not r.req.completed]
+        if len(self._sent) > 8:  # eager sends complete as posted: their buffers go in bulk
+            self._sent = [(r, b) for r, b in self._sent if not r.req.completed]
         for peer, rows in self._out.items():
             if not rows:
                 continue
