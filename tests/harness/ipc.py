@@ -78,9 +78,9 @@ def side(rank: int, store_dir: str, *, ipc: str, count: int, cuda: int | None,
             xp.cuda.runtime.deviceSynchronize()
         want_dev, want_host = pattern(np, span, seed), pattern(np, span, seed)
         got_dev = dev.get() if xp is not np else dev
-        out["exact"] = all(
-            np.array_equal((host if h else got_dev)[b:b + n], (want_host if h else want_dev)[a:a + n])
-            for a, b, n, h in msgs)
+        out["exact"] = all(np.array_equal((host if h else got_dev)[b:b + n],
+                                          (want_host if h else want_dev)[a:a + n])
+                           for a, b, n, h in msgs)
     t.close()
     return out
 
@@ -109,5 +109,5 @@ def run_pair(workdir: str, *, threads: bool = False, **kw) -> list[dict]:
         w.start()
     for w in ws:
         w.join(120)
-    return [json.loads(Path(result_dir, f"{r}.json").read_text())
-            if Path(result_dir, f"{r}.json").exists() else {"error": "no result"} for r in range(2)]
+    out = [Path(result_dir, f"{r}.json") for r in range(2)]
+    return [json.loads(f.read_text()) if f.exists() else {"error": "no result"} for f in out]

@@ -202,7 +202,8 @@ class Channel:
     def cancel(self) -> None:
         """After the transport cancelled what UCX had in flight: sends the notes gathered so far,
         waits for this side's copies, drops every request of the attempt (what was sent stays
-        alive: a peer may still read it). Control receives cancelled with the rest are posted again as they report it."""
+        alive: a peer may still read it). Control receives cancelled with the rest are posted
+        again as they report it."""
         with self._lock:
             # what was posted goes out, as a UCX post does at once: peers still in the attempt
             # (not every rank gives it up) may be waiting for those notes
@@ -367,7 +368,8 @@ class Channel:
         msg[HEADER.size:HEADER.size + arr.nbytes] = arr.view(np.uint8)
         at = HEADER.size + arr.nbytes
         for handle, k in handles.items():
-            msg[at + k * HANDLE_BYTES:at + (k + 1) * HANDLE_BYTES] = np.frombuffer(handle, np.uint8)
+            at_k = at + k * HANDLE_BYTES
+            msg[at_k:at_k + HANDLE_BYTES] = np.frombuffer(handle, np.uint8)
         seq = self._seq[peer]
         self._seq[peer] = (seq + 1) & 0xFFFFFFFF
         req = self.t._post("send", peer, msg, CTRL_TAG | self.rank << 32 | seq)

@@ -74,7 +74,8 @@ class HostMemory:
             n = self._libc.process_vm_readv(int(opened), ctypes.byref(local), 1,
                                             ctypes.byref(remote), 1, 0)
             if n <= 0:
-                log.info("process_vm_readv from pid %s failed: errno %d", opened, ctypes.get_errno())
+                log.info("process_vm_readv from pid %s failed: errno %d", opened,
+                         ctypes.get_errno())
                 return None
             done += n
         return True
@@ -106,8 +107,8 @@ class CudaMemory:
         self.cp, self.device = cupy, int(device)
         self._cuda = ctypes.CDLL("libcuda.so.1")
         attrs = self._cuda.cuPointerGetAttributes
-        attrs.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
-                          ctypes.c_uint64]
+        attrs.argtypes = [ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
+                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64]
         self._attrs = attrs
         # this process's exports, by allocation: starts (sorted), and for each its end, handle,
         # buffer id and the round it was last checked in
@@ -139,14 +140,14 @@ class CudaMemory:
             start = self._starts[k]
             end, handle, bid, checked = self._exports[start]
             if ptr < end:
-                if checked == self._round:
-                    return handle, ptr - start
+                if checked == self._round:  # None: an allocation the driver would not export
+                    return None if handle is None else (handle, ptr - start)
                 # first use this round: still the same allocation? (another at the same address
                 # has another buffer id, and another handle)
                 now = self._describe(ptr)
                 if now is not None and now[0] == start and now[2] == bid:
                     self._exports[start][3] = self._round
-                    return handle, ptr - start
+                    return None if handle is None else (handle, ptr - start)
         got = self._describe(ptr)
         if got is None:
             return None
@@ -154,15 +155,16 @@ class CudaMemory:
         try:
             handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(start))
         except Exception as e:  # noqa: BLE001 - not exportable (e.g. a VMM allocation): UCX
+            # (remembered: the next sends from it go over UCX without asking the driver again)
             log.info("CUDA memory at %#x cannot be exported (%s): sent over UCX", ptr, e)
-            return None
+            handle = None
         # drop exports this allocation overlaps (freed ones whose addresses it reuses)
         for s in [s for s in self._starts if s < start + size and self._exports[s][0] > start]:
             self._starts.remove(s)
             del self._exports[s]
         bisect.insort(self._starts, start)
         self._exports[start] = [start + size, handle, bid, self._round]
-        return handle, ptr - start
+        return None if handle is None else (handle, ptr - start)
 
     def open(self, handle: bytes) -> Any:
         start = self._opened.get(handle)

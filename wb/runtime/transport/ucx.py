@@ -25,6 +25,12 @@ with ``tcp,cma,self``, in none). wb finishes versions without dead rollouts
 (:mod:`wb.runtime.membership.finish`), so a survivor's transport must outlive its peers. Where no process
 can die mid-update, ``UCX_TLS=tcp,posix,sysv,self`` is faster for small messages.
 
+Between the processes of one host, messages go one-sided where both ends chose it (``ipc``: by
+default with a CUDA device): the sender only notes where its bytes are, the receiver copies them
+from its mapping of the sender's memory, and notes and acknowledgements travel in batches as
+small tag messages (:mod:`~wb.runtime.transport.ipc`); UCX's rendezvous, two control messages
+over TCP per message, is then left to what cannot go one-sided.
+
 PyPI's ``libucx`` wheels are built without InfiniBand verbs. On an InfiniBand cluster, use the
 system's UCX: ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` (with the system UCX on the library
 path) makes ``ucxx`` load it; then ``rc`` (and ``dc``/``ud``) carry stage 1 and 2 by RDMA.
