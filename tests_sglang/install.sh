@@ -17,6 +17,6 @@ echo "torch==2.13.0" > "$V/constraints.txt"
   openai-harmony soundfile ninja nvidia-ml-py anthropic py-spy apache-tvm-ffi
 # wb itself (no dependencies: numpy, ml_dtypes, rich are there or added here), UCX, the test tools
 "$V/bin/pip" install -q --no-deps -e .
-"$V/bin/pip" install -q -c "$V/constraints.txt" ml_dtypes rich ucxx-cu13 hypothesis pytest \
+"$V/bin/pip" install -q -c "$V/constraints.txt" ml_dtypes rich "crc32c>=2.4" ucxx-cu13 hypothesis pytest \
   pytest-timeout
 echo "SGLang venv ready: $V"

@@ -5,6 +5,14 @@
     python tests_sglang/receiver.py spec MODEL SPEC.json     # then, with JAX (WB_JAX_PYTHON):
     python tests_sglang/receiver.py jax-trainer SPEC.json STORE_DIR VERSIONS OUT.json WORLD
     python tests_sglang/receiver.py worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json WORLD
+    python tests_sglang/receiver.py api-trainer MODEL STORE_DIR VERSIONS OUT.json WORLD TP
+    python tests_sglang/receiver.py engine-worker MODEL TP RANK PORT STORE_DIR VERSIONS OUT.json WORLD
+
+``api-trainer`` pushes the same versions through ``wb_vllm.trainer.Trainer`` (the vLLM
+backend's trainer API) with a ``wb_sglang.EngineClient`` over :class:`FileEngine`, a stand-in
+for SGLang's engine: ``update_weights_from_tensor`` hands the request to every TP worker
+(``engine-worker``: it calls the loader the request names, as SGLang's model runner does) and
+returns once all hold it; ``begin/end_weight_update`` are recorded.
 
 The trainer holds the whole checkpoint (numpy, named as on disk), version ``v`` being the seeded
 checkpoint times ``(-2) ** v`` (exact in float32), and pushes versions 1..VERSIONS with a
@@ -169,6 +177,116 @@ def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: 
     Path(out).write_text(json.dumps({"rows": rows, "stale": stale, "foreign": foreign}))
 
 
+class FileEngine:
+    """SGLang's engine as the trainers' client sees it, its TP workers other processes: each
+    ``update_weights_from_tensor`` is request ``n`` in the store (its version and loader), done
+    once every worker said so."""
+
+    def __init__(self, store, tp: int):
+        self.store, self.tp, self.n, self.calls = store, tp, 0, []
+
+    def update_weights_from_tensor(self, *, named_tensors, load_format):
+        version = int(dict(named_tensors)["wb_sglang.version"].reshape(-1)[0])
+        self.calls.append(["update", version])
+        n, self.n = self.n, self.n + 1
+        self.store.set(f"engine/req/{n}", json.dumps({"version": version,
+                                                      "load_format": load_format}).encode())
+        for r in range(self.tp):
+            err = self.store.get(f"engine/done/{n}/{r}", 300).decode()
+            if err:
+                raise RuntimeError(f"worker {r}: {err}")
+
+    def begin_weight_update(self):
+        self.calls.append(["begin"])
+
+    def end_weight_update(self):
+        self.calls.append(["end"])
+
+    def stop(self):
+        self.store.set(f"engine/req/{self.n}", b"stop")
+
+
+def api_trainer(model: str, store_dir: str, versions: int, out: str, world: int,
+                tp: int) -> None:
+    import wb
+    import wb_sglang
+    from wb_vllm.trainer import Trainer, TrainerSetup
+
+    harness.prepare_sglang()
+    cfg, _ = harness.hf_config(model)
+    spec = harness.checkpoint_spec(cfg)
+    store = wb.DirectoryStore(store_dir)
+    lay = wb.Layout(wb.Worker(TRAINER_RANK, "trainer0", "trainer"),
+                    {n: wb.BufferSpec(wb.SourceMap.from_indices(spec.ids(n)), "float32")
+                     for n in spec.names})
+    bufs = version(spec, 0)
+    setup = TrainerSetup(store=f"dir:{store_dir}", world=world, layouts=[lay], timeout=200,
+                         make_sender=lambda plan: wb.Sender(
+                             plan, TRAINER_RANK, bufs, store=store,
+                             transport=wb.UcxTransport(TRAINER_RANK, store)))
+    engine = FileEngine(store, tp)
+    t = Trainer.trainer_init(setup, client=wb_sglang.EngineClient(engine))
+    pushed = []
+    for v in range(1, versions + 1):
+        for n, a in version(spec, v).items():
+            bufs[n][...] = a  # the training step, in place
+        pushed.append(t.send_weights())
+    engine.stop()
+    t.shutdown()
+    Path(out).write_text(json.dumps({"pushed": pushed, "calls": engine.calls}))
+
+
+def engine_worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
+                  out: str, world: int) -> None:
+    """One TP worker under :class:`FileEngine`: each request calls the loader it names (found by
+    its dotted name, as SGLang finds a ``--custom-weight-loader``) with the request's tensors."""
+    harness.prepare_sglang()
+    import importlib
+
+    import torch
+
+    import wb
+    import wb_sglang
+    import wb_torch
+
+    harness.init_tp(tp, rank, port)
+    cfg, cls = harness.hf_config(model)
+    spec = harness.checkpoint_spec(cfg)
+    with torch.device("cpu"):
+        m, ref = cls(cfg, quant_config=None), cls(cfg, quant_config=None)
+    os.environ["WB_SGLANG"] = json.dumps({"store": f"dir:{store_dir}", "world": world,
+                                          "first_rank": FIRST_ROLLOUT, "spec": spec.to_json(),
+                                          "node": "sglang0", "timeout": 200})
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    want = {}
+    for v in range(1, versions + 1):
+        ref.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, v).items())
+        want[v] = {n: wb_torch.to_numpy(p).tobytes() for n, p in ref.named_parameters()}
+    store, rows, n = wb.DirectoryStore(store_dir), [], 0
+    while True:
+        req = store.get(f"engine/req/{n}", 300)
+        if req == b"stop":
+            break
+        req = json.loads(req)
+        mod, fn = req["load_format"].rsplit(".", 1)
+        err = ""
+        try:
+            getattr(importlib.import_module(mod), fn)(m, wb_sglang.request(req["version"]))
+        except Exception as e:  # noqa: BLE001 - reported to the engine and the test
+            err = f"{type(e).__name__}: {e}"
+        v = req["version"]
+        if v >= 1 and not err:
+            same = [k for k, p in m.named_parameters()
+                    if wb_torch.to_numpy(p).tobytes() == want[v][k]]
+            moved = [k for k, p in m.named_parameters() if p.data_ptr() != ptrs[k]]
+            rows.append({"version": v, "params": len(ptrs), "identical": len(same),
+                         "moved": moved})
+        store.set(f"engine/done/{n}/{rank}", err.encode())
+        n += 1
+    wb_sglang.close_all()
+    Path(out).write_text(json.dumps({"rows": rows}))
+
+
 if __name__ == "__main__":
     a = sys.argv[1:]
     if a[0] == "trainer":
@@ -177,6 +295,10 @@ if __name__ == "__main__":
         jax_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]))
     elif a[0] == "spec":
         write_spec(a[1], a[2])
+    elif a[0] == "api-trainer":
+        api_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]), int(a[6]))
+    elif a[0] == "engine-worker":
+        engine_worker(a[1], int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), a[7], int(a[8]))
     elif a[0] == "torch-trainer":
         torch_trainer(a[1], a[2], int(a[3]), a[4], int(a[5]), int(a[6]))
     else:

@@ -14,7 +14,8 @@ the one asked for. The job's settings come from the worker's environment (:func:
 Only this package imports SGLang's conventions; it imports neither SGLang nor vLLM, so it runs
 wherever SGLang's model classes run (tested on CPU: ``tests_sglang``). Not done yet: SGLang's
 plugin entry point (a receiver made at the worker's start rather than at its first update), and a
-run under SGLang's engine itself (the tests call :func:`receive` as the engine would).
+run under SGLang's engine itself (the tests call :func:`receive` as the engine would, and drive
+:class:`EngineClient` through an engine that does so).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from typing import Any
 
 import wb
 
-__all__ = ["Worker", "receive", "request", "settings", "close_all", "VERSION_KEY"]
+__all__ = ["Worker", "EngineClient", "receive", "request", "settings", "close_all",
+           "VERSION_KEY", "LOAD_FORMAT"]
 
 #: The tensor name an update carries its version under.
 VERSION_KEY = "wb_sglang.version"
+#: The custom weight loader an update names (``--custom-weight-loader wb_sglang.receive``).
+LOAD_FORMAT = "wb_sglang.receive"
 
 #: id(model) -> its worker: SGLang calls the loader with the model alone, once per update, in the
 #: TP process that holds it (one model per process)
@@ -148,6 +152,46 @@ def _tp_rank() -> int:
         return int(parallel_state.get_tensor_model_parallel_rank())
     except (ImportError, AssertionError, AttributeError):
         return 0
+
+
+class EngineClient:
+    """An SGLang engine as the client :class:`wb_vllm.trainer.Trainer` drives, so trainers push
+    to SGLang rollouts through the same API as to vLLM ones (``Trainer.trainer_init(setup,
+    client=wb_sglang.EngineClient(engine))``, then ``send_weights()``).
+
+    ``engine``: anything with SGLang's ``update_weights_from_tensor(named_tensors=,
+    load_format=)`` (``sglang.Engine``, or a client of its HTTP server), and, where it has them,
+    ``begin_weight_update()`` / ``end_weight_update()`` (called around each update). The
+    engine's workers read the job from their ``WB_SGLANG`` (:func:`settings`): it must name the
+    store, world and name the trainers' :class:`wb_vllm.trainer.TrainerSetup` does; the init
+    info vLLM's workers get through ``init_weight_transfer_engine`` is not sent to SGLang's.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _update(self, version: int) -> None:
+        self.engine.update_weights_from_tensor(named_tensors=request(version),
+                                               load_format=LOAD_FORMAT)
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        """Sets every TP worker up (probe or cached maps, its layout published, its part of the
+        plan) by asking for version 0, which it holds once set up."""
+        self._update(0)
+
+    def start_weight_update(self) -> None:
+        begin = getattr(self.engine, "begin_weight_update", None)
+        if begin is not None:
+            begin()
+
+    def update_weights(self, request_: dict) -> None:
+        """Every TP worker receives ``request_["version"]`` in place (returns once all hold it)."""
+        self._update(int(request_["version"]))
+
+    def finish_weight_update(self) -> None:
+        end = getattr(self.engine, "end_weight_update", None)
+        if end is not None:
+            end()
 
 
 def close_all() -> None:
