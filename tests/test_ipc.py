@@ -151,3 +151,48 @@ def test_a_process_that_takes_a_dead_ranks_place_is_numbered_apart():
     c.send(3, np.zeros(8, np.uint8), 9)
     c.pump()
     assert posted[-1] == ("send", 3, CTRL_TAG | 0 << 32 | c.seq0)  # from its own start
+
+
+def test_a_cancel_still_acknowledges_what_was_copied():
+    """A rank that gives an attempt up still acks what it already copied: a sender that stays
+    in the attempt (not every rank gives it up) would otherwise wait for those acks forever."""
+    from wb.runtime.transport.ipc import ACK_OK, HEADER, NOTE_IPC, ROW, Channel
+    from wb.runtime.transport.memory import HostMemory
+
+    sent = []
+
+    class _Pending:
+        class req:  # noqa: N801 - the shape of a UCX request: never completes
+            completed = False
+
+    class _Done:
+        class req:  # noqa: N801
+            completed = True
+
+    class _T:
+        rank = 1
+
+        def _post(self, what, peer, buf, tag):
+            if what == "send":
+                sent.append(bytes(buf))
+                return _Done()
+            return _Pending()
+
+        def progress(self):
+            pass
+
+    mem = HostMemory()
+    c = Channel(_T(), mem)
+    c.meet(0, 0)
+    src = np.arange(64, dtype=np.uint8)
+    handle, addr = mem.export(src)
+    c._notes[0, 5] = (NOTE_IPC, 64, handle, addr)  # the sender's note came first
+    dst = np.zeros(64, np.uint8)
+    c.recv(0, dst, 5)  # copied at once (host memory), its ack not yet sent
+    c.cancel()
+    assert (dst == src).all()
+    rows = []
+    for msg in sent:
+        n, _ = HEADER.unpack_from(msg)
+        rows += np.frombuffer(msg, ROW, n, HEADER.size).tolist()
+    assert [(r[0], r[4]) for r in rows] == [(5, ACK_OK)]

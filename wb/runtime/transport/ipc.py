@@ -142,11 +142,13 @@ class Channel:
         """Starts the control channel with ``peer`` (numbering its messages from ``seq0``, as its
         record says): keeps :data:`WINDOW` control receives posted for it from now on."""
         with self._lock:
-            if self._met.get(peer) == seq0 and peer in self._ctrl:
+            same = self._met.get(peer) == seq0
+            if same and self._ctrl.get(peer):
                 return  # the same process again (forgotten, then back): numbering goes on
-            self._met[peer] = seq0
-            self._ctrl[peer], self._next_in[peer] = {}, int(seq0)
-            self._seq[peer] = self.seq0
+            if not same:  # a new process in that rank: numbered from its start, and from ours
+                self._met[peer], self._next_in[peer], self._seq[peer] = seq0, int(seq0), self.seq0
+            self._drop_window(peer)
+            self._ctrl[peer] = {}
             for _ in range(WINDOW):
                 self._post_ctrl(peer)
 
@@ -178,6 +180,8 @@ class Channel:
                 self._recvs[peer, tag] = req
             else:
                 self._start(req, *note)
+                if self._out.get(peer):  # a nack or refusal: the sender waits for it
+                    self._flush()
             return req
 
     def pump(self, *, soon: bool = False) -> None:
@@ -209,6 +213,8 @@ class Channel:
             # (not every rank gives it up) may be waiting for those notes
             self._flush()
             self.mem.wait_all()
+            self._finish_copies()  # delivered: their senders, maybe still in it, get the acks
+            self._flush()
             self._kept += [r.buf for r in self._sends.values()]
             self._sends.clear()
             self._recvs.clear()
@@ -245,6 +251,21 @@ class Channel:
         req = self.t._post("recv", peer, buf, CTRL_TAG | peer << 32 | seq)
         self._ctrl[peer][seq] = (req, buf)
 
+    def _repost(self, peer: int, seq: int | None = None) -> bool:
+        """Posts a control receive again; a peer no longer connected (forgotten) loses its
+        window instead (made again if it is met again)."""
+        try:
+            self._post_ctrl(peer, seq)
+            return True
+        except TransferError:
+            self._drop_window(peer)
+            return False
+
+    def _drop_window(self, peer: int) -> None:
+        """Stops taking ``peer``'s control receives; UCX cannot withdraw them, so their buffers
+        stay alive until the transport closes."""
+        self._kept += list(self._ctrl.pop(peer, {}).values())
+
     def _take_control(self) -> None:
         # A peer's control messages complete in the order it sent them (eager, one endpoint):
         # each pump looks at each peer's receives up to the first not yet complete, and at all
@@ -268,12 +289,14 @@ class Channel:
                     req.done()
                 except TransferError as e:
                     if "cancel" in str(e).lower():  # a cancel() took it: post it again
-                        self._post_ctrl(peer, seq)
+                        if not self._repost(peer, seq):
+                            break
                         continue
                     self._fail_peer(peer, str(e))
                     break
-                self._post_ctrl(peer)
                 self._read(peer, buf)
+                if not self._repost(peer):
+                    break
 
     def _read(self, peer: int, buf: np.ndarray) -> None:
         nrows, nhandles = HEADER.unpack_from(buf)
@@ -305,7 +328,7 @@ class Channel:
                                 "reads: its messages from that allocation go over UCX tags",
                                 self.rank, peer)
                 self.counts["over_ucx"] += 1
-                req.ucx = self.t._post("send", peer, req.buf, tag)
+                self._to_ucx(req)
             else:
                 req.error = (f"rank {self.rank}: send of tag {tag:#x} to peer {peer}: the peer's "
                              f"receive is not {req.buf.nbytes:,} bytes (refused)")
@@ -313,30 +336,45 @@ class Channel:
     def _start(self, req: _Req, kind: int, nbytes: int, handle: bytes, offset: int) -> None:
         """Moves a matched note's bytes into ``req``'s buffer (or hands it to UCX)."""
         peer, tag = req.peer, req.tag
+        if kind == NOTE_UCX:  # sizes are UCX's to check, as for any tag message
+            self.counts["over_ucx"] += 1
+            self._to_ucx(req)
+            return
         if nbytes != req.buf.nbytes:
             req.error = (f"rank {self.rank}: receive of tag {tag:#x} from peer {peer} is "
                          f"{req.buf.nbytes:,} bytes, the peer sent {nbytes:,} (refused)")
-            if kind == NOTE_IPC:
-                self._out.setdefault(peer, []).append((ACK_SIZE, tag, 0, b"", 0))
-            return
-        if kind == NOTE_UCX:
-            self.counts["over_ucx"] += 1
-            req.ucx = self.t._post("recv", peer, req.buf, tag)
+            self._out.setdefault(peer, []).append((ACK_SIZE, tag, 0, b"", 0))
             return
         opened = self.mem.open(handle)
         token = None if opened is None else self.mem.copy(req.buf, opened, offset, nbytes, peer)
         if token is None:  # the sender sends it over UCX once it reads the nack
             self.counts["nacked"] += 1
-            req.ucx = self.t._post("recv", peer, req.buf, tag)
+            self._to_ucx(req)
             self._out.setdefault(peer, []).append((ACK_NACK, tag, 0, b"", 0))
             return
         self.counts["one_sided"] += 1
         self._copies.setdefault(peer, deque()).append((req, token))
 
+    def _to_ucx(self, req: _Req) -> None:
+        """``req`` as a UCX tag message (its error, naming the peer, if it cannot be posted)."""
+        try:
+            req.ucx = self.t._post(req.what, req.peer, req.buf, req.tag)
+        except TransferError as e:
+            req.error = str(e)
+
     def _finish_copies(self) -> None:
         for peer, q in self._copies.items():
-            while q and self.mem.passed(q[0][1]):
-                req, _ = q.popleft()
+            while q:
+                req, token = q[0]
+                try:
+                    if not self.mem.passed(token):
+                        break
+                except Exception as e:  # noqa: BLE001 - a failed copy fails its receive
+                    q.popleft()
+                    req.error = (f"rank {self.rank}: the copy of tag {req.tag:#x} from peer "
+                                 f"{peer} failed: {type(e).__name__}: {e}")
+                    continue
+                q.popleft()
                 req.ok = True
                 self._out.setdefault(peer, []).append((ACK_OK, req.tag, 0, b"", 0))
 
@@ -382,4 +420,4 @@ class Channel:
                 d.pop(k).error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
         for req, _ in self._copies.pop(peer, ()):
             req.error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
-        self._ctrl.pop(peer, None)
+        self._drop_window(peer)

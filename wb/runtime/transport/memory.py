@@ -52,6 +52,7 @@ class HostMemory:
 
     def __init__(self):
         self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.process_vm_readv.restype = ctypes.c_ssize_t
         self._pid = os.getpid()
 
     def export(self, buf) -> tuple[bytes, int] | None:
@@ -66,7 +67,10 @@ class HostMemory:
     def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
         """Copies ``nbytes`` at ``offset`` of the opened memory into ``buf``: a token for
         :meth:`passed`, or ``None`` where the memory cannot be read (the caller falls back)."""
-        dst = int(buf.__array_interface__["data"][0])
+        ai = getattr(buf, "__array_interface__", None)
+        if ai is None or getattr(buf, "__cuda_array_interface__", None) is not None:
+            return None  # not host memory: the caller falls back over UCX
+        dst = int(ai["data"][0])
         done = 0
         while done < nbytes:
             local = _Iov(dst + done, nbytes - done)
@@ -170,7 +174,8 @@ class CudaMemory:
         start = self._opened.get(handle)
         if start is None:
             try:
-                start = self.cp.cuda.runtime.ipcOpenMemHandle(handle, 1)  # lazy peer access
+                with self.cp.cuda.Device(self.device):
+                    start = self.cp.cuda.runtime.ipcOpenMemHandle(handle, 1)  # lazy peer access
             except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
                 log.info("a peer's CUDA IPC handle cannot be opened here (%s)", e)
                 return None
@@ -180,16 +185,16 @@ class CudaMemory:
 
     def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
         cp = self.cp
-        stream = self._streams.get(peer)
-        if stream is None:
-            with cp.cuda.Device(self.device):
-                stream = self._streams[peer] = cp.cuda.Stream(non_blocking=True)
         cai = getattr(buf, "__cuda_array_interface__", None)
         dst = int(cai["data"][0]) if cai is not None else int(buf.__array_interface__["data"][0])
         try:
-            cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)  # default
-            event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
-            event.record(stream)
+            with cp.cuda.Device(self.device):  # whichever device the calling thread is on
+                stream = self._streams.get(peer)
+                if stream is None:
+                    stream = self._streams[peer] = cp.cuda.Stream(non_blocking=True)
+                event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
+                cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)
+                event.record(stream)
         except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
             log.info("a CUDA IPC copy from peer %d failed (%s)", peer, e)
             return None
