@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the H200 device machine: UcxTransport's one-sided channel (WB_IPC=cuda, the default
-# with a CUDA device) against UCX tag messages (WB_IPC=off), side by side in one run: its GPU
+# One call on the H200 device machine: UcxTransport's one-sided channel (WB_IPC=cuda, opt-in)
+# against UCX tag messages (WB_IPC=off), side by side in one run: its GPU
 # tests, then bench/bench_executor.py's transport layers (CUDA messages), then bench/bench_fp8.py
 # (BF16 and FP8 rollouts, every buffer bit-identical). Needs the ucxx wheels for Python 3.12 in
 # .whl/ (carried; see bench/results/h200_transfer/COMMAND.md); writes its files to $OUT.
