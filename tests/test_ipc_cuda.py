@@ -4,13 +4,10 @@ over UCX. Skips cleanly without a GPU (CI has none); run on the H200 device mach
 
 import pytest
 
-cupy = pytest.importorskip("cupy")
+from harness.cuda import cupy_or_skip
+
+cupy_or_skip()
 pytest.importorskip("ucxx")
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:  # noqa: BLE001 - no driver, no device: the same answer
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 from harness.ipc import run_pair  # noqa: E402
 

@@ -134,13 +134,14 @@ def write_spec(model: str, out: str) -> None:
     Path(out).write_text(json.dumps(harness.checkpoint_spec(cfg).to_json()))
 
 
-def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
-           out: str, world: int) -> None:
+def _tp_worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
+               world: int):
+    """A TP worker's model, built as the engine builds it, with ``WB_SGLANG`` set, and
+    ``check(v)``: how many of its parameters are bit-identical to what SGLang's own
+    ``load_weights`` makes of version ``v`` (made before any update) and which moved storage."""
     harness.prepare_sglang()
     import torch
 
-    import wb
-    import wb_sglang
     import wb_torch
 
     harness.init_tp(tp, rank, port)
@@ -152,17 +153,31 @@ def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: 
                                           "first_rank": FIRST_ROLLOUT, "spec": spec.to_json(),
                                           "node": "sglang0", "timeout": 200})
     ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
-    want = {}  # what SGLang's own load makes of each version, made before any update
+    want = {}
     for v in range(1, versions + 1):
         ref.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, v).items())
         want[v] = {n: wb_torch.to_numpy(p).tobytes() for n, p in ref.named_parameters()}
-    rows = []
-    for v in range(1, versions + 1):
-        wb_sglang.receive(m, wb_sglang.request(v))  # as SGLang calls its custom loader
+
+    def check(v: int) -> dict:
         same = [n for n, p in m.named_parameters()
                 if wb_torch.to_numpy(p).tobytes() == want[v][n]]
         moved = [n for n, p in m.named_parameters() if p.data_ptr() != ptrs[n]]
-        rows.append({"version": v, "params": len(ptrs), "identical": len(same), "moved": moved})
+        return {"version": v, "params": len(ptrs), "identical": len(same), "moved": moved}
+    return m, check
+
+
+def worker(model: str, tp: int, rank: int, port: int, store_dir: str, versions: int,
+           out: str, world: int) -> None:
+    import torch
+
+    import wb
+    import wb_sglang
+
+    m, check = _tp_worker(model, tp, rank, port, store_dir, versions, world)
+    rows = []
+    for v in range(1, versions + 1):
+        wb_sglang.receive(m, wb_sglang.request(v))  # as SGLang calls its custom loader
+        rows.append(check(v))
     try:
         wb_sglang.receive(m, wb_sglang.request(1))  # older than the one held
         stale = "no error"
@@ -240,28 +255,12 @@ def engine_worker(model: str, tp: int, rank: int, port: int, store_dir: str, ver
                   out: str, world: int) -> None:
     """One TP worker under :class:`FileEngine`: each request calls the loader it names (found by
     its dotted name, as SGLang finds a ``--custom-weight-loader``) with the request's tensors."""
-    harness.prepare_sglang()
     import importlib
-
-    import torch
 
     import wb
     import wb_sglang
-    import wb_torch
 
-    harness.init_tp(tp, rank, port)
-    cfg, cls = harness.hf_config(model)
-    spec = harness.checkpoint_spec(cfg)
-    with torch.device("cpu"):
-        m, ref = cls(cfg, quant_config=None), cls(cfg, quant_config=None)
-    os.environ["WB_SGLANG"] = json.dumps({"store": f"dir:{store_dir}", "world": world,
-                                          "first_rank": FIRST_ROLLOUT, "spec": spec.to_json(),
-                                          "node": "sglang0", "timeout": 200})
-    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
-    want = {}
-    for v in range(1, versions + 1):
-        ref.load_weights((n, torch.from_numpy(a)) for n, a in version(spec, v).items())
-        want[v] = {n: wb_torch.to_numpy(p).tobytes() for n, p in ref.named_parameters()}
+    m, check = _tp_worker(model, tp, rank, port, store_dir, versions, world)
     store, rows, n = wb.DirectoryStore(store_dir), [], 0
     while True:
         req = store.get(f"engine/req/{n}", 300)
@@ -276,11 +275,7 @@ def engine_worker(model: str, tp: int, rank: int, port: int, store_dir: str, ver
             err = f"{type(e).__name__}: {e}"
         v = req["version"]
         if v >= 1 and not err:
-            same = [k for k, p in m.named_parameters()
-                    if wb_torch.to_numpy(p).tobytes() == want[v][k]]
-            moved = [k for k, p in m.named_parameters() if p.data_ptr() != ptrs[k]]
-            rows.append({"version": v, "params": len(ptrs), "identical": len(same),
-                         "moved": moved})
+            rows.append(check(v))
         store.set(f"engine/done/{n}/{rank}", err.encode())
         n += 1
     wb_sglang.close_all()
