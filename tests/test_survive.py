@@ -280,7 +280,9 @@ def test_a_store_that_loses_done_keys_still_finishes_every_version(plan_file, tm
 def test_a_cancelled_receive_keeps_its_buffer_until_a_late_message_lands(tmp_path):
     """ucxx cannot withdraw a posted receive: after ``cancel()`` (an attempt given up), a peer's
     late message of that attempt still lands in its buffer. The transport keeps that buffer alive
-    (never freed, so never reused for another message's bytes) until the receive completes."""
+    (never freed, so never reused for another message's bytes) until the receive completes.
+    UCX tag messages only (``ipc="off"``): one-sided, a cancelled receive is dropped and a late
+    note waits for a receive of its own tag (tests/test_ipc.py)."""
     import gc
     import threading
     import weakref
@@ -289,7 +291,7 @@ def test_a_cancelled_receive_keeps_its_buffer_until_a_late_message_lands(tmp_pat
     from wb.runtime.transport.ucx import UcxTransport
 
     store = DirectoryStore(str(tmp_path / "store"))
-    t = [UcxTransport(r, store, timeout=20) for r in (0, 1)]
+    t = [UcxTransport(r, store, timeout=20, ipc="off") for r in (0, 1)]
     threads = [threading.Thread(target=x.connect, args=([0, 1],)) for x in t]
     for th in threads:
         th.start()

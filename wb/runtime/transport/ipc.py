@@ -206,8 +206,9 @@ class Channel:
     def cancel(self) -> None:
         """After the transport cancelled what UCX had in flight: sends the notes gathered so far,
         waits for this side's copies, drops every request of the attempt (what was sent stays
-        alive: a peer may still read it). Control receives cancelled with the rest are posted
-        again as they report it."""
+        alive: a peer may still read it). Notes not matched yet stay, as UCX keeps unexpected
+        messages through a cancel: a peer already in the next attempt may have sent them (its tags
+        are new). Control receives cancelled with the rest are posted again as they report it."""
         with self._lock:
             # what was posted goes out, as a UCX post does at once: peers still in the attempt
             # (not every rank gives it up) may be waiting for those notes
@@ -218,7 +219,6 @@ class Channel:
             self._kept += [r.buf for r in self._sends.values()]
             self._sends.clear()
             self._recvs.clear()
-            self._notes.clear()
             self._copies.clear()
             self._out.clear()
 
