@@ -53,15 +53,25 @@ def main() -> None:
     ap.add_argument("--trace", metavar="DIR",
                     help="per-message traces of each run, DIR/{bf16,fp8}/trace_<run>.json "
                          "(read with bench/trace_summary.py)")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="a cProfile of each process's measured update, "
+                         "DIR/{bf16,fp8}/<run>_r<rank>.prof (read with pstats)")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds an update may go without progress before it fails, naming "
+                         "what it waits for")
+    ap.add_argument("--only", choices=("bf16", "fp8"),
+                    help="run only the BF16 or only the FP8 update (no ratios)")
     a = ap.parse_args()
     kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
               repeat=a.repeat, cuda_device=a.cuda, warmup=a.warmup,
               chunk=int(a.chunk_mb * 2**20),
-              polling={"auto": None, "on": True, "off": False}[a.polling])
+              polling={"auto": None, "on": True, "off": False}[a.polling], timeout=a.timeout)
     trace = (lambda name: str(Path(a.trace, name))) if a.trace else (lambda name: None)
+    prof = (lambda name: str(Path(a.profile, name))) if a.profile else (lambda name: None)
     if a.checksums == "compare":
-        off = run(trace_out=trace("bf16_off"), checksums=False, **kw)
-        on = run(trace_out=trace("bf16_on"), checksums=True, **kw)
+        off = run(trace_out=trace("bf16_off"), profile_out=prof("bf16_off"), checksums=False,
+                  **kw)
+        on = run(trace_out=trace("bf16_on"), profile_out=prof("bf16_on"), checksums=True, **kw)
         rep = {"bf16_checksums_off": off, "bf16_checksums_on": on,
                "checksums_ratio": on["ewtt_s"] / off["ewtt_s"],
                "off_over_ideal": off["ewtt_over_ideal"], "on_over_ideal": on["ewtt_over_ideal"]}
@@ -72,11 +82,21 @@ def main() -> None:
               f"checksums_ratio {rep['checksums_ratio']:.3f}")
         return
     kw["checksums"] = a.checksums == "on"
-    bf16 = run(trace_out=trace("bf16"), **kw)
+    fp8_blocks = wb.FP8Blocks(("*_proj.weight",))
+    if a.only:
+        one = run(fp8=fp8_blocks if a.only == "fp8" else None, trace_out=trace(a.only),
+                  profile_out=prof(a.only), **kw)
+        if a.out:
+            Path(a.out).write_text(json.dumps({a.only: one}, indent=1))
+        print(json.dumps(one) if a.json else
+              f"{a.only}: ewtt {one['ewtt_s']:.4f} s ({one['ewtt_over_ideal']:.2f}x its ideal), "
+              f"{one['messages']} messages, quantising alone {one['quantize_s']:.4f} s")
+        return
+    bf16 = run(trace_out=trace("bf16"), profile_out=prof("bf16"), **kw)
     if a.out:  # a partial report, should the FP8 run not finish
         Path(a.out).write_text(json.dumps({"bf16": bf16}, indent=1))
     print(f"bf16: ewtt {bf16['ewtt_s']:.4f} s, {bf16['messages']} messages", flush=True)
-    fp8 = run(fp8=wb.FP8Blocks(("*_proj.weight",)), trace_out=trace("fp8"), **kw)
+    fp8 = run(fp8=fp8_blocks, trace_out=trace("fp8"), profile_out=prof("fp8"), **kw)
     rep = {"bf16": bf16, "fp8": fp8,
            "bytes_ratio": fp8["bytes_between_processes"] / bf16["bytes_between_processes"],
            "trainer_bytes_ratio": fp8["model_bytes"] / bf16["model_bytes"],

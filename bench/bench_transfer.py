@@ -70,7 +70,8 @@ def retyped(layouts, dtype: str):
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
-        trace_out=None, warmup=0, polling=None, checksums=True) -> dict:
+        trace_out=None, warmup=0, polling=None, checksums=True, timeout=120.0,
+        profile_out=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
@@ -82,7 +83,10 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     ``warmup``: updates each process runs before the measured one, over the same connections (as
     a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
     progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default).
-    ``checksums``: every message checked against its sender's CRC32C (wb's default), or not."""
+    ``checksums``: every message checked against its sender's CRC32C (wb's default), or not.
+    ``timeout``: seconds an update may go without progress before it fails, naming what it
+    waits for. ``profile_out``: a folder for each process's :mod:`cProfile` of its measured
+    update (``<run>_r<rank>.prof``; read with :mod:`pstats`)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -128,7 +132,9 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         rawk = raw_throughput(pairs, big, 8, str(work / f"rawk_{k}"), tls=tls,
                               cuda_device=raw_dev)
         r = run_ranks(str(work / "plan.npz"), ranks, str(work / f"run{k}"),
-                      options={"timeout": 120, "barrier": True, "tls": tls,
+                            options={"timeout": timeout, "barrier": True, "tls": tls,
+                               "profile": (str(Path(profile_out, f"{k}")) if profile_out
+                                           else None),
                                "staging_bytes": staging, "cuda_device": cuda_device,
                                "held": dtypes[0] if dtypes else None, "fp8": fp8_opt,
                                "trace": trace_out is not None, "warmup": warmup,

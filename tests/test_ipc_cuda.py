@@ -16,13 +16,16 @@ from harness.ipc import run_pair  # noqa: E402
 @pytest.mark.parametrize("late", [False, True], ids=["receives-first", "notes-first"])
 def test_device_messages_go_one_sided_between_processes(tmp_path, late):
     """300 messages of 1 byte to 4 MiB, a tenth of them from host memory (which cannot go
-    one-sided: over UCX tags): every byte exact, the device ones copied by the receiver."""
+    one-sided: over UCX tags): every byte exact, the device ones copied by the receiver, most of
+    them several to one driver call (cuMemcpyBatchAsync)."""
     from harness.ipc import messages
 
     host = sum(h for *_, h in messages(300))
     res = run_pair(str(tmp_path), ipc="cuda", count=300, cuda=0, late=late)
     assert all("error" not in r for r in res), res
     assert res[1]["exact"]
+    assert res[1]["counts"].pop("batched") > (300 - host) // 2
+    assert res[0]["counts"].pop("batched") == 0
     want = {"one_sided": 300 - host, "over_ucx": host, "nacked": 0}
     assert res[0]["counts"] == res[1]["counts"] == want
 

@@ -162,6 +162,18 @@ def _amax_exchange(store, rank: int, peers):
     return exchange
 
 
+def _profiler(where: str | None):
+    """A running :class:`cProfile.Profile` when ``where`` (a path prefix) is given."""
+    if not where:
+        return None
+    import cProfile
+
+    Path(where).parent.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
 def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, options: dict) -> None:
     """One worker process (spawned)."""
     faulthandler.enable()  # a crash in UCX shows where, in the test's captured output
@@ -248,9 +260,13 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         if fp8 and trainer:  # quantised again inside the measured update, as Sender.push does
             quantised_at = time.time()
             ready = qz.launch(live, exchange("inside"), order=program.first_sent())
+        prof = _profiler(options.get("profile"))
         try:
             stats = program.run(bufs, transport, timeout=timeout, staging_bytes=staging,
                                 trace=trace, ready=ready)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(f"{options['profile']}_r{rank}.prof")
         except ChecksumError:  # refused, every byte moved: close with the others (a barrier)
             transport.close()
             raise
@@ -559,19 +575,27 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                                name=options.get("agree_name", "agree"), timeout=timeout,
                                chunk_bytes=plan.chunk_bytes)
             result["part_messages"] = int(plan[rank].index.size)
-        transport = UcxTransport(rank, store, timeout=timeout)
+        cuda = options.get("cuda_device")  # buffers on that GPU (CuPy); checked on the host
+        transport = UcxTransport(rank, store, timeout=timeout, cuda_device=cuda)
         if fault.die_after is not None or fault.stop_after is not None or \
                 fault.flip_in is not None:
             transport = _FaultyTransport(transport, fault)
         base = buffers_of(lay, fill=True)
         mapped = mapped_of(lay)
+        if cuda is None:
+            dev, host = (lambda a: a), (lambda a: a)
+        else:
+            import cupy
+
+            cupy.cuda.Device(cuda).use()
+            dev, host = cupy.asarray, cupy.asnumpy
         kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
         if trainer:
-            bufs = {k: v.copy() for k, v in base.items()}
+            bufs = {k: dev(v.copy()) for k, v in base.items()}
             tx = wb.Sender(plan, rank, bufs, staging=options.get("sender_staging", True), **kw)
             for v in range(1, options["versions"] + 1):
                 for k, a in version_bits(base, v, mapped).items():
-                    bufs[k][...] = a  # the training step
+                    bufs[k][...] = dev(a)  # the training step
                 time.sleep(options.get("step_s", 0.0))
                 if fault.in_version == v:
                     tx.wait()  # the previous version is out; break this one
@@ -581,7 +605,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             result["repairs"] = _repairs(tx)
             result["deaths"] = list(tx._end.finisher.deaths)  # the leader's calls
         else:
-            bufs = {k: np.zeros_like(v) for k, v in base.items()}
+            bufs = {k: dev(np.zeros_like(v)) for k, v in base.items()}
             rx = wb.Receiver(plan, rank, bufs, staging=options.get("receiver_staging", True), **kw)
             for k in range(options["versions"]):
                 if fault.exit_before == k + 1:  # between versions: after applying the last
@@ -597,13 +621,13 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     result.setdefault("refused", []).append({
                         "error": str(e), "bad": [list(b[:3]) for b in e.bad],
                         "version": rx.version, "intact": bool(all(
-                            np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8))
-                            for k in bufs))})
+                            np.array_equal(host(bufs[k]).view(np.uint8),
+                                           want[k].view(np.uint8)) for k in bufs))})
                     continue
                 except TransferError as e:
                     result["error"], result["error_at"] = str(e), time.time()
                     want = version_bits(base, max(rx.version, 0), mapped)
-                    result["intact"] = bool(all(np.array_equal(bufs[k].view(np.uint8),
+                    result["intact"] = bool(all(np.array_equal(host(bufs[k]).view(np.uint8),
                                                                want[k].view(np.uint8))
                                                 for k in bufs))
                     result["version_after_error"] = rx.version
@@ -612,7 +636,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 want = version_bits(base, v, mapped)
                 result["applied"].append(v)
                 result["checks"].append(bool(all(
-                    np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8))
+                    np.array_equal(host(bufs[k]).view(np.uint8), want[k].view(np.uint8))
                     for k in bufs)))
             try:
                 rx.close()

@@ -14,8 +14,10 @@ bytes take to move. :class:`Channel` carries the same messages with the same tag
   (a *batch*), over UCX tags;
 - the receiver matches each note with its posted receive (whichever came first), opens the handle
   once (cached by its bytes: a new allocation at an old address has another handle), and copies
-  the bytes on a stream of its own per sender (CUDA: ``cudaMemcpyAsync`` behind no one, an event
-  per message); a receive completes when its copy has;
+  the bytes on a stream of its own per sender: the copies matched in one turn of the caller's loop
+  go together, a group of up to :data:`GROUP_BYTES` as one call and one event (CUDA:
+  ``cuMemcpyBatchAsync`` behind no one; hosts: one ``process_vm_readv``), one by one where the
+  memory cannot batch them; a receive completes when its group has;
 - the receiver's acknowledgements go back in batches too; a send completes with its ack, so the
   sender never reuses memory a peer may still read.
 
@@ -61,6 +63,7 @@ WINDOW = 8  # control receives kept posted per peer
 FLUSH_ROWS = 64  # notes gathered for one peer before they go whatever the caller does
 FULL_EVERY = 16  # pumps between looks at every posted control receive
 _PUMP_S = 5e-6  # a request's done() runs the channel at most this often
+GROUP_BYTES = 64 << 20  # copies from one peer started (and completed) together, at most
 
 # the rows of a control message: notes of sends, acknowledgements of receives
 ROW = np.dtype([("tag", "<u8"), ("nbytes", "<u8"), ("offset", "<u8"), ("handle", "<u4"),
@@ -119,7 +122,8 @@ class Channel:
         self._sends: dict[tuple[int, int], _Req] = {}  # noted, waiting for their ack
         self._recvs: dict[tuple[int, int], _Req] = {}  # posted, no note yet
         self._notes: dict[tuple[int, int], tuple] = {}  # (kind, nbytes, handle, offset)
-        self._copies: dict[int, deque] = {}  # peer -> (request, token), in copy order
+        self._starting: dict[int, list] = {}  # peer -> (request, opened, offset, nbytes) to copy
+        self._copies: dict[int, deque] = {}  # peer -> (requests, token), in copy order
         self._out: dict[int, list] = {}  # peer -> rows (kind, tag, nbytes, handle, offset)
         self._ctrl: dict[int, dict[int, tuple]] = {}  # peer -> seq -> (request, buffer)
         self._next_in: dict[int, int] = {}  # peer -> next sequence number to post a receive for
@@ -135,7 +139,7 @@ class Channel:
         self._met: dict[int, int] = {}  # peer -> the seq0 it was met with
         # messages this side sent or received one-sided, over UCX (not exportable, or as a nack
         # asked) and refused by a nack (this side could not open the sender's memory)
-        self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0}
+        self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0, "batched": 0}
 
     # --- the caller's side ---------------------------------------------------------------------
     def meet(self, peer: int, seq0: int) -> None:
@@ -195,6 +199,7 @@ class Channel:
         with self._lock:
             self.t.progress()
             self._take_control()
+            self._launch()
             self._finish_copies()
             self._flush()
 
@@ -213,6 +218,7 @@ class Channel:
             # what was posted goes out, as a UCX post does at once: peers still in the attempt
             # (not every rank gives it up) may be waiting for those notes
             self._flush()
+            self._launch()
             self.mem.wait_all()
             self._finish_copies()  # delivered: their senders, maybe still in it, get the acks
             self._flush()
@@ -229,12 +235,15 @@ class Channel:
                 for k in [k for k in d if k[0] in gone]:
                     d.pop(k)
             for p in gone:  # its control window stays, should the same process come back
-                for q in (self._copies, self._out):
+                for q in (self._starting, self._copies, self._out):
                     q.pop(p, None)
             self._refused = {(p, h) for p, h in self._refused if p not in gone}
 
     def close(self) -> None:
         with self._lock:
+            self._launch()  # matched copies a caller stopped waiting for
+            self.mem.wait_all()
+            self._finish_copies()
             self._flush()  # notes and acks still gathered: peers may wait for them
             self.mem.close()
             self._kept.clear()
@@ -346,14 +355,49 @@ class Channel:
             self._out.setdefault(peer, []).append((ACK_SIZE, tag, 0, b"", 0))
             return
         opened = self.mem.open(handle)
-        token = None if opened is None else self.mem.copy(req.buf, opened, offset, nbytes, peer)
-        if token is None:  # the sender sends it over UCX once it reads the nack
-            self.counts["nacked"] += 1
-            self._to_ucx(req)
-            self._out.setdefault(peer, []).append((ACK_NACK, tag, 0, b"", 0))
+        if opened is None:
+            self._nack(req)
             return
-        self.counts["one_sided"] += 1
-        self._copies.setdefault(peer, deque()).append((req, token))
+        self._starting.setdefault(peer, []).append((req, opened, offset, nbytes))
+
+    def _nack(self, req: _Req) -> None:
+        """The sender sends ``req``'s message over UCX once it reads the nack."""
+        self.counts["nacked"] += 1
+        self._to_ucx(req)
+        self._out.setdefault(req.peer, []).append((ACK_NACK, req.tag, 0, b"", 0))
+
+    def _launch(self) -> None:
+        """Starts the copies matched since the last call: each peer's in groups of up to
+        :data:`GROUP_BYTES`, a group one batched call and one token where the memory can (a
+        group completes as one), else one by one."""
+        if not self._starting:
+            return
+        mem = self.mem
+        for peer, items in self._starting.items():
+            q = self._copies.setdefault(peer, deque())
+            at = 0
+            while at < len(items):
+                end, size = at, 0
+                while end < len(items) and (end == at or size + items[end][3] <= GROUP_BYTES):
+                    size += items[end][3]
+                    end += 1
+                group = items[at:end]
+                token = mem.copy_many([(r.buf, o, off, n) for r, o, off, n in group], peer) \
+                    if len(group) > 1 else None
+                if token is not None:
+                    self.counts["batched"] += len(group)
+                    self.counts["one_sided"] += len(group)
+                    q.append(([r for r, *_ in group], token))
+                else:
+                    for r, opened, offset, nbytes in group:
+                        token = mem.copy(r.buf, opened, offset, nbytes, peer)
+                        if token is None:
+                            self._nack(r)
+                        else:
+                            self.counts["one_sided"] += 1
+                            q.append(((r,), token))
+                at = end
+        self._starting.clear()
 
     def _to_ucx(self, req: _Req) -> None:
         """``req`` as a UCX tag message (its error, naming the peer, if it cannot be posted)."""
@@ -365,18 +409,21 @@ class Channel:
     def _finish_copies(self) -> None:
         for peer, q in self._copies.items():
             while q:
-                req, token = q[0]
+                reqs, token = q[0]
                 try:
                     if not self.mem.passed(token):
                         break
-                except Exception as e:  # noqa: BLE001 - a failed copy fails its receive
+                except Exception as e:  # noqa: BLE001 - a failed copy fails its receives
                     q.popleft()
-                    req.error = (f"rank {self.rank}: the copy of tag {req.tag:#x} from peer "
-                                 f"{peer} failed: {type(e).__name__}: {e}")
+                    for req in reqs:
+                        req.error = (f"rank {self.rank}: the copy of tag {req.tag:#x} from "
+                                     f"peer {peer} failed: {type(e).__name__}: {e}")
                     continue
                 q.popleft()
-                req.ok = True
-                self._out.setdefault(peer, []).append((ACK_OK, req.tag, 0, b"", 0))
+                out = self._out.setdefault(peer, [])
+                for req in reqs:
+                    req.ok = True
+                    out.append((ACK_OK, req.tag, 0, b"", 0))
 
     def _flush(self) -> None:
         if len(self._sent) > 8:  # eager sends complete as posted: their buffers go in bulk
@@ -418,6 +465,8 @@ class Channel:
         for d in (self._sends, self._recvs):
             for k in [k for k in d if k[0] == peer]:
                 d.pop(k).error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
-        for req, _ in self._copies.pop(peer, ()):
+        for req, *_ in self._starting.pop(peer, ()):
+            req.error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
+        for req in [r for reqs, _ in self._copies.pop(peer, ()) for r in reqs]:
             req.error = f"rank {self.rank}: control channel to peer {peer} failed: {why}"
         self._drop_window(peer)

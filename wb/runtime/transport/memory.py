@@ -1,11 +1,13 @@
 """Memory that another process of this host can read: what :mod:`~wb.runtime.transport.ipc`'s
 one-sided messages are made of. A *memory* exports a buffer as ``(handle, offset)`` (or ``None``:
 not exportable), opens a peer's handle once, copies ``nbytes`` at an offset of an opened one into
-a local buffer (a token, or ``None``: it cannot, and the message goes over UCX), and says when a
-copy's token has passed.
+a local buffer (a token, or ``None``: it cannot, and the message goes over UCX), or several at
+once (one token, or ``None``: the caller copies them one by one), and says when a token has
+passed.
 
 - :class:`CudaMemory`: legacy CUDA IPC handles of the allocations holding the bytes (the driver
-  gives an allocation's range and buffer id), ``cudaMemcpyAsync`` on a stream per sending peer.
+  gives an allocation's range and buffer id), ``cudaMemcpyAsync`` on a stream per sending peer,
+  or the driver's ``cuMemcpyBatchAsync`` for several.
 - :class:`HostMemory`: a process id and an address, read with ``process_vm_readv`` (UCX's
   ``cma``): for hosts without GPUs, and for testing the protocol where there are none.
 """
@@ -37,6 +39,9 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}:{boot}"
+
+
+_IOV_MAX = 1024  # iovecs one process_vm_readv takes
 
 
 class _Iov(ctypes.Structure):
@@ -84,6 +89,22 @@ class HostMemory:
             done += n
         return True
 
+    def copy_many(self, items, peer: int):
+        """:meth:`copy` of several ``(buf, opened, offset, nbytes)`` of one process in one
+        ``process_vm_readv``: a token, or ``None`` (the caller copies them one by one)."""
+        if len(items) > _IOV_MAX or len({int(it[1]) for it in items}) != 1:
+            return None
+        local, remote, total = (_Iov * len(items))(), (_Iov * len(items))(), 0
+        for k, (buf, _, offset, nbytes) in enumerate(items):
+            ai = getattr(buf, "__array_interface__", None)
+            if ai is None or getattr(buf, "__cuda_array_interface__", None) is not None:
+                return None
+            local[k], remote[k] = _Iov(int(ai["data"][0]), nbytes), _Iov(offset, nbytes)
+            total += nbytes
+        n = self._libc.process_vm_readv(int(items[0][1]), local, len(items), remote, len(items),
+                                        0)
+        return True if n == total else None  # short: copied again one by one
+
     def passed(self, token) -> bool:
         return True
 
@@ -95,6 +116,15 @@ class HostMemory:
 
     def close(self) -> None:
         pass
+
+
+class _Location(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location),
+                ("dst_hint", _Location), ("flags", ctypes.c_uint)]
 
 
 class CudaMemory:
@@ -123,6 +153,7 @@ class CudaMemory:
         self._used: set[bytes] = set()  # handles copied from since the last round
         self._streams: dict[int, Any] = {}
         self._events: list = []  # free events
+        self._batch = self._batch_fn()
 
     def _describe(self, ptr: int) -> tuple[int, int, int] | None:
         """(start, size, buffer id) of the allocation holding ``ptr``: one driver call."""
@@ -189,9 +220,7 @@ class CudaMemory:
         dst = int(cai["data"][0]) if cai is not None else int(buf.__array_interface__["data"][0])
         try:
             with cp.cuda.Device(self.device):  # whichever device the calling thread is on
-                stream = self._streams.get(peer)
-                if stream is None:
-                    stream = self._streams[peer] = cp.cuda.Stream(non_blocking=True)
+                stream = self._stream(peer)
                 event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
                 cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)
                 event.record(stream)
@@ -199,6 +228,67 @@ class CudaMemory:
             log.info("a CUDA IPC copy from peer %d failed (%s)", peer, e)
             return None
         return event
+
+    def copy_many(self, items, peer: int):
+        """:meth:`copy` of several ``(buf, opened, offset, nbytes)`` on ``peer``'s stream, by
+        one ``cuMemcpyBatchAsync`` (the driver's, CUDA 12.8 on) and one event: a token, or
+        ``None`` where the driver has none or refuses (the caller copies them one by one)."""
+        batch = self._batch
+        if batch is None:
+            return None
+        n = len(items)
+        dsts, srcs, sizes = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_size_t * n)()
+        for k, (buf, opened, offset, nbytes) in enumerate(items):
+            cai = getattr(buf, "__cuda_array_interface__", None)
+            if cai is None:
+                return None
+            dsts[k], srcs[k], sizes[k] = int(cai["data"][0]), opened + offset, nbytes
+        cp = self.cp
+        try:
+            with cp.cuda.Device(self.device):
+                stream = self._stream(peer)
+                if batch(dsts, srcs, sizes, n, self._attr, self._attr_idx, 1,
+                         ctypes.c_void_p(stream.ptr)) != 0:
+                    self._batch = None  # refused (a driver that has it but not for these)
+                    log.info("cuMemcpyBatchAsync refused a batch: copies go one by one")
+                    return None
+                event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
+                event.record(stream)
+        except Exception as e:  # noqa: BLE001 - one by one instead
+            log.info("a batch of CUDA IPC copies from peer %d failed (%s)", peer, e)
+            return None
+        return event
+
+    def _stream(self, peer: int):
+        stream = self._streams.get(peer)
+        if stream is None:
+            stream = self._streams[peer] = self.cp.cuda.Stream(non_blocking=True)
+        return stream
+
+    def _batch_fn(self):
+        """The driver's ``cuMemcpyBatchAsync`` (CUDA 13's ``_v2``, or 12.8's with its failure
+        index bound), or ``None``; its attributes: stream order, no location hints."""
+        p = ctypes.c_void_p
+        try:
+            fn, bind = self._cuda.cuMemcpyBatchAsync_v2, None
+            fn.argtypes = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t, p]
+        except AttributeError:
+            try:
+                fn, bind = self._cuda.cuMemcpyBatchAsync, ctypes.c_size_t(0)
+                fn.argtypes = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t, p, p]
+            except AttributeError:
+                return None
+        fn.restype = ctypes.c_int
+        self._attr = (_MemcpyAttributes * 1)(_MemcpyAttributes(1, _Location(1, self.device),
+                                                               _Location(1, self.device), 0))
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        if bind is None:
+            return fn
+        self._fail_idx = bind
+
+        def v1(d, s, z, n, a, ai, na, stream):
+            return fn(d, s, z, n, a, ai, na, ctypes.byref(self._fail_idx), stream)
+        return v1
 
     def passed(self, token) -> bool:
         if token.done:

@@ -25,8 +25,8 @@ with ``tcp,cma,self``, in none). wb finishes versions without dead rollouts
 (:mod:`wb.runtime.membership.finish`), so a survivor's transport must outlive its peers. Where no process
 can die mid-update, ``UCX_TLS=tcp,posix,sysv,self`` is faster for small messages.
 
-Between the processes of one host, messages go one-sided where both ends chose it (``ipc``,
-opt-in): the sender only notes where its bytes are, the receiver copies them
+Between the processes of one host, messages go one-sided where both ends chose it (``ipc``;
+by default with CUDA buffers): the sender only notes where its bytes are, the receiver copies them
 from its mapping of the sender's memory, and notes and acknowledgements travel in batches as
 small tag messages (:mod:`~wb.runtime.transport.ipc`); UCX's rendezvous, two control messages
 over TCP per message, is then left to what cannot go one-sided.
@@ -167,11 +167,11 @@ class UcxTransport:
         ipc: how messages move between processes of this host: ``"cuda"`` (CUDA buffers
             one-sided, through CUDA IPC handles: :mod:`~wb.runtime.transport.ipc`), ``"host"``
             (host buffers one-sided, with ``process_vm_readv``) or ``"off"`` (every message a
-            UCX tag message). Default: the environment's ``WB_IPC``, else ``"off"``: one-sided
-            messages are opt-in until peers that die mid-update are handled as surely as over
-            UCX tags (``"1"``: ``"cuda"`` with ``cuda_device``, else ``"host"``). A pair of ranks goes one-sided only where
-            both chose the same and share the host; other messages, and whatever cannot go
-            one-sided, are UCX tag messages.
+            UCX tag message). Default: the environment's ``WB_IPC``, else ``"cuda"`` with
+            ``cuda_device`` and ``"off"`` without (``"1"``: ``"cuda"`` with ``cuda_device``, else
+            ``"host"``). A pair of ranks goes one-sided only where both chose the same and
+            share the host; other messages, and whatever cannot go one-sided, are UCX tag
+            messages.
     """
 
     def __init__(self, rank: int, store: Store, *, tls: str | None = None, session: str = "wb",
@@ -196,7 +196,7 @@ class UcxTransport:
             raise TransferError(f"UcxTransport: progress={progress!r} (or WB_UCX_PROGRESS) must "
                                 f"be one of {', '.join(_PROGRESS)}")
         self.progress_mode = progress
-        ipc = ipc or os.environ.get("WB_IPC") or "off"
+        ipc = ipc or os.environ.get("WB_IPC") or ("cuda" if cuda_device is not None else "off")
         ipc = {"0": "off", "1": "cuda" if cuda_device is not None else "host"}.get(ipc, ipc)
         if ipc not in _IPC or (ipc == "cuda" and cuda_device is None):
             raise TransferError(f"UcxTransport: ipc={ipc!r} (or WB_IPC) must be one of "
