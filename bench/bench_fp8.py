@@ -61,6 +61,9 @@ def main() -> None:
                          "what it waits for")
     ap.add_argument("--only", choices=("bf16", "fp8"),
                     help="run only the BF16 or only the FP8 update (no ratios)")
+    ap.add_argument("--quantise-before", action="store_true",
+                    help="with --only fp8: trainers quantise before the measured update, which "
+                         "is then the FP8 transfer alone (not the whole update a user waits for)")
     a = ap.parse_args()
     kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
               repeat=a.repeat, cuda_device=a.cuda, warmup=a.warmup,
@@ -84,7 +87,8 @@ def main() -> None:
     kw["checksums"] = a.checksums == "on"
     fp8_blocks = wb.FP8Blocks(("*_proj.weight",))
     if a.only:
-        one = run(fp8=fp8_blocks if a.only == "fp8" else None, trace_out=trace(a.only),
+        one = run(fp8=fp8_blocks if a.only == "fp8" else None, before=a.quantise_before,
+                  trace_out=trace(a.only),
                   profile_out=prof(a.only), **kw)
         if a.out:
             Path(a.out).write_text(json.dumps({a.only: one}, indent=1))

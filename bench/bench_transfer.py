@@ -69,7 +69,7 @@ def retyped(layouts, dtype: str):
 
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
-        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None,
+        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None, before=False,
         trace_out=None, warmup=0, polling=None, checksums=True, timeout=120.0,
         profile_out=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
@@ -78,8 +78,10 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     :func:`wb.layouts.fp8.fp8_rollouts`), each trainer quantises its blocks inside the measured
     update (as ``Sender.push`` does: queued on the device, each buffer sent once written; the
     EWTT runs from the quantiser's start: ``quantize_in_ewtt``), timed alone before it too
-    (``quantize_s``), and rollouts are checked against the quantised weights. ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``: per
-    rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
+    (``quantize_s``), and rollouts are checked against the quantised weights; ``before``: each
+    trainer quantises before the measured update instead (its transfer alone: where an update's
+    time goes). ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``:
+    per rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
     ``warmup``: updates each process runs before the measured one, over the same connections (as
     a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
     progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default).
@@ -107,7 +109,7 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         q = quantize_layouts(trainers, scaled)
         trainers = list(q.trainers)
         fp8_opt = {"quantized": q, "own": {t.worker.rank: t for t in own},
-                   "held": own[0].buffers[next(iter(own[0].buffers))].dtype}
+                   "held": own[0].buffers[next(iter(own[0].buffers))].dtype, "before": before}
     p = wb.plan(trainers, rollouts, chunk_bytes=chunk)
     work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     p.save(work / "plan.npz")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the H200 device machine: the GPU fault and transfer tests over one-sided CUDA
-# messages and UCX tags, then a cProfile of every process of bench/bench_fp8.py's BF16 update
-# (the top functions of a trainer and a rollout by own time), then the FP8 update alone with a
-# short stall timeout (what it waits for, should it stall). Needs the ucxx wheels for Python
-# 3.12 in .whl/ (see bench/results/h200_transfer/COMMAND.md); writes its files to $OUT.
-#   LAYERS (12), IPC (cuda), SKIP_TESTS=1, SKIP_FP8=1, FP8_IPC (off), FP8_TIMEOUT (20 s).
+# messages and UCX tags, then, for the BF16 and the FP8 update of bench/bench_fp8.py alone, a
+# per-message trace (summarised by bench/trace_summary.py) and a cProfile of every process (the
+# top functions of a trainer and a rollout, by own and by cumulative time). Needs the ucxx
+# wheels for Python 3.12 in .whl/ (see bench/results/h200_transfer/COMMAND.md); writes its
+# files to $OUT.
+#   LAYERS (12), IPC (cuda), ONLY ("bf16 fp8"), SKIP_TESTS=1, BENCH_TIMEOUT (150 s, per run).
 set -uo pipefail
 source bench/gpu_common.sh
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -12,20 +13,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests/test_survive_cuda.py tests/test_ipc_cuda.py tests/test_transfer_cuda.py 2>&1 \
     | tail -15 | cut -c1-3000 | tee "$OUT/tests.txt"
 fi
-echo "== bf16 profile ipc=${IPC:-cuda}"
-WB_IPC=${IPC:-cuda} timeout 180 python3 bench/bench_fp8.py --cuda 0 --hidden 2048 \
-  --layers ${LAYERS:-12} --experts 64 --repeat 1 --warmup 1 --only bf16 --profile "$OUT/prof" \
-  --trace "$OUT/trace" --out "$OUT/bf16_profiled.json" 2>&1 | tail -4
-for r in 0 4; do
-  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(40)" \
-    "$OUT/prof/bf16/0_r$r.prof" > "$OUT/prof_top_r$r.txt" 2>&1
-  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(40)" \
-    "$OUT/prof/bf16/0_r$r.prof" > "$OUT/prof_cum_r$r.txt" 2>&1
+for U in ${ONLY:-bf16 fp8}; do
+  echo "== $U profile ipc=${IPC:-cuda}"
+  WB_IPC=${IPC:-cuda} timeout ${BENCH_TIMEOUT:-150} python3 bench/bench_fp8.py --cuda 0 \
+    --hidden 2048 --layers ${LAYERS:-12} --experts 64 --repeat 1 --warmup 1 --only $U \
+    --profile "$OUT/prof" --trace "$OUT/trace" --out "$OUT/${U}_profiled.json" 2>&1 | tail -4
+  python3 bench/trace_summary.py "$OUT"/trace/$U/trace_0.json > "$OUT/${U}_trace_summary.txt" 2>&1
+  for r in 0 4; do
+    for s in tottime cumulative; do
+      python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats(sys.argv[2]).print_stats(45)" \
+        "$OUT/prof/$U/0_r$r.prof" "$s" > "$OUT/${U}_prof_${s}_r$r.txt" 2>&1
+    done
+  done
+  gzip -f "$OUT"/trace/$U/*.json 2>/dev/null
 done
-gzip -f "$OUT"/trace/bf16/*.json 2>/dev/null
-if [ -z "${SKIP_FP8:-}" ]; then
-  echo "== fp8 alone ipc=${FP8_IPC:-off}"
-  WB_IPC=${FP8_IPC:-off} timeout 200 python3 bench/bench_fp8.py --cuda 0 --hidden 2048 \
-    --layers ${LAYERS:-12} --experts 64 --repeat 1 --warmup 1 --only fp8 \
-    --timeout ${FP8_TIMEOUT:-20} --out "$OUT/fp8_alone.json" 2>&1 | tail -6 | cut -c1-4000
-fi

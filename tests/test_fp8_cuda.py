@@ -39,13 +39,16 @@ def _hard(shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 @pytest.mark.parametrize("seed", range(8))
-def test_cuda_quantiser_equals_the_host_one(dtype, seed):
-    spec = wb.CheckpointSpec({"w": ((300, 260), dtype)})
+@pytest.mark.parametrize("shape", [(300, 260), (296, 256)])  # lines of 16-byte multiples or not
+@pytest.mark.parametrize("transposed", [True, False])
+def test_cuda_quantiser_equals_the_host_one(dtype, seed, shape, transposed):
+    spec = wb.CheckpointSpec({"w": (shape, dtype)})
     sc = FP8Blocks(("w",), block=(128, 64)).bind(spec)
-    ids = spec.ids("w").reshape(300, 260)
-    trainers = [lay(0, "t", "trainer", {"w": (ids.T, dtype)})]  # strided gather
+    ids = spec.ids("w").reshape(shape)
+    trainers = [lay(0, "t", "trainer", {"w": (ids.T if transposed else ids, dtype)})]
     q = quantize_layouts(trainers, sc)
-    x = np.ascontiguousarray(_hard((300, 260), dtype, seed).T)
+    x = _hard(shape, dtype, seed)
+    x = np.ascontiguousarray(x.T) if transposed else x
     host = quantize_buffers(q, 0, {"w": x})
     live = {"w": (cupy, _on_gpu(x, dtype))}
     qz = Quantiser(q, 0, live)
@@ -53,6 +56,33 @@ def test_cuda_quantiser_equals_the_host_one(dtype, seed):
     for k, h in host.items():
         got = cupy.asnumpy(qz.buffers[k]).view(f"u{h.itemsize}")
         assert got.tobytes() == h.view(f"u{h.itemsize}").tobytes(), k
+
+
+_ENC_CHECK = r"""
+extern "C" __global__ void wb_enc_check(unsigned long long* bad, unsigned int* first) {
+    unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long u = blockIdx.x * blockDim.x + threadIdx.x;
+    for (; u < (1ull << 32); u += step) {
+        float f = __uint_as_float((unsigned int)u);
+        if (wb_enc_e4m3(f) != wb_enc_f(f, 4, 3, true)) {
+            atomicAdd(bad, 1ull);
+            atomicMin(first, (unsigned int)u);
+        }
+    }
+}
+"""
+
+
+def test_the_devices_e4m3_encoder_rounds_every_float32_as_the_rule():
+    """The quantiser's hardware conversion to float8_e4m3fn (one instruction on GPUs that have
+    it) gives the bits of its integer encoder (``wb_enc_f``, checked against the casts' one on
+    the host: tests/test_quant_kernel_host.py) for every one of the 2**32 float32 values."""
+    from wb.runtime.engine.quant_kernel import kernel_source
+
+    k = cupy.RawKernel(kernel_source("float32", "float8_e4m3fn") + _ENC_CHECK, "wb_enc_check")
+    bad, first = cupy.zeros(1, cupy.uint64), cupy.full(1, 0xffffffff, cupy.uint32)
+    k((1024,), (256,), (bad, first))
+    assert int(bad[0]) == 0, f"{int(bad[0])} float32 values differ, the first {int(first[0]):#010x}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

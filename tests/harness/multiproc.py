@@ -249,6 +249,10 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
                 first = program.run(bufs, transport, tag_base=(w + 1) << 32, timeout=timeout,
                                     staging_bytes=staging)
                 result.setdefault("warmup", []).append([first.start_s, first.end_s])
+        if fp8 and trainer and fp8.get("before"):  # outside the measured update: its transfer
+            qz.run(live, exchange("before"), order=program.first_sent())
+            if xp is not np:
+                xp.cuda.runtime.deviceSynchronize()
         if options.get("barrier"):  # start together: EWTT then measures the transfer alone
             _barrier(DirectoryStore(store_dir), plan, rank, "go", options)
         t0 = time.time()
@@ -257,7 +261,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             program.check(bufs)
             connect(program.part, transport)
         ready, quantised_at = None, None
-        if fp8 and trainer:  # quantised again inside the measured update, as Sender.push does
+        if fp8 and trainer and not fp8.get("before"):  # quantised again inside the measured update, as Sender.push does
             quantised_at = time.time()
             ready = qz.launch(live, exchange("inside"), order=program.first_sent())
         prof = _profiler(options.get("profile"))

@@ -5,29 +5,29 @@ caller has exchanged those with the other holders (``exchange``), the part encod
 whole block's ``amax``.
 
 Host buffers use numpy (:func:`wb.algorithms.fp8.tasks.quantize_buffers`). CUDA buffers use one
-CUDA kernel on their device (:data:`_QUANT`) over a table of every block (:func:`block_table`):
-a few launches for all tasks, in the order the update sends their buffers, each buffer's event
-after the last launch that writes it. The kernel follows the rule of :mod:`wb.data.fp8` bit for
-bit (in float32, subnormals kept: see :data:`_QUANT`), reads each source element twice and
-writes it once: no temporaries.
+CUDA kernel on their device (:mod:`wb.runtime.engine.quant_kernel`) over a table of every block
+(:func:`block_table`): a few launches for all tasks, in the order the update sends their
+buffers, on a stream of the quantiser's own, each buffer's event after the last launch that
+writes it. The kernel follows the rule of :mod:`wb.data.fp8` bit for bit (in float32,
+subnormals kept), reads each source element twice (the second time from cache) and writes it
+once: no temporaries.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from wb.algorithms.fp8.tasks import Quantized, combine_amax, partial_amax, quantize_buffers
-from wb.data.fp8 import FORMATS
-from wb.data.dtypes import dtype_info
 from wb.data.sealed import seal, unseal
 from wb.errors import TransferError
-from wb.runtime.engine.casts import CAST_DEVICE_CODE, FLOAT_BITS, xp_dtype
+from wb.runtime.engine.casts import xp_dtype
+from wb.runtime.engine.quant_kernel import (GIVEN, PARTS, ROW, SLOT, TASK, THREADS, WHOLE,
+                                            quant_kernel)
 
-__all__ = ["Quantiser", "amax_bytes", "amax_from_bytes", "kernel_source"]
+__all__ = ["Quantiser", "amax_bytes", "amax_from_bytes"]
 
 
 class Quantiser:
@@ -138,8 +138,9 @@ class Quantiser:
         for dev in tables.values():
             with dev.xp.cuda.Device(dev.device):
                 if dev.parts is not None:  # the whole blocks' amax, where the kernels read it
-                    dev.amax[dev.parts_slot] = dev.xp.asarray(
-                        amax[1][np.searchsorted(amax[0], dev.parts_keys)])
+                    with dev.stream:
+                        dev.amax[dev.parts_slot] = dev.xp.asarray(
+                            amax[1][np.searchsorted(amax[0], dev.parts_keys)])
                 keep += dev.queue(self, live, ready)
         self._keep = keep
         return ready
@@ -176,7 +177,8 @@ class Quantiser:
         for dev in tables.values():
             if dev.parts is not None:
                 with dev.xp.cuda.Device(dev.device):
-                    out.append((dev.parts_keys, dev.xp.asnumpy(dev.amax[dev.parts_slot])))
+                    with dev.stream:
+                        out.append((dev.parts_keys, dev.xp.asnumpy(dev.amax[dev.parts_slot])))
         del keep  # read back: the kernels are done
         return combine_amax(out)
 
@@ -198,9 +200,12 @@ class _OnDevice:
             self.gather = xp.asarray(gather if gather.size else np.full(1, -1, np.int64))
             self.amax = xp.zeros(max(len(rows), 1), np.float64)  # a slot per row: parts' amax
             self.parts = xp.asarray(rows[part]) if part.any() else None
-            self.parts_slot = xp.asarray(rows[part, _SLOT]) if part.any() else None
+            self.parts_slot = xp.asarray(rows[part, SLOT]) if part.any() else None
         self.parts_keys = np.concatenate([t.keys() for t in mine if t.part] or
                                          [np.zeros(0, np.int64)])
+        # its kernels' own stream, behind what the caller queued (what wrote the sources), so
+        # that the caller's later work (hashing, packing) does not queue behind all of them
+        self.stream = xp.cuda.Stream(non_blocking=True)
         self.launches = _cuts(rows[:, 0], dtypes, qz.step)
         self.parts_launches = _cuts(rows[part, 0], dtypes, max(len(rows), 1))
         # each output buffer's event is recorded after the last launch that writes it
@@ -213,20 +218,20 @@ class _OnDevice:
         self._task_rows: tuple | None = None  # (source addresses, device table)
 
     def _task_table(self, qz: Quantiser, live) -> tuple[Any, list]:
-        """The task rows (:data:`_TASK` columns) for the ``live`` sources (C-contiguous, as wb
+        """The task rows (:data:`TASK` columns) for the ``live`` sources (C-contiguous, as wb
         checks its buffers), made again only when a source moved; and the sources, which the
         kernels read."""
         sources = {t.source: live[t.source][1] for t in (qz.tasks[i] for i in self.tasks)}
         addrs = tuple(int(sources[qz.tasks[i].source].data.ptr) for i in self.tasks)
         if self._task_rows is None or self._task_rows[0] != addrs:
             scaled = qz.q.scaled
-            tbl = np.zeros((len(self.tasks), _TASK), np.int64)
+            tbl = np.zeros((len(self.tasks), TASK), np.int64)
             for k, i in enumerate(self.tasks):
                 t = qz.tasks[i]
                 tbl[k] = (addrs[k], int(qz.buffers[t.weights].data.ptr),
                           int(qz.buffers[t.scales].data.ptr), int(scaled.rows[t.tensor]),
                           int(scaled.cols[t.tensor]), int(scaled.grid_cols[t.tensor]),
-                          _GIVEN if t.part else _WHOLE, 0)
+                          GIVEN if t.part else WHOLE, 0)
             self._task_rows = (addrs, self.xp.asarray(tbl))
         return self._task_rows[1], list(sources.values())
 
@@ -236,19 +241,31 @@ class _OnDevice:
         kernels read (to keep until they finished)."""
         xp, (bh, bw) = self.xp, self.block
         tasks, sources = self._task_table(qz, live)
+        self.stream.wait_event(_event(xp, xp.cuda.get_current_stream()))
+        with self.stream:
+            self._queue(tasks, ready, bh, bw)
+        return [sources, tasks]
+
+    def _queue(self, tasks, ready: dict | None, bh: int, bw: int) -> None:
+        xp = self.xp
         rows, launches, mode = (self.rows, self.launches, -1) if ready is not None else \
-            (self.parts, self.parts_launches, _PARTS)
+            (self.parts, self.parts_launches, PARTS)
         for k, (lo, hi, dtype) in enumerate(launches):
-            _quant_kernel(dtype, self.fmt)((hi - lo,), (_THREADS,), (
+            quant_kernel(dtype, self.fmt)((hi - lo,), (THREADS,), (
                 rows[lo:hi], tasks, self.gather, self.amax, np.int64(hi - lo), np.int32(bh),
                 np.int32(bw), np.int32(mode)))
             done = self.done_after[k] if ready is not None else ()
             if done:
-                ev = xp.cuda.Event(block=False, disable_timing=True)
-                ev.record()
+                ev = _event(xp, self.stream)
                 for n in done:
                     ready[n] = ev
-        return [sources, tasks]
+
+
+def _event(xp, stream):
+    """An event recorded on ``stream`` now."""
+    ev = xp.cuda.Event(block=False, disable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 def _cuts(task_of: np.ndarray, dtypes: list[str], step: int) -> list[tuple[int, int, str]]:
@@ -264,12 +281,12 @@ def _cuts(task_of: np.ndarray, dtypes: list[str], step: int) -> list[tuple[int, 
 
 def block_table(tasks, bh: int, bw: int) -> tuple[np.ndarray, np.ndarray]:
     """Every block of ``tasks`` (:class:`wb.algorithms.fp8.tasks.Task`) as one row of
-    :data:`_ROW` int64 columns, task by task in the order given, and the positions of the
+    :data:`ROW` int64 columns, task by task in the order given, and the positions of the
     blocks read element by element, concatenated (what the kernel's ``gather`` column points
     into).
 
     Returns:
-        ``(rows, gather)``: ``rows`` ``(n, _ROW)``: the task's index in ``tasks``, the block's
+        ``(rows, gather)``: ``rows`` ``(n, ROW)``: the task's index in ``tasks``, the block's
         index in its task (its scale's), its key (block index in the tensor's grid), its
         ``at`` (3), the offset of its positions in ``gather`` (-1: affine), its window (4)
         and its slot (the row's index: where parts' amax go).
@@ -278,7 +295,7 @@ def block_table(tasks, bh: int, bw: int) -> tuple[np.ndarray, np.ndarray]:
     for k, task in enumerate(tasks):
         blocks, at, g, odd, win = task.device_arrays(np, bh, bw)
         n = blocks.size
-        r = np.empty((n, _ROW), np.int64)
+        r = np.empty((n, ROW), np.int64)
         r[:, 0], r[:, 1], r[:, 2], r[:, 3:6] = k, np.arange(n), blocks, at
         r[:, 6] = np.where(odd >= 0, base + odd * (bh * bw), -1)
         r[:, 7:11] = win
@@ -286,8 +303,8 @@ def block_table(tasks, bh: int, bw: int) -> tuple[np.ndarray, np.ndarray]:
         if g.size:
             gather.append(g.reshape(-1))
             base += g.size
-    table = np.concatenate(rows) if rows else np.zeros((0, _ROW), np.int64)
-    table[:, _SLOT] = np.arange(len(table))
+    table = np.concatenate(rows) if rows else np.zeros((0, ROW), np.int64)
+    table[:, SLOT] = np.arange(len(table))
     return table, (np.concatenate(gather) if gather else np.zeros(0, np.int64))
 
 
@@ -313,168 +330,3 @@ def amax_from_bytes(b: bytes, *, where: str = "an FP8 amax exchange") -> tuple[n
         raise TransferError(f"{where} holds {len(p)} bytes, not a count and as many int64 keys "
                             f"and float64 amax")
     return np.frombuffer(p, "<i8", n, 8), np.frombuffer(p, "<f8", n, 8 + 8 * n)
-
-
-#: Kernel modes: quantise whole blocks; only write each part's amax; encode with a given amax.
-_WHOLE, _PARTS, _GIVEN = 0, 1, 2
-#: Columns of a block's row (:func:`block_table`) and of a task's (``_OnDevice._task_table``:
-#: the source's, weights' and scales' addresses, the tensor's rows, columns and grid columns,
-#: its mode, one unused); ``_SLOT``: the row column of the block's amax slot.
-_ROW, _TASK, _SLOT = 12, 8, 11
-_THREADS = 256  # per CUDA block (one quantisation block each)
-
-#: One CUDA block per quantisation block, the row ``blockIdx.x`` of a block table
-#: (:func:`block_table`; its task's row gives the source, weights and scales addresses and the
-#: tensor's shape): its elements' positions in the source buffer (as
-#: :meth:`wb.algorithms.fp8.tasks.Task.positions` computes them: -1 outside the tensor or the
-#: window held), ``amax`` reduced in shared memory (NaN if any element is NaN; ``mode`` 1:
-#: written to ``given[slot]``, and done; ``mode`` 2: read from there instead, a part's block;
-#: ``mode_all`` -1: each task's own mode),
-#: ``scale = float32(amax / FMAX)``, then every element ``float32(x / scale)`` (0 for a zero
-#: scale, NaN for a non-finite amax) encoded in the format.
-#: In float32, as fast as memory allows: every value of the source dtypes but float64 is a
-#: float32, the amax is one of them, and a quotient of two float32 rounded once to float32
-#: is the quotient rounded to double and then to float32, as the rule computes it; the format's
-#: encoding rounds a float32's bits with integers (:func:`wb_enc_f`), as
-#: :mod:`wb.runtime.engine.casts` does a double. No subnormal is flushed to zero: CuPy compiles
-#: every kernel with ``-ftz=true``, which flushes float32 subnormals in and out of float32
-#: arithmetic, so the amax is the largest of the magnitudes' bits (integers), and the divisions
-#: and conversions are PTX instructions without ``.ftz`` (:func:`wb_div`, :func:`wb_f32`,
-#: :func:`wb_f64`).
-_QUANT = r"""
-#ifdef __CUDA_ARCH__
-__device__ float wb_div(float a, float b) {  /* a / b rounded to nearest, subnormals kept */
-    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
-}
-__device__ float wb_f32(double a) {
-    float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a)); return r;
-}
-__device__ double wb_f64(float a) {
-    double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a)); return r;
-}
-#else
-__device__ float wb_div(float a, float b) { return a / b; }
-__device__ float wb_f32(double a) { return (float)a; }
-__device__ double wb_f64(float a) { return (double)a; }
-#endif
-__device__ unsigned int wb_enc_f(float v, int EB, int M, bool fn) {
-    unsigned int u = __float_as_uint(v), e32 = (u >> 23) & 0xffu, m32 = u & 0x7fffffu;
-    unsigned int sign = (u >> 31) << (EB + M), emask = (1u << EB) - 1u, inf = emask << M;
-    unsigned int top = fn ? ((emask << M) | ((1u << M) - 2u))
-                          : (((emask - 1u) << M) | ((1u << M) - 1u));
-    int bias = (1 << (EB - 1)) - 1, emin = 1 - bias;
-    if (e32 == 0xffu) {
-        if (m32) return fn ? ((emask << M) | ((1u << M) - 1u)) : (inf | (1u << (M - 1)));
-        return sign | (fn ? top : inf);
-    }
-    /* zero, and float32 subnormals (below 2**-126: less than half of any 8-bit format's least
-       subnormal): zero of the sign */
-    if (e32 == 0u) return sign;
-    unsigned int sig = m32 | 0x800000u;
-    int ue = (int)e32 - 127, E = ue > emin ? ue : emin;
-    int shift = 23 - M + (E - ue);  /* the significand in units of 2**(E - M), ties to even */
-    unsigned int q;
-    if (shift >= 25) q = 0u;
-    else {
-        unsigned int rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
-        q = sig >> shift;
-        if (rem > half || (rem == half && (q & 1u))) q += 1u;
-    }
-    if (q >= (1u << (M + 1))) { E += 1; q >>= 1; }
-    unsigned int bits = q < (1u << M) ? q : ((unsigned int)(E - emin + 1) << M) | (q - (1u << M));
-    if (bits > top) bits = fn ? top : inf;
-    return sign | bits;
-}
-__device__ long long wb_pos(int k, int bh, int bw, long long br, long long bc, long long rows,
-                            long long cols, long long a0, long long a1, long long a2,
-                            const long long* w, long long o, const long long* gather) {
-    int i = k / bw, j = k - (k / bw) * bw;
-    if (o >= 0) return gather[o + k];
-    if (br * bh + i >= rows || bc * bw + j >= cols) return -1;
-    if (i < w[0] || i >= w[1] || j < w[2] || j >= w[3]) return -1;
-    return a0 + (i - w[0]) * a1 + (j - w[2]) * a2;
-}
-extern "C" __global__ void wb_quant(const long long* blk, const long long* tsk,
-        const long long* gather, double* given, long long n, int bh, int bw, int mode_all) {
-    __shared__ unsigned int s_max[THREADS];
-    long long b = blockIdx.x;
-    if (b >= n) return;
-    int t = threadIdx.x, per = bh * bw;
-    const long long* r = blk + ROW * b;  /* this block's row, then its task's */
-    const long long* tk = tsk + TASK * r[0];
-    const SRC* src = (const SRC*)tk[0];
-    unsigned char* q = (unsigned char*)tk[1];
-    unsigned int* scales = (unsigned int*)tk[2];
-    long long rows = tk[3], cols = tk[4], gc = tk[5];
-    int mode = mode_all >= 0 ? mode_all : (int)tk[6];
-    long long lb = r[1], key = r[2], br = key / gc, bc = key % gc, o = r[6], slot = r[11];
-    long long a0 = r[3], a1 = r[4], a2 = r[5];
-    const long long* w = r + 7;
-    unsigned int amax;  /* the bits of the largest magnitude; above 0x7f800000: NaN */
-    if (mode == 2) {
-        amax = __float_as_uint(wb_f32(given[slot]));  /* a float32, exchanged as a double */
-    } else {
-        unsigned int top = 0u;  /* magnitudes' bits order as the magnitudes, NaNs above all */
-        for (int k = t; k < per; k += THREADS) {
-            long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
-            if (p < 0) continue;
-            unsigned int m = __float_as_uint(DEC(src[p])) & 0x7fffffffu;
-            top = m > top ? m : top;
-        }
-        s_max[t] = top;
-        __syncthreads();
-        for (int h = THREADS / 2; h > 0; h >>= 1) {
-            if (t < h && s_max[t + h] > s_max[t]) s_max[t] = s_max[t + h];
-            __syncthreads();
-        }
-        amax = s_max[0] > 0x7f800000u ? 0x7fc00000u : s_max[0];
-        if (mode == 1) {
-            if (t == 0) given[slot] = wb_f64(__uint_as_float(amax));
-            return;
-        }
-    }
-    bool nan = amax > 0x7f800000u, finite = amax < 0x7f800000u;
-    float s = wb_div(__uint_as_float(amax), FMAX);
-    unsigned int sb = __float_as_uint(s);
-    if (t == 0) scales[lb] = nan ? 0x7fc00000u : sb;
-    for (int k = t; k < per; k += THREADS) {
-        long long p = wb_pos(k, bh, bw, br, bc, rows, cols, a0, a1, a2, w, o, gather);
-        if (p < 0) continue;
-        float x = DEC(src[p]);
-        float y = finite ? ((sb & 0x7fffffffu) == 0u ? 0.0f : wb_div(x, s))
-                         : __uint_as_float(0x7fc00000u);
-        q[p] = (unsigned char)ENC(y);
-    }
-}
-"""
-
-
-def kernel_source(src: str, fmt: str, threads: int = _THREADS) -> str:
-    """The CUDA source of :data:`_QUANT` for ``src`` values (raw bits) into ``fmt``, with
-    ``threads`` per block (``tests/test_quant_kernel_host.py`` compiles it for the host too)."""
-    bits = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
-            8: "unsigned long long"}[dtype_info(src).itemsize]
-    if src == "bfloat16":  # the upper half of a float32
-        dec = "__uint_as_float(((unsigned int)(X)) << 16)"
-    elif src == "float32":
-        dec = "__uint_as_float((unsigned int)(X))"
-    elif src == "float64":  # rounded to float32 first, as the rule (to nearest, ties to even)
-        dec = "wb_f32(__longlong_as_double((long long)(X)))"
-    else:  # exact in float32
-        eb, m, fn = FLOAT_BITS[src]
-        dec = f"(float)wb_dec((unsigned long long)(X), {eb}, {m}, {str(fn).lower()})"
-    eb, m, fn = FLOAT_BITS[fmt]
-    defs = (f"#define SRC {bits}\n#define THREADS {threads}\n#define FMAX {FORMATS[fmt]!r}f\n"
-            f"#define ROW {_ROW}\n#define TASK {_TASK}\n"
-            f"#define DEC(X) {dec}\n#define ENC(Y) wb_enc_f(Y, {eb}, {m}, {str(fn).lower()})\n")
-    return defs + CAST_DEVICE_CODE + _QUANT
-
-
-@functools.lru_cache(maxsize=None)
-def _quant_kernel(src: str, fmt: str):
-    """The compiled :func:`kernel_source` for ``src`` values into ``fmt``."""
-    import cupy  # only CUDA buffers come here
-
-    k = cupy.RawKernel(kernel_source(src, fmt), "wb_quant")
-    k.compile()
-    return k

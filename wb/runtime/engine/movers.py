@@ -202,17 +202,39 @@ class DeviceMover(HostMover):
     def __init__(self, prog, flat: dict[str, Any], xp, ready: dict | None = None):
         super().__init__(prog, flat, xp, ready)
         self.ptrs = None  # this rank's buffer addresses by slot, on the device (fused copies)
+        self.writers: dict[int, list] = {}  # by message: the ready events of what it reads
+
+    def _after_writers(self, g) -> None:
+        """Makes the current stream wait for the device work still writing a buffer that ``g``
+        (a message or a frame) reads: the quantiser runs on streams of its own."""
+        evs = self.writers.get(g.m)
+        if evs is None:
+            T, slot_buf = self.T, self.prog.slot_buf
+            names = {slot_buf[s] for member in (g.members if g.__class__ is Frame else (g,))
+                     for s in T.src_slot[member.ts]}
+            evs = self.writers[g.m] = [self.ready[n] for n in names if n in self.ready]
+        stream = self.xp.cuda.get_current_stream()
+        for ev in evs:
+            if not ev.done:
+                stream.wait_event(ev)
 
     def _bytes(self, g, *, src: bool):
         a, f0 = self._range(g, src=src)
         return DeviceBytes(a, f0 * a.itemsize, g.nbytes)
 
     def pack(self, g):
+        if self.ready:
+            self._after_writers(g)
         if g.conv:
             return super().pack(g)
         buf = self.staging(g.nbytes)
         self._fused(g, buf, scatter=False)
         return buf
+
+    def copy_local(self, g) -> None:
+        if self.ready:
+            self._after_writers(g)
+        super().copy_local(g)
 
     def unpack(self, g, buf) -> None:
         if g.conv:
