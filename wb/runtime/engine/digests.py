@@ -196,7 +196,8 @@ class _DeviceSums:
         self.launcher.reset()
 
     def take(self, buf, slot: int) -> None:
-        self.pending.append((buf.__cuda_array_interface__["data"][0], int(buf.nbytes), slot))
+        """Queues ``buf`` (a CuPy array or a :class:`~wb.runtime.engine.inflight.DeviceBytes`)."""
+        self.pending.append((buf.data.ptr, int(buf.nbytes), slot))
         self.pending_bytes += int(buf.nbytes)
 
     def _event(self, stream):

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Inflight", "DeviceBytes", "region", "fencer", "abort"]
+__all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "abort"]
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +86,28 @@ class Inflight:
         return [x for q in self.queues.values() for x in list(q)[:k]][:k]
 
 
+class DevicePtr:
+    """A device address as CuPy's memory pointers give it (``.ptr``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
 class DeviceBytes:
     """A byte range of a CUDA buffer, as the CUDA array interface: what a transport needs to move
     it, without slicing a CuPy array per message (tens of microseconds each; an update posts
-    hundreds per rank). Keeps its buffer alive."""
+    hundreds per rank). Its address is also ``.data.ptr``, as a CuPy array's (read without the
+    interface's dict). Keeps its buffer alive."""
 
-    __slots__ = ("__cuda_array_interface__", "nbytes", "owner")
+    __slots__ = ("__cuda_array_interface__", "nbytes", "owner", "data")
 
     def __init__(self, owner, offset: int, nbytes: int):
         self.owner, self.nbytes = owner, nbytes
+        self.data = DevicePtr(owner.data.ptr + offset)
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "strides": None,
-                                         "data": (owner.data.ptr + offset, False), "version": 3}
+                                         "data": (self.data.ptr, False), "version": 3}
 
 
 def region(xp, flat, f0, na, nb, fa, fb):
