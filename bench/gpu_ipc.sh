@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the H200 device machine: UcxTransport's one-sided channel (WB_IPC=cuda, opt-in)
+# One call on the H200 device machine: UcxTransport's one-sided channel (WB_IPC=cuda, the default with a CUDA device)
 # against UCX tag messages (WB_IPC=off), side by side in one run: its GPU
 # tests, then bench/bench_executor.py's transport layers (CUDA messages), then bench/bench_fp8.py
 # (BF16 and FP8 rollouts, every buffer bit-identical). Needs the ucxx wheels for Python 3.12 in

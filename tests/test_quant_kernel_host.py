@@ -1,5 +1,5 @@
-"""The CUDA quantiser's kernel source (``wb.runtime.engine.fp8.kernel_source``), compiled for the host with
-one thread per block and run block after block, equals the rule's plain numpy quantiser
+"""The CUDA quantiser's kernel source (``wb.runtime.engine.quant_kernel.kernel_source``), compiled
+for the host with one thread per block and run block after block, equals the rule's plain numpy quantiser
 (:func:`wb.data.fp8.quantize_tensor`) bit for bit: its positions, amax, scale and
 encoding logic are checked on any machine with a C++ compiler (the GPU test
 ``tests/test_fp8_cuda.py`` runs the same source on the device with 256 threads). The whole CUDA
