@@ -1,0 +1,99 @@
+"""Deltas of a message's bytes (wb.algorithms.delta), against a brute-force oracle: any base and
+any new bytes of any element width give a delta that turns the base into the new bytes bit for
+bit, in the smallest of the three encodings (sizes counted element by element); a delta applied
+to a message of another size, or cut short, or with its positions corrupted, is refused with
+nothing of the target written."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wb.algorithms import delta
+from wb.errors import TransferError
+
+
+def _varint_bytes(v: int) -> int:
+    n = 1
+    while v >= 128:
+        v >>= 7
+        n += 1
+    return n
+
+
+def _oracle_sizes(base: np.ndarray, new: np.ndarray, w: int) -> dict[str, int]:
+    n = base.size // w
+    pos = [i for i in range(n) if bytes(base[i * w:(i + 1) * w]) != bytes(new[i * w:(i + 1) * w])]
+    gaps = [p - (pos[j - 1] if j else -1) - 1 for j, p in enumerate(pos)]
+    return {"dense": 24 + n * w, "mask": 24 + len(pos) * w + (n + 7) // 8,
+            "gaps": 24 + len(pos) * w + sum(_varint_bytes(g) for g in gaps)}
+
+
+@st.composite
+def _pairs(draw):
+    w = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.integers(0, 3000))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base = rng.integers(0, 256, n * w, dtype=np.uint8)
+    new = base.copy()
+    density = draw(st.sampled_from([0.0, 0.001, 0.02, 0.2, 0.6, 1.0]))
+    hit = np.flatnonzero(rng.random(n) < density)
+    for i in hit:  # another value of the element: at least one of its bytes differs
+        new[i * w + int(rng.integers(0, w))] ^= np.uint8(rng.integers(1, 256))
+    if n and draw(st.booleans()):  # a run at the end, far from the rest (long gaps)
+        new[-w:] ^= 0xFF
+    return base, new, w
+
+
+@settings(max_examples=300, deadline=None)
+@given(_pairs())
+def test_a_delta_turns_its_base_into_the_new_bytes_in_its_smallest_encoding(pair):
+    base, new, w = pair
+    d = delta.encode(base, new, itemsize=w)
+    want = _oracle_sizes(base, new, w)
+    assert d.nbytes == min(want.values()) <= delta.max_bytes(base.nbytes)
+    assert want[delta.kind_of(d)] == d.nbytes
+    out = base.copy()
+    delta.apply(out, d)
+    assert out.tobytes() == new.tobytes()
+    # what a forwarder sends on is the same bytes: applied again elsewhere, the same result
+    again = base.copy()
+    delta.apply(again, d.copy())
+    assert again.tobytes() == new.tobytes()
+
+
+def test_elements_are_compared_as_bits():
+    base = np.array([0.0, np.nan, 1.0], np.float32)
+    new = np.array([-0.0, 0.0, 1.0], np.float32)
+    new.view(np.uint32)[1] = base.view(np.uint32)[1] ^ 0x80000000  # the NaN of the other sign
+    pos = delta.changed(base.view(np.uint8), new.view(np.uint8), itemsize=4)
+    assert pos.tolist() == [0, 1]
+    out = base.view(np.uint8).copy()
+    delta.apply(out, delta.encode(base.view(np.uint8), new.view(np.uint8), itemsize=4))
+    assert out.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("density", [0.01, 0.5])
+def test_a_malformed_delta_is_refused_and_writes_nothing(density):
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, 2000, dtype=np.uint8)
+    new = base.copy()
+    new[rng.random(2000) < density] ^= 1
+    d = delta.encode(base, new, itemsize=2)
+    for bad, why in [(d[:-1], "cut short"), (d[:10], "no header")]:
+        out = base.copy()
+        with pytest.raises(TransferError):
+            delta.apply(out, bad)
+        assert out.tobytes() == base.tobytes(), why
+    with pytest.raises(TransferError, match="for a message of"):
+        delta.apply(np.zeros(1000, np.uint8), d)
+    tail = d.copy()
+    tail[-1] |= 0x80  # the last varint made to go on past the end, or the mask's last bit set
+    out = base.copy()
+    if tail.tobytes() == d.tobytes():  # that bit was set already: the same delta
+        delta.apply(out, tail)
+        assert out.tobytes() == new.tobytes()
+    else:
+        with pytest.raises(TransferError):
+            delta.apply(out, tail)
+        assert out.tobytes() == base.tobytes()
