@@ -4,7 +4,7 @@
 # per-message trace (summarised by bench/trace_summary.py) and a cProfile of every process (the
 # top functions of a trainer and a rollout, by own and by cumulative time). Needs the ucxx
 # wheels for Python 3.12 in .whl/ (see bench/results/h200_transfer/COMMAND.md); writes its
-# files to $OUT.
+# files to $OUT/all.tgz (the device returns few files) and tests.txt beside it.
 #   LAYERS (12), IPC (cuda), ONLY ("bf16 fp8"), SKIP_TESTS=1, BENCH_TIMEOUT (150 s, per run).
 set -uo pipefail
 source bench/gpu_common.sh
@@ -27,3 +27,5 @@ for U in ${ONLY:-bf16 fp8}; do
   done
   gzip -f "$OUT"/trace/$U/*.json 2>/dev/null
 done
+# the device returns a few files per call: everything as one archive
+cd "$OUT" && tar czf all.tgz ./*.txt ./*.json prof trace 2>/dev/null && rm -rf ./*_prof_*.txt ./*.json prof trace
