@@ -201,11 +201,12 @@ class _OnDevice:
             self.amax = xp.zeros(max(len(rows), 1), np.float64)  # a slot per row: parts' amax
             self.parts = xp.asarray(rows[part]) if part.any() else None
             self.parts_slot = xp.asarray(rows[part, SLOT]) if part.any() else None
+            # its kernels' own stream (on this device), behind what the caller queued (what
+            # wrote the sources), so that the caller's later work (hashing, packing) does not
+            # queue behind all of them
+            self.stream = xp.cuda.Stream(non_blocking=True)
         self.parts_keys = np.concatenate([t.keys() for t in mine if t.part] or
                                          [np.zeros(0, np.int64)])
-        # its kernels' own stream, behind what the caller queued (what wrote the sources), so
-        # that the caller's later work (hashing, packing) does not queue behind all of them
-        self.stream = xp.cuda.Stream(non_blocking=True)
         self.launches = _cuts(rows[:, 0], dtypes, qz.step)
         self.parts_launches = _cuts(rows[part, 0], dtypes, max(len(rows), 1))
         # each output buffer's event is recorded after the last launch that writes it
