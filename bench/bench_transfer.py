@@ -81,7 +81,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     (``quantize_s``), and rollouts are checked against the quantised weights; ``before``: each
     trainer quantises before the measured update instead (its transfer alone: where an update's
     time goes). ``trace_out``: a folder for each run's per-message trace (``trace_<run>.json``:
-    per rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with ``bench/trace_summary.py``).
+    per rank, :class:`wb.runtime.engine.update.TraceEntry` rows; read with
+    ``bench/trace_summary.py``).
     ``warmup``: updates each process runs before the measured one, over the same connections (as
     a Sender's later updates run; ``first_ewtt_s`` is the first one's). ``polling``: the UCX
     progress threads' mode (:class:`wb.UcxTransport`'s ``polling``; None: its default).

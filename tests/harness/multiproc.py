@@ -261,7 +261,7 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
             program.check(bufs)
             connect(program.part, transport)
         ready, quantised_at = None, None
-        if fp8 and trainer and not fp8.get("before"):  # quantised again inside the measured update, as Sender.push does
+        if fp8 and trainer and not fp8.get("before"):  # inside the measured update, as Sender.push
             quantised_at = time.time()
             ready = qz.launch(live, exchange("inside"), order=program.first_sent())
         prof = _profiler(options.get("profile"))

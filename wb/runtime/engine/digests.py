@@ -35,6 +35,7 @@ import numpy as np
 from wb.errors import ChecksumError, TransferError
 from wb.runtime.engine import crc
 from wb.runtime.engine.frames import Frame
+from wb.runtime.engine.inflight import recorded
 
 __all__ = ["ChecksumError", "Routes", "Digests", "checksumming", "DIGEST_TAG", "OK", "CORRUPT",
            "FLUSH_BYTES"]
@@ -200,19 +201,14 @@ class _DeviceSums:
         self.pending.append((buf.data.ptr, int(buf.nbytes), slot))
         self.pending_bytes += int(buf.nbytes)
 
-    def _event(self, stream):
-        ev = self.xp.cuda.Event(block=False, disable_timing=True)
-        ev.record(stream)
-        return ev
-
     def flush(self, *, idle: bool = True) -> None:
         """Launches the batch taken so far (unless it is short of :data:`FLUSH_BYTES` and not
         ``idle``)."""
         if self.pending and (idle or self.pending_bytes >= FLUSH_BYTES):
-            self.stream.wait_event(self._event(self.xp.cuda.get_current_stream()))
+            self.stream.wait_event(recorded(self.xp, self.xp.cuda.get_current_stream()))
             with self.stream:
                 self.launcher.launch(self.pending, self.values)
-            self.batches.append(self._event(self.stream))
+            self.batches.append(recorded(self.xp, self.stream))
             self.pending, self.pending_bytes = [], 0
 
     def guard(self):
@@ -231,7 +227,7 @@ class _DeviceSums:
         xp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.values.data.ptr,
                                     self.host.nbytes, xp.cuda.runtime.memcpyDeviceToHost,
                                     self.stream.ptr)
-        return self._event(self.stream)
+        return recorded(self.xp, self.stream)
 
     def read(self, slots: list[int]) -> list[int]:
         """CRCs of a fetch that is done."""

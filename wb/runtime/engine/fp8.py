@@ -24,6 +24,7 @@ from wb.algorithms.fp8.tasks import Quantized, combine_amax, partial_amax, quant
 from wb.data.sealed import seal, unseal
 from wb.errors import TransferError
 from wb.runtime.engine.casts import xp_dtype
+from wb.runtime.engine.inflight import recorded
 from wb.runtime.engine.quant_kernel import (GIVEN, PARTS, ROW, SLOT, TASK, THREADS, WHOLE,
                                             quant_kernel)
 
@@ -242,7 +243,7 @@ class _OnDevice:
         kernels read (to keep until they finished)."""
         xp, (bh, bw) = self.xp, self.block
         tasks, sources = self._task_table(qz, live)
-        self.stream.wait_event(_event(xp, xp.cuda.get_current_stream()))
+        self.stream.wait_event(recorded(xp, xp.cuda.get_current_stream()))
         with self.stream:
             self._queue(tasks, ready, bh, bw)
         return [sources, tasks]
@@ -257,16 +258,9 @@ class _OnDevice:
                 np.int32(bw), np.int32(mode)))
             done = self.done_after[k] if ready is not None else ()
             if done:
-                ev = _event(xp, self.stream)
+                ev = recorded(xp, self.stream)
                 for n in done:
                     ready[n] = ev
-
-
-def _event(xp, stream):
-    """An event recorded on ``stream`` now."""
-    ev = xp.cuda.Event(block=False, disable_timing=True)
-    ev.record(stream)
-    return ev
 
 
 def _cuts(task_of: np.ndarray, dtypes: list[str], step: int) -> list[tuple[int, int, str]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "abort"]
+__all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "recorded", "abort"]
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,15 @@ def fencer(xp):
         return lambda: None
 
     def fence():
-        ev = xp.cuda.Event(block=False, disable_timing=True)
-        ev.record()
-        return ev
+        return recorded(xp, xp.cuda.get_current_stream())
     return fence
+
+
+def recorded(xp, stream):
+    """A CUDA event recorded on ``stream`` now (non-blocking: poll ``.done``)."""
+    ev = xp.cuda.Event(block=False, disable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 class Inflight:
