@@ -25,6 +25,8 @@ def summarize(traces: dict) -> list[str]:
     t0 = min(v["t0"] for v in traces.values())
     lines = []
     rows = []
+    sent_done: dict[int, float] = {}
+    recv_done: dict[int, float] = {}
     for rank, v in sorted(traces.items(), key=lambda kv: int(kv[0])):
         msgs = v["messages"]
         if not msgs:
@@ -39,6 +41,8 @@ def summarize(traces: dict) -> list[str]:
                      f"{posted.min() * 1e3:5.1f}-{posted.max() * 1e3:5.1f} ms, done "
                      f"{done.min() * 1e3:5.1f}-{done.max() * 1e3:5.1f} ms")
         rows += [(m[1], bool(m[3]), m[4], m[5] - t0, m[6] - t0, m[7] - t0) for m in msgs]
+        for m in msgs:  # message -> when its sender, and when its receiver, saw it done
+            (sent_done if m[3] else recv_done)[m[0]] = m[7]
     for stage in sorted({r[0] for r in rows}):
         got = [r for r in rows if r[0] == stage and not r[1]]
         if not got:
@@ -53,6 +57,13 @@ def summarize(traces: dict) -> list[str]:
         lines.append(f"forwards: {len(fwd)}; posted after their data landed: p50 "
                      f"{np.percentile(wait, 50):.2f} ms, p90 {np.percentile(wait, 90):.2f} ms, "
                      f"max {wait.max():.2f} ms")
+    both = [m for m in recv_done if m in sent_done]
+    if both:  # one-sided: a send is done once its receiver's copy is; the receiver's loop then
+        # still has to see it (how far behind its own copies a receiver's loop runs)
+        lag = np.array([recv_done[m] - sent_done[m] for m in both]) * 1e3
+        lines.append(f"receives seen done after their send was: p10/p50/p90 "
+                     f"{np.percentile(lag, 10):.2f} / {np.percentile(lag, 50):.2f} / "
+                     f"{np.percentile(lag, 90):.2f} ms")
     return lines
 
 

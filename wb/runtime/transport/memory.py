@@ -6,8 +6,8 @@ once (one token, or ``None``: the caller copies them one by one), and says when 
 passed.
 
 - :class:`CudaMemory`: legacy CUDA IPC handles of the allocations holding the bytes (the driver
-  gives an allocation's range and buffer id), ``cudaMemcpyAsync`` on a stream per sending peer,
-  or the driver's ``cuMemcpyBatchAsync`` for several.
+  gives an allocation's range and buffer id), copied on a stream per sending peer by one launch
+  of a kernel per group (:mod:`~wb.runtime.transport.copy_kernel`).
 - :class:`HostMemory`: a process id and an address, read with ``process_vm_readv`` (UCX's
   ``cma``): for hosts without GPUs, and for testing the protocol where there are none.
 """
@@ -21,6 +21,8 @@ import os
 import socket
 import struct
 from typing import Any
+
+from wb.runtime.transport.copy_kernel import PieceCopier
 
 __all__ = ["CudaMemory", "HostMemory", "host_id", "HANDLE_BYTES"]
 
@@ -129,20 +131,11 @@ def _cuda_ptr(buf) -> int | None:
     return None if cai is None else int(cai["data"][0])
 
 
-class _Location(ctypes.Structure):  # CUmemLocation
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", _Location),
-                ("dst_hint", _Location), ("flags", ctypes.c_uint)]
-
-
 class CudaMemory:
     """CUDA buffers of other processes of this host, through legacy CUDA IPC handles (CuPy's
     runtime calls; the allocation's range and buffer id from the driver): exported once per
-    allocation (checked again once a round), opened once per handle, copied by
-    ``cudaMemcpyAsync`` on a stream per sending peer, an event per copy."""
+    allocation (checked again once a round), opened once per handle, copied by the row copy
+    kernel on a stream per sending peer, an event per launch."""
 
     name = "cuda"
 
@@ -163,8 +156,7 @@ class CudaMemory:
         self._opened: dict[bytes, int] = {}  # handle -> mapped start
         self._used: set[bytes] = set()  # handles copied from since the last round
         self._streams: dict[int, Any] = {}
-        self._events: list = []  # free events
-        self._batch = self._batch_fn()
+        self._rows: Any = False  # the row copy kernel's launcher (None: none here; False: not yet)
 
     def _describe(self, ptr: int) -> tuple[int, int, int] | None:
         """(start, size, buffer id) of the allocation holding ``ptr``: one driver call."""
@@ -225,49 +217,46 @@ class CudaMemory:
         return start
 
     def copy(self, buf, opened, offset: int, nbytes: int, peer: int):
-        cp = self.cp
-        dst = _cuda_ptr(buf)
-        dst = int(buf.__array_interface__["data"][0]) if dst is None else dst
-        try:
-            with cp.cuda.Device(self.device):  # whichever device the calling thread is on
-                stream = self._stream(peer)
-                event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
-                cp.cuda.runtime.memcpyAsync(dst, opened + offset, nbytes, 4, stream.ptr)
-                event.record(stream)
-        except Exception as e:  # noqa: BLE001 - the caller nacks: the message goes over UCX
-            log.info("a CUDA IPC copy from peer %d failed (%s)", peer, e)
-            return None
-        return event
+        return self.copy_many([(buf, opened, offset, nbytes)], peer)
 
     def copy_many(self, items, peer: int):
-        """:meth:`copy` of several ``(buf, opened, offset, nbytes)`` on ``peer``'s stream, by
-        one ``cuMemcpyBatchAsync`` (the driver's, CUDA 12.8 on) and one event: a token, or
-        ``None`` where the driver has none or refuses (the caller copies them one by one)."""
-        batch = self._batch
-        if batch is None:
-            return None
-        n = len(items)
-        dsts, srcs, sizes = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_size_t * n)()
-        for k, (buf, opened, offset, nbytes) in enumerate(items):
+        """:meth:`copy` of several ``(buf, opened, offset, nbytes)`` on ``peer``'s stream, all in
+        one launch of the row copy kernel (:class:`~wb.runtime.transport.copy_kernel.PieceCopier`),
+        or, where it cannot be made, one ``cudaMemcpyAsync`` each: a token (an event), or
+        ``None`` where a copy cannot be queued (the caller falls back)."""
+        rows = []
+        for buf, opened, offset, nbytes in items:
             dst = _cuda_ptr(buf)
             if dst is None:
                 return None
-            dsts[k], srcs[k], sizes[k] = dst, opened + offset, nbytes
+            rows.append((dst, opened + offset, nbytes))
         cp = self.cp
         try:
-            with cp.cuda.Device(self.device):
+            with cp.cuda.Device(self.device):  # whichever device the calling thread is on
                 stream = self._stream(peer)
-                if batch(dsts, srcs, sizes, n, self._attr, self._attr_idx, 1,
-                         ctypes.c_void_p(stream.ptr)) != 0:
-                    self._batch = None  # refused (a driver that has it but not for these)
-                    log.info("cuMemcpyBatchAsync refused a batch: copies go one by one")
-                    return None
-                event = self._events.pop() if self._events else cp.cuda.Event(disable_timing=True)
+                copier = self._copier()
+                if copier is not None:
+                    return copier.launch(rows, stream)
+                for dst, src, nbytes in rows:
+                    cp.cuda.runtime.memcpyAsync(dst, src, nbytes, 4, stream.ptr)
+                event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)
-        except Exception as e:  # noqa: BLE001 - one by one instead
-            log.info("a batch of CUDA IPC copies from peer %d failed (%s)", peer, e)
+                return event
+        except Exception as e:  # noqa: BLE001 - the caller nacks: the messages go over UCX
+            log.info("CUDA IPC copies from peer %d failed (%s)", peer, e)
             return None
-        return event
+
+    def _copier(self):
+        """The row copy kernel's launcher on this device, made at first use; ``None`` (logged
+        once) where it cannot be compiled: copies are then ``cudaMemcpyAsync`` calls."""
+        if self._rows is False:
+            try:
+                self._rows = PieceCopier(self.cp)
+            except Exception as e:  # noqa: BLE001 - CuPy without NVRTC, for one
+                log.warning("the CUDA row copy kernel cannot be made here (%s): one-sided "
+                            "copies go one cudaMemcpyAsync each (about half the speed)", e)
+                self._rows = None
+        return self._rows
 
     def _stream(self, peer: int):
         stream = self._streams.get(peer)
@@ -275,36 +264,8 @@ class CudaMemory:
             stream = self._streams[peer] = self.cp.cuda.Stream(non_blocking=True)
         return stream
 
-    def _batch_fn(self):
-        """The driver's ``cuMemcpyBatchAsync`` (CUDA 13's ``_v2``, or 12.8's with its failure
-        index bound), or ``None``; its attributes: stream order, no location hints."""
-        p = ctypes.c_void_p
-        try:
-            fn, bind = self._cuda.cuMemcpyBatchAsync_v2, None
-            fn.argtypes = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t, p]
-        except AttributeError:
-            try:
-                fn, bind = self._cuda.cuMemcpyBatchAsync, ctypes.c_size_t(0)
-                fn.argtypes = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t, p, p]
-            except AttributeError:
-                return None
-        fn.restype = ctypes.c_int
-        self._attr = (_MemcpyAttributes * 1)(_MemcpyAttributes(1, _Location(1, self.device),
-                                                               _Location(1, self.device), 0))
-        self._attr_idx = (ctypes.c_size_t * 1)(0)
-        if bind is None:
-            return fn
-        self._fail_idx = bind
-
-        def v1(d, s, z, n, a, ai, na, stream):
-            return fn(d, s, z, n, a, ai, na, ctypes.byref(self._fail_idx), stream)
-        return v1
-
     def passed(self, token) -> bool:
-        if token.done:
-            self._events.append(token)
-            return True
-        return False
+        return token.done
 
     def wait_all(self) -> None:
         for s in self._streams.values():
