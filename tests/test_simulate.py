@@ -71,6 +71,32 @@ def test_messages_cost_their_worker_beside_the_bytes_by_hand():
     assert slow.free_messages_s == pytest.approx(free.ewtt_s)
 
 
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.03, 0.5, 1.0])
+def test_deltas_carry_their_expected_encoding_by_hand(density):
+    """With ``delta_density`` each message's bytes are its delta's expected size: the trainer's
+    NIC carries what the deltas of its messages add up to, counted one message at a time, and
+    the pipeline fills with one delta per hop."""
+    from wb.algorithms.delta import expected_bytes
+
+    w = np.arange(1000 * 1000).reshape(1000, 1000)  # 4 MB
+    B = w.size * 4
+    t = [lay(0, "t0", "trainer", w)]
+    r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
+    p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
+    M = p.messages
+    sent = sum(float(expected_bytes(int(n), 4, density)) for n, s in zip(M.nbytes, M.src_rank)
+               if s == 0)
+    d = simulate(p, message_s=0, delta_density=density)
+    nic = 50 * GB
+    assert d.link_s["trainer_nic_out"].max() == pytest.approx(sent / nic)
+    assert d.ewtt_s - d.pipeline_s == pytest.approx(sent / nic)  # every link carries as much
+    piece = float(expected_bytes(B // 8, 4, density))
+    assert d.pipeline_s == pytest.approx(2 * piece / nic)
+    assert d.ideal_s == simulate(p).ideal_s  # the dense ideal, to compare against
+    with pytest.raises(ValueError, match="density"):
+        simulate(p, delta_density=1.5)
+
+
 def test_ewtt_is_never_below_ideal():
     from hypothesis import given, settings
 

@@ -169,6 +169,11 @@ def vllm_worker(rank: int, tp: int, port: int, cfg_dir: str, store_dir: str, res
     logging.getLogger("wb").setLevel(logging.INFO)
     try:
         import torch
+
+        # vLLM's PyPI wheel is a CUDA build: on a CPU with AMX its linear layers take SGLang's
+        # packed-GEMM path, whose `_C.convert_weight_packed` only its CPU build has. Without
+        # AMX they take oneDNN's, which the CUDA wheel's torch has: the weights are the same.
+        torch.cpu._is_amx_tile_supported = lambda: False
         from vllm.config import set_current_vllm_config
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.distributed import init_distributed_environment, initialize_model_parallel

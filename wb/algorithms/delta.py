@@ -32,7 +32,7 @@ import numpy as np
 from wb.errors import TransferError
 
 __all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "apply", "changed", "kind_of",
-           "max_bytes", "sizes"]
+           "max_bytes", "sizes", "expected_bytes"]
 
 DENSE, MASK, GAPS = 0, 1, 2
 _NAMES = {DENSE: "dense", MASK: "mask", GAPS: "gaps"}
@@ -87,6 +87,30 @@ def _sizes(n: int, k: int, lengths: np.ndarray, itemsize: int) -> dict[str, int]
     return {"dense": HEADER.size + n * itemsize,
             "mask": HEADER.size + k * itemsize + -(-n // 8),
             "gaps": HEADER.size + k * itemsize + int(lengths.sum())}
+
+
+def expected_bytes(nbytes, itemsize, density: float) -> np.ndarray:
+    """Expected bytes of the smallest encoding of deltas of messages of ``nbytes`` (an array, or
+    one) with elements of ``itemsize`` bytes, where each element changed on its own with
+    probability ``density``: a model for planning (:func:`wb.simulate`'s ``delta_density``), the
+    encodings' sizes taken at their expected counts. Gaps between changes are then geometric,
+    and a gap needs a ``j``-th varint byte when it is at least ``128**(j - 1)`` (probability
+    ``(1 - density)**(128**(j - 1))``).
+
+    Examples:
+        >>> int(expected_bytes(1 << 20, 2, 0.0)), int(expected_bytes(1 << 20, 2, 1.0)) - (1 << 20)
+        (24, 24)
+        >>> round(float(expected_bytes(1 << 20, 2, 0.03)) / (1 << 20), 3)  # values and gaps
+        0.045
+    """
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"delta: density must be within [0, 1], got {density}")
+    size = np.asarray(nbytes, np.float64)
+    n = size / np.asarray(itemsize, np.float64)
+    k = density * n
+    varint = 1.0 + sum((1.0 - density) ** (128.0 ** j) for j in range(1, 10))
+    return HEADER.size + np.minimum.reduce([size, k * itemsize + np.ceil(n / 8),
+                                            k * (itemsize + varint)])
 
 
 def max_bytes(nbytes: int) -> int:

@@ -28,7 +28,9 @@ from wb.data.layout import Cluster
 from wb.data.plan import Plan
 from wb.data.plan.plan import need_plan
 from wb.errors import PlanError
+from wb.algorithms.delta import expected_bytes
 from wb.algorithms.planner import bound_parts
+from wb.data.dtypes import CODES, dtype_info
 
 __all__ = ["Simulation", "simulate", "simulate_broadcast", "simulate_p2p", "MESSAGE_S"]
 
@@ -124,7 +126,7 @@ def _cluster(plan, cluster, who: str) -> Cluster:
 
 
 def simulate(plan: Plan, cluster: Cluster | None = None, *,
-             message_s: float = MESSAGE_S) -> Simulation:
+             message_s: float = MESSAGE_S, delta_density: float | None = None) -> Simulation:
     """Estimated EWTT of ``plan`` under ``cluster``, and the ideal.
 
     Every link (each GPU's NIC in and out, NVLink) moves its bytes at its rate, all at once, and
@@ -137,6 +139,10 @@ def simulate(plan: Plan, cluster: Cluster | None = None, *,
         cluster: link rates (default: the plan's own :class:`wb.Cluster`).
         message_s: seconds per message and side (default :data:`MESSAGE_S`, measured; 0: free
             messages, the bandwidth bound alone).
+        delta_density: every message travels as a delta against the version its receiver
+            holds, each element changed with this probability: its bytes are the expected size
+            of its smallest encoding (:func:`wb.algorithms.delta.expected_bytes`); messages
+            cost ``message_s`` as before. ``ideal_s`` stays the dense ideal.
 
     Returns:
         :class:`Simulation` with ``ewtt_s``, ``ideal_s`` (the lower-bound bytes over the busiest
@@ -157,11 +163,15 @@ def simulate(plan: Plan, cluster: Cluster | None = None, *,
     tab, nodes, n_gpus, node_of, is_trainer, is_rollout, nic, nvl = _gpu_info(plan, cluster)
     T = plan.transfers
     nbytes = plan.pieces.nbytes[T.piece].astype(np.float64)
+    if delta_density is not None:
+        nbytes *= _delta_fraction(plan, float(delta_density))
     loads = _loads(tab.gpu[T.src_slot], tab.gpu[T.dst_slot], nbytes, node_of, n_gpus)
     times = _link_times(loads, nic, nvl, is_trainer, is_rollout)
     busy, name = _busiest(times)
     depth = _depth(T.after)
-    piece_s = float(plan.pieces.nbytes.max(initial=0)) / float(nic.min()) if nic.size else 0.0
+    piece = float(plan.pieces.nbytes.max(initial=0) if delta_density is None
+                  else nbytes.max(initial=0))  # a delta's chunks are its deltas
+    piece_s = piece / float(nic.min()) if nic.size else 0.0
     pipe = depth * piece_s
     free = busy + pipe
     control = _control_s(plan, message_s)
@@ -175,6 +185,23 @@ def simulate(plan: Plan, cluster: Cluster | None = None, *,
         busy, name = float(both.max()), "messages"
     return Simulation(busy + pipe, ideal_s(plan, cluster), name, times, pipe,
                       float(control.max(initial=0.0)), free)
+
+
+def _delta_fraction(plan: Plan, density: float) -> np.ndarray:
+    """``(transfers,)``: the expected size of each transfer's message as a delta over its dense
+    size."""
+    M, T, P = plan.messages, plan.transfers, plan.pieces
+    out = np.ones(T.piece.size, np.float64)
+    has = M.count > 0
+    if not has.any():
+        return out
+    first, count, size = M.first[has], M.count[has], M.nbytes[has]
+    itemsize = np.array([dtype_info(c).itemsize for c in CODES])[P.dtype[T.piece[first]]]
+    frac = expected_bytes(size, itemsize, density) / np.maximum(size, 1)
+    # each message's transfers: first .. first + count - 1
+    at = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+    out[at] = np.repeat(frac, count)
+    return out
 
 
 def _control_s(plan: Plan, message_s: float) -> np.ndarray:

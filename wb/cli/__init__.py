@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: time the set-up through a real store, every rank simulated "
                          "here (layouts published, plan made, every rank's part fetched and "
                          "loaded); prints a JSON object as the last line")
+    pl.add_argument("--delta-density", type=float, metavar="D",
+                    help="also simulate every message as a delta with a fraction D of its "
+                         "elements changed (e.g. what `bench/bench_delta.py` measures per "
+                         "version): reports delta_ewtt_s and delta_link_ratio (the busiest "
+                         "link's bytes as deltas over dense)")
     pl.add_argument("--sample", type=int, default=8,
                     help="with --setup: how many ranks' parts to load, largest first (default 8)")
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "
@@ -120,7 +125,8 @@ def _run(args) -> int:
         if args.setup:
             print(json.dumps(run_setup(args.preset, sample=args.sample, quiet=args.json)))
             return 0
-        report = run_plan(args.preset, plot=args.plot, verify=not args.no_verify, quiet=args.json)
+        report = run_plan(args.preset, plot=args.plot, verify=not args.no_verify, quiet=args.json,
+                          delta_density=args.delta_density)
         if args.json:
             print(json.dumps(report))
         return 0

@@ -19,8 +19,9 @@ def _peak_rss_mb() -> float:
 
 
 def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet: bool = False,
-             models_dir=None) -> dict:
-    """Builds the preset's maps and plan, simulates it and the baselines; returns the report."""
+             models_dir=None, delta_density: float | None = None) -> dict:
+    """Builds the preset's maps and plan, simulates it and the baselines (and, with
+    ``delta_density``, every message as a delta: :func:`wb.simulate`); returns the report."""
     from wb.layouts.deployments import deployment
     from wb.algorithms import planner
     from wb.algorithms.simulate import MESSAGE_S, simulate, simulate_broadcast, simulate_p2p
@@ -38,6 +39,8 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
     with console.status("simulating the plan and the baselines..."):
         ratio = planner.traffic_ratio(p)
         sim, bc, p2p = simulate(p), simulate_broadcast(p), simulate_p2p(p)
+        delta = (simulate(p, delta_density=delta_density) if delta_density is not None
+                 else None)
     verify_s = None
     if verify:
         with console.status("verifying the plan against the layouts..."):
@@ -62,6 +65,14 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         "pieces": summary["pieces"], "transfers": summary["transfers"],
         "messages": summary["messages"], "bytes_by_stage": summary["bytes_by_stage"],
     }
+    if delta is not None:
+        free = simulate(p, message_s=0)
+        report.update({
+            "delta_density": delta_density, "delta_ewtt_s": delta.ewtt_s,
+            "delta_busiest": delta.busiest, "delta_ewtt_free_messages_s": delta.free_messages_s,
+            "delta_link_ratio": ((delta.free_messages_s - delta.pipeline_s)
+                                  / (free.ewtt_s - free.pipeline_s)),
+            "delta_ewtt_over_dense": delta.ewtt_s / sim.ewtt_s})
     t = Table(title=f"plan for {preset}", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
@@ -81,6 +92,10 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         ("busiest worker's messages", f"{sim.control_s:.3f} s (at {MESSAGE_S * 1e6:.1f} us each)"),
         ("EWTT with free messages / ratio", f"{sim.free_messages_s:.3f} s / "
                                             f"{sim.free_messages_s / sim.ideal_s:.3f}x"),
+        *([] if delta is None else [
+            (f"as deltas, {delta_density:.2%} changed", f"{delta.ewtt_s:.3f} s ({delta.busiest}; "
+                                                       f"{delta.free_messages_s:.3f} s with free "
+                                                       f"messages)")]),
         ("broadcast baseline EWTT", f"{bc.ewtt_s:.2f} s ({bc.ewtt_s / sim.ewtt_s:.1f}x slower)"),
         ("naive P2P baseline EWTT", f"{p2p.ewtt_s:.2f} s ({p2p.ewtt_s / sim.ewtt_s:.1f}x slower)"),
         ("verified", "yes" if verify_s is not None else "skipped"),
