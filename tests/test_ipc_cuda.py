@@ -1,5 +1,5 @@
 """UcxTransport's one-sided channel between GPUs' processes (CUDA IPC handles, the receiver's
-cudaMemcpyAsync): exact bytes, device and host memory mixed, peers of one process falling back
+row copy kernel): exact bytes, device and host memory mixed, peers of one process falling back
 over UCX. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
 
 import pytest
@@ -17,7 +17,7 @@ from harness.ipc import run_pair  # noqa: E402
 def test_device_messages_go_one_sided_between_processes(tmp_path, late):
     """300 messages of 1 byte to 4 MiB, a tenth of them from host memory (which cannot go
     one-sided: over UCX tags): every byte exact, the device ones copied by the receiver, most of
-    them several to one driver call (cuMemcpyBatchAsync)."""
+    them several to one launch of the row copy kernel."""
     from harness.ipc import messages
 
     host = sum(h for *_, h in messages(300))
