@@ -141,8 +141,8 @@ def simulate(plan: Plan, cluster: Cluster | None = None, *,
             messages, the bandwidth bound alone).
         delta_density: every message travels as a delta against the version its receiver
             holds, each element changed with this probability: its bytes are the expected size
-            of its smallest encoding (:func:`wb.algorithms.delta.expected_bytes`); messages
-            cost ``message_s`` as before. ``ideal_s`` stays the dense ideal.
+            of its smallest encoding (:func:`wb.algorithms.delta.expected_bytes`); each message
+            still costs ``message_s``. ``ideal_s`` is the dense ideal.
 
     Returns:
         :class:`Simulation` with ``ewtt_s``, ``ideal_s`` (the lower-bound bytes over the busiest
