@@ -18,12 +18,18 @@ def lay(rank, node, role, ids, local_rank=0):
                      {"w": wb.BufferSpec(wb.SourceMap.from_indices(ids), "float32")})
 
 
-def test_one_trainer_two_rollout_nodes_by_hand():
-    w = np.arange(1000 * 1000).reshape(1000, 1000)  # 4 MB
+def _one_trainer_two_rollout_nodes():
+    """A 4 MB tensor held by one trainer, needed whole on two rollout nodes, in 8 pieces: the
+    plan and the tensor's bytes."""
+    w = np.arange(1000 * 1000).reshape(1000, 1000)
     B = w.size * 4
     t = [lay(0, "t0", "trainer", w)]
     r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
-    p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
+    return wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8), B
+
+
+def test_one_trainer_two_rollout_nodes_by_hand():
+    p, B = _one_trainer_two_rollout_nodes()
     s = simulate(p, message_s=0)
     nic = 50 * GB
     # trainer sends B once; r0 receives B and forwards B to r1: every link carries B
@@ -52,11 +58,7 @@ def test_messages_cost_their_worker_beside_the_bytes_by_hand():
     """Each worker spends ``message_s`` per message it sends or receives, while bytes move: a GPU
     takes the larger of its busiest link and its messages; free messages give the bandwidth
     bound."""
-    w = np.arange(1000 * 1000).reshape(1000, 1000)  # 4 MB
-    B = w.size * 4
-    t = [lay(0, "t0", "trainer", w)]
-    r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
-    p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
+    p, B = _one_trainer_two_rollout_nodes()
     M = p.messages
     # the oracle: messages each rank sends or receives, counted one by one
     count = {r: sum(1 for s, d in zip(M.src_rank, M.dst_rank) if r in (s, d)) for r in (0, 1, 2)}
@@ -78,11 +80,7 @@ def test_deltas_carry_their_expected_encoding_by_hand(density):
     the pipeline fills with one delta per hop."""
     from wb.algorithms.delta import expected_bytes
 
-    w = np.arange(1000 * 1000).reshape(1000, 1000)  # 4 MB
-    B = w.size * 4
-    t = [lay(0, "t0", "trainer", w)]
-    r = [lay(1, "r0", "rollout", w), lay(2, "r1", "rollout", w)]
-    p = wb.plan(t, r, wb.Cluster(nic_gbps=400), chunk_bytes=B // 8)
+    p, B = _one_trainer_two_rollout_nodes()
     M = p.messages
     sent = sum(float(expected_bytes(int(n), 4, density)) for n, s in zip(M.nbytes, M.src_rank)
                if s == 0)

@@ -66,12 +66,11 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         "messages": summary["messages"], "bytes_by_stage": summary["bytes_by_stage"],
     }
     if delta is not None:
-        free = simulate(p, message_s=0)
         report.update({
             "delta_density": delta_density, "delta_ewtt_s": delta.ewtt_s,
             "delta_busiest": delta.busiest, "delta_ewtt_free_messages_s": delta.free_messages_s,
             "delta_link_ratio": ((delta.free_messages_s - delta.pipeline_s)
-                                  / (free.ewtt_s - free.pipeline_s)),
+                                 / (sim.free_messages_s - sim.pipeline_s)),
             "delta_ewtt_over_dense": delta.ewtt_s / sim.ewtt_s})
     t = Table(title=f"plan for {preset}", show_header=False)
     t.add_column("what")
