@@ -13,6 +13,9 @@ from wb.algorithms import delta
 from wb.errors import TransferError
 
 
+_H = 32  # a delta's header: kind, element bytes, its bytes, elements, changed elements
+
+
 def _varint_bytes(v: int) -> int:
     n = 1
     while v >= 128:
@@ -25,8 +28,8 @@ def _oracle_sizes(base: np.ndarray, new: np.ndarray, w: int) -> dict[str, int]:
     n = base.size // w
     pos = [i for i in range(n) if bytes(base[i * w:(i + 1) * w]) != bytes(new[i * w:(i + 1) * w])]
     gaps = [p - (pos[j - 1] if j else -1) - 1 for j, p in enumerate(pos)]
-    return {"dense": 24 + n * w, "mask": 24 + len(pos) * w + (n + 7) // 8,
-            "gaps": 24 + len(pos) * w + sum(_varint_bytes(g) for g in gaps)}
+    return {"dense": _H + n * w, "mask": _H + len(pos) * w + (n + 7) // 8,
+            "gaps": _H + len(pos) * w + sum(_varint_bytes(g) for g in gaps)}
 
 
 @st.composite

@@ -174,6 +174,29 @@ def test_versions_through_sender_and_receiver_over_ucx(plan_file, tmp_path, mode
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,ipc", [("both", "off"), ("sync", "host")])
+def test_versions_as_deltas_over_ucx(plan_file, tmp_path, mode, ipc):
+    """Trainers with ``delta=True``: every version after the first that a rollout holds comes
+    as what changed (here about 2% of the elements a version); every rollout bit-identical to
+    the trainers' weights, every version. Over UCX tags, and one-sided (``WB_IPC=host``: the
+    receiver reads a delta shorter than its receive)."""
+    from harness.multiproc import coord_child_main
+
+    send, recv = wb.MODES[mode]
+    run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path), target=coord_child_main,
+                    options={"versions": 4, "sender_staging": send, "receiver_staging": recv,
+                             "timeout": 60, "delta": True, "density": 0.02,
+                             "env": {"WB_IPC": ipc}}, join_timeout=200)
+    for r in RANKS:
+        res = run.results[r]
+        assert res is not None and res["ok"], (r, res)
+        if r >= 4:
+            assert res["applied"] == [1, 2, 3, 4] and res["checks"] == [True] * 4, res
+            first, *later = res["received"]
+            assert max(later) < 0.25 * first, res["received"]
+
+
+@pytest.mark.timeout(240)
 def test_versions_from_the_parts_agree_parts_gives_over_ucx(plan_file, tmp_path):
     """A real set-up: each process publishes its layout, rank 0's plans, every process fetches
     only its part from the store and runs Sender/Receiver from it."""

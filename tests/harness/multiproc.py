@@ -594,11 +594,13 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             cupy.cuda.Device(cuda).use()
             dev, host = cupy.asarray, cupy.asnumpy
         kw = dict(transport=transport, store=store, timeout=timeout, wait_timeout=timeout)
+        density = options.get("density", 1.0)  # of the elements each version changes
         if trainer:
             bufs = {k: dev(v.copy()) for k, v in base.items()}
-            tx = wb.Sender(plan, rank, bufs, staging=options.get("sender_staging", True), **kw)
+            tx = wb.Sender(plan, rank, bufs, staging=options.get("sender_staging", True),
+                           delta=options.get("delta", False), **kw)
             for v in range(1, options["versions"] + 1):
-                for k, a in version_bits(base, v, mapped).items():
+                for k, a in version_bits(base, v, mapped, density=density).items():
                     bufs[k][...] = dev(a)  # the training step
                 time.sleep(options.get("step_s", 0.0))
                 if fault.in_version == v:
@@ -621,7 +623,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                 try:
                     v = rx.apply()
                 except wb.ChecksumError as e:  # refused; the next version comes as usual
-                    want = version_bits(base, max(rx.version, 0), mapped)
+                    want = version_bits(base, max(rx.version, 0), mapped, density=density)
                     result.setdefault("refused", []).append({
                         "error": str(e), "bad": [list(b[:3]) for b in e.bad],
                         "version": rx.version, "intact": bool(all(
@@ -630,14 +632,14 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
                     continue
                 except TransferError as e:
                     result["error"], result["error_at"] = str(e), time.time()
-                    want = version_bits(base, max(rx.version, 0), mapped)
+                    want = version_bits(base, max(rx.version, 0), mapped, density=density)
                     result["intact"] = bool(all(np.array_equal(host(bufs[k]).view(np.uint8),
                                                                want[k].view(np.uint8))
                                                 for k in bufs))
                     result["version_after_error"] = rx.version
                     break
                 result.setdefault("applied_at", []).append(time.time())
-                want = version_bits(base, v, mapped)
+                want = version_bits(base, v, mapped, density=density)
                 result["applied"].append(v)
                 result["checks"].append(bool(all(
                     np.array_equal(host(bufs[k]).view(np.uint8), want[k].view(np.uint8))
@@ -647,6 +649,7 @@ def coord_child_main(rank: int, plan_path: str, store_dir: str, result_dir: str,
             except TransferError as e:  # a peer died: the closing barrier says so
                 result["close_error"] = str(e)
             result["repairs"] = _repairs(rx)
+            result["received"] = [s.bytes_received for s in rx.stats]
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
         result.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(),

@@ -4,8 +4,9 @@ in whichever of three encodings is smallest for that message.
 Elements are compared as raw bits of the message's element width (so ``-0.0`` differs from
 ``0.0`` and every NaN payload is kept), and a delta replaces them: applied to the base it was made
 against it gives the new bytes bit for bit. A delta is self-describing bytes (a forwarder sends it
-on as it came). Layout, little-endian: a header of :data:`HEADER` (kind, element bytes, elements,
-changed elements), then
+on as it came, and a receive larger than it finds its end in the header). Layout, little-endian:
+a header of :data:`HEADER` (kind, element bytes, the delta's own bytes, elements, changed
+elements), then
 
 - :data:`DENSE`: every element (what travels when a delta would not be smaller);
 - :data:`MASK`: the changed elements' values, then one bit per element (set where it changed);
@@ -17,8 +18,8 @@ Examples:
     >>> base = np.zeros(1000, np.uint16).view(np.uint8)
     >>> new = base.copy(); new.view(np.uint16)[[3, 500]] = 7
     >>> d = encode(base, new, itemsize=2)
-    >>> kind_of(d), d.nbytes
-    ('gaps', 31)
+    >>> kind_of(d), d.nbytes, size_of(d)
+    ('gaps', 39, 39)
     >>> out = base.copy(); apply(out, d); bool((out == new).all())
     True
 """
@@ -32,13 +33,14 @@ import numpy as np
 from wb.errors import TransferError
 
 __all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "apply", "changed", "kind_of",
-           "max_bytes", "sizes", "expected_bytes"]
+           "size_of", "max_bytes", "sizes", "expected_bytes"]
 
 DENSE, MASK, GAPS = 0, 1, 2
 _NAMES = {DENSE: "dense", MASK: "mask", GAPS: "gaps"}
-#: kind (u8), element bytes (u8), 6 pad bytes, elements (u64), changed elements (u64): 24 bytes,
-#: so that the values after it stay aligned for any element width up to 8
-HEADER = struct.Struct("<BB6xQQ")
+#: kind (u8), element bytes (u8), 6 pad bytes, the delta's bytes, header included (u64),
+#: elements (u64), changed elements (u64): 32 bytes, so that the values after it stay aligned for
+#: any element width up to 8
+HEADER = struct.Struct("<BB6xQQQ")
 _WIDTHS = (1, 2, 4, 8)
 
 
@@ -99,7 +101,7 @@ def expected_bytes(nbytes, itemsize, density: float) -> np.ndarray:
 
     Examples:
         >>> int(expected_bytes(1 << 20, 2, 0.0)), int(expected_bytes(1 << 20, 2, 1.0)) - (1 << 20)
-        (24, 24)
+        (32, 32)
         >>> round(float(expected_bytes(1 << 20, 2, 0.03)) / (1 << 20), 3)  # values and gaps
         0.045
     """
@@ -133,7 +135,7 @@ def encode(base: np.ndarray, new: np.ndarray, *, itemsize: int) -> np.ndarray:
     size = _sizes(n, k, lengths, itemsize)
     kind = min((DENSE, GAPS, MASK), key=lambda x: size[_NAMES[x]])
     out = np.empty(size[_NAMES[kind]], np.uint8)
-    HEADER.pack_into(out, 0, kind, itemsize, n, n if kind == DENSE else k)
+    HEADER.pack_into(out, 0, kind, itemsize, out.nbytes, n, n if kind == DENSE else k)
     at = HEADER.size
     if kind == DENSE:
         out[at:] = vals.view(np.uint8)
@@ -155,20 +157,33 @@ def encode(base: np.ndarray, new: np.ndarray, *, itemsize: int) -> np.ndarray:
     return out
 
 
-def _header(delta: np.ndarray) -> tuple[int, int, int, int]:
+def _header(delta: np.ndarray) -> tuple[int, int, int, int, int]:
     if delta.nbytes < HEADER.size:
         raise TransferError(f"delta of {delta.nbytes} bytes: shorter than its "
                             f"{HEADER.size}-byte header")
-    kind, itemsize, n, k = HEADER.unpack_from(delta)
-    if kind not in _NAMES or itemsize not in _WIDTHS or k > n:
+    kind, itemsize, size, n, k = HEADER.unpack_from(delta)
+    if kind not in _NAMES or itemsize not in _WIDTHS or k > n or size < HEADER.size:
         raise TransferError(f"delta header malformed: kind {kind}, itemsize {itemsize}, "
-                            f"{k} changed of {n} elements")
-    return kind, itemsize, n, k
+                            f"{size} bytes, {k} changed of {n} elements")
+    return kind, itemsize, size, n, k
 
 
 def kind_of(delta: np.ndarray) -> str:
     """The encoding of ``delta``: ``"dense"``, ``"mask"`` or ``"gaps"``."""
     return _NAMES[_header(np.asarray(delta).reshape(-1).view(np.uint8))[0]]
+
+
+def size_of(buf: np.ndarray) -> int:
+    """The bytes of the delta at the start of ``buf`` (a receive may be larger than what came).
+
+    Raises:
+        TransferError: its header is malformed or says more bytes than ``buf`` holds.
+    """
+    b = np.asarray(buf).reshape(-1).view(np.uint8)
+    size = _header(b)[2]
+    if size > b.nbytes:
+        raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
+    return size
 
 
 def _positions(kind: int, tail: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -213,7 +228,9 @@ def apply(target: np.ndarray, delta: np.ndarray) -> None:
             width (nothing of ``target`` is written then).
     """
     d = np.asarray(delta).reshape(-1).view(np.uint8)
-    kind, itemsize, n, k = _header(d)
+    kind, itemsize, size, n, k = _header(d)
+    if size != d.nbytes:
+        raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
     t = target.reshape(-1).view(np.uint8)
     if t.nbytes != n * itemsize:
         raise TransferError(f"delta of {n:,} elements of {itemsize} bytes for a message of "

@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 
+from wb.algorithms import delta
+
 __all__ = ["ShapedTransport"]
 
 
@@ -72,6 +74,9 @@ class _HeldSend:
 
 
 class _ShapedRecv:
+    """``nbytes``: the message's size, or the buffer of a receive of a delta (whose header says
+    how much of it came)."""
+
     __slots__ = ("t", "req", "link", "nbytes", "at")
 
     def __init__(self, t, req, link, nbytes):
@@ -81,6 +86,8 @@ class _ShapedRecv:
         if self.at is None:
             if not self.req.done():
                 return False
+            if not isinstance(self.nbytes, int):
+                self.nbytes = delta.size_of(self.nbytes)
             self.at = self.link.book(self.nbytes, time.monotonic() - self.nbytes / self.link.rate)
         return time.monotonic() >= self.at
 
@@ -129,10 +136,12 @@ class ShapedTransport:
         at = self._out[kind].book(int(buf.nbytes), time.monotonic())
         return _HeldSend(self, peer, buf, tag, at)
 
-    def recv(self, peer: int, buf, tag: int):
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False):
         kind = self._kind(peer)
-        req = self.inner.recv(peer, buf, tag)
-        return req if kind is None else _ShapedRecv(self, req, self._in[kind], int(buf.nbytes))
+        req = self.inner.recv(peer, buf, tag, upto=upto) if upto else self.inner.recv(peer, buf, tag)
+        if kind is None:
+            return req
+        return _ShapedRecv(self, req, self._in[kind], buf if upto else int(buf.nbytes))
 
     def link_stats(self, *, reset: bool = False) -> dict:
         """Per emulated link of this worker (``out/nic``, ``in/nvlink``, ...): bytes carried, busy

@@ -231,12 +231,25 @@ def mapped_of(lay, xp=np) -> dict:
     return out
 
 
-def version_bits(base: dict, version: int, mapped: dict, xp=np) -> dict:
+def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
+                 density: float = 1.0) -> dict:
     """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
     mapped (``mapped[name]``: bool array), unchanged elsewhere (bitwise distinct per version;
-    nothing interprets them as numbers). ``xp``: numpy, or CuPy for device arrays."""
+    nothing interprets them as numbers). ``xp``: numpy, or CuPy for device arrays.
+
+    ``density`` below 1: each version changes about that fraction of the mapped elements (plus
+    one each time), chosen by a hash of the element's base bits and the version, so every copy
+    of an id changes alike (what a delta update sends)."""
     out = {}
     for k, a in base.items():
         u = a.view(f"u{a.dtype.itemsize}")
-        out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
+        if density >= 1.0:
+            out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
+            continue
+        bits, steps = u.astype(xp.uint64), xp.zeros(u.shape, u.dtype)
+        cut = xp.uint64(int(density * (1 << 20)))
+        for w in range(1, version + 1):
+            h = (bits * xp.uint64(0x9E3779B97F4A7C15) + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
+            steps += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1) < cut).astype(u.dtype)
+        out[k] = xp.where(mapped[k], u + steps, u).view(a.dtype)
     return out

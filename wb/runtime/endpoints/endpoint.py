@@ -5,10 +5,16 @@ across versions (:class:`Endpoint`), and how a background transfer hands its res
 Per version ``v``, every worker of the plan *joins* ``v`` (a key in the rendezvous store) and waits
 for the peers it exchanges bytes with; then its program runs with tags ``v << 32``. A trainer
 *announces* ``v`` when it is pushed, which is what a receiver without staging waits for.
+
+In a job that sends deltas (a :class:`wb.Sender` made with ``delta=True``; its announcement says
+so, and rollouts follow from the first version they see it), each worker's join record says the
+version its program holds (:mod:`wb.runtime.engine.deltas`), and the units between two workers
+that hold the same one travel as deltas.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,6 +29,7 @@ from wb.runtime.engine.executor import connect
 from wb.runtime.membership.finish import Finisher, Roster
 from wb.runtime.membership.joining import Admission
 from wb.runtime.membership.liveness import Heartbeat, Watch
+from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program
@@ -131,6 +138,10 @@ class Endpoint:
         self.staging_bytes, self.timeout, self.wait_timeout = staging_bytes, timeout, wait_timeout
         self.trainers = list(part.trainers)
         self.stats: list[UpdateStats] = []  # one per version, in order
+        #: deltas: the job sends them (a trainer's choice; a rollout's once announced), and
+        #: what a version lands in is the same memory every time (a rollout's target says)
+        self.delta, self.stable = False, True
+        self._delta_plan: DeltaPlan | None = None  # the version being joined's
         # Liveness: beat from now on; a stalled update or join asks which peer went silent
         self.heartbeat = Heartbeat(store, self.key("alive", self.rank),
                                    incarnation=None if admission is None else admission.incarnation)
@@ -165,8 +176,21 @@ class Endpoint:
         return "/".join((self.name, *map(str, parts)))
 
     def announce(self, v: int) -> None:
-        """A trainer says version ``v`` exists (what a receiver without staging waits for)."""
-        self.store.set(self.key("version", v, self.rank), b"1")
+        """A trainer says version ``v`` exists (what a receiver without staging waits for), and
+        whether it goes as deltas."""
+        self.store.set(self.key("version", v, self.rank), b"delta" if self.delta else b"1")
+
+    def _announced_delta(self, v: int) -> bool:
+        """Whether the trainers announced version ``v`` (announced already) as deltas."""
+        try:
+            return self.store.get(self.key("version", v, self.trainers[0]), 1.0) == b"delta"
+        except (TransferError, IndexError):
+            return False
+
+    def held(self) -> int:
+        """The version this worker's program holds for deltas (-1: none; or not a job that
+        sends them)."""
+        return self.program.version if self.delta and self.stable else -1
 
     def await_keys(self, keys: Mapping[int, str], late: Callable[[int], str], *,
                    cancel: threading.Event | None = None,
@@ -218,8 +242,12 @@ class Endpoint:
         """Joins version ``v`` and waits for every peer to join it (but rollouts fed apart in
         it: nobody waits for a joiner); returns the join time."""
         self.finisher.before_join(v)  # the membership the last version left, and v's joiners
+        if self.role == Role.ROLLOUT and not self.delta:
+            self.delta = self._announced_delta(v)
         joined = time.time()
-        self.store.set(self.key("join", v, self.rank), b"1")
+        mine = self.held()
+        self.store.set(self.key("join", v, self.rank),
+                       json.dumps({"held": mine}).encode() if self.delta else b"1")
         trainers = set(self.trainers)
         waited = [p for p in self.peers if p not in self.finisher.apart]
         self.await_keys({p: self.key("join", v, p) for p in waited}, lambda p: (
@@ -230,14 +258,36 @@ class Endpoint:
             # this rank's watch finds it silent or the leader has called it dead
             skip=lambda p: p not in trainers,
             gone=lambda p: p not in trainers and p in self.finisher.called_dead(v))
+        self._delta_plan = (DeltaPlan(v, *[frozenset(self._holding(v, waited, mine))] * 2)
+                            if self.delta else None)
         return joined
+
+    def _holding(self, v: int, peers, mine: int) -> list[int]:
+        """The ``peers`` whose join record of ``v`` says they hold version ``mine`` (units with
+        them travel as deltas); none where this worker holds none."""
+        if mine < 0:
+            return []
+        out = []
+        for p in peers:
+            try:
+                raw = self.store.get(self.key("join", v, p), 0.05)
+                if json.loads(raw).get("held") == mine:
+                    out.append(p)
+            except (TransferError, ValueError, AttributeError):
+                continue  # gone, or a record without deltas: dense
+        return out
 
     # --- the transfer ----------------------------------------------------------------------------
     def run(self, v: int, arrays: Mapping[str, Any], *, ready: dict | None = None) -> ExecStats:
         """Version ``v``'s update of this worker's program, from or into ``arrays`` (peers checked
         at set-up, joined for ``v``; ``ready``: see :meth:`Program.run
         <wb.runtime.engine.program.Program.run>`)."""
-        return self.finisher.run(v, arrays, ready=ready)
+        plan, self._delta_plan = self._delta_plan, None
+        if plan is not None and plan.version != v:
+            plan = None
+        if self.delta and plan is None:  # joined without deltas: dense, holding nothing after
+            self.program.forget_version()
+        return self.finisher.run(v, arrays, ready=ready, delta=plan)
 
     def stop(self) -> None:
         """Stops beating (the worker is closing), once it knows which peers died (the closing

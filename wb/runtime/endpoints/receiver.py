@@ -232,6 +232,8 @@ class Receiver:
             else InPlace({n: as_array(n, buffers[n], rank=self.rank) for n in lay.buffers}))
         self._path: _ReceivePath = (_BackgroundReceive(self._end, self._target) if self.staging
                                     else _DirectReceive(self._end, self._target))
+        # deltas apply to what the last version wrote: only where versions land in one memory
+        self._end.stable = isinstance(self._target, InPlace) and not fresh
         self.version = 0 if admission is None else admission.first - 1
         self._next = self.version + 1  # the version the next apply() receives
         self._error: TransferError | None = None  # the failure every later call raises

@@ -152,6 +152,14 @@ class Sender:
             made from. Every ``push`` first quantises this worker's blocks, from
             ``buffers``, into buffers the Sender keeps (on the same devices); ``buffers`` are the
             worker's own.
+        delta: send each version as what changed since the version each rollout holds
+            (:mod:`wb.runtime.engine.deltas`; one trainer's choice is the job's: give it to
+            every trainer, rollouts follow). Every worker then keeps a copy of the bytes it
+            sends (a trainer: its part of the weights, in their travelling dtype; a forwarding
+            rollout: what it forwards) and a rollout one of what it converts on receipt. A
+            rollout gets dense bytes until it holds a whole version (its first, one after a
+            failed update, a new membership); rollouts that land each version in new memory
+            (``handoff``) always do. Host buffers only so far: devices get dense bytes.
 
     Raises:
         TransferError: ``rank`` is not a trainer of ``plan``, wrong buffers, or a peer runs
@@ -171,7 +179,7 @@ class Sender:
                  name: str = "wb",
                  staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
-                 quantize: Quantized | BlockScaled | None = None):
+                 quantize: Quantized | BlockScaled | None = None, delta: bool = False):
         if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)
             layout = layout.get(rank)
         part, roster = take_part(plan, rank, Role.TRAINER)
@@ -196,6 +204,7 @@ class Sender:
                              store=store, name=name, staging_bytes=staging_bytes,
                              timeout=timeout, wait_timeout=wait_timeout, layout=layout,
                              roster=roster)
+        self._end.delta = bool(delta)
         if self._quant is not None:  # its tables in the order every push sends
             self._quant.prepare(self._end.program.first_sent())
         self.plan, self.rank = plan, self._end.rank

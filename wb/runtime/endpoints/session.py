@@ -35,6 +35,7 @@ class LocalSession:
         mode: one of :data:`wb.MODES` (``"sync"``, ``"sender"``, ``"receiver"``, ``"both"``):
             which sides stage.
         timeout: seconds without progress before a transfer fails.
+        delta: versions travel as deltas (see :class:`wb.Sender`).
 
     Examples:
         >>> import numpy as np, wb
@@ -52,7 +53,7 @@ class LocalSession:
     def __init__(self, plan: Plan | Mapping[int, RankPlan],
                  trainer_buffers: Mapping[int, Mapping[str, Any]],
                  rollout_buffers: Mapping[int, Mapping[str, Any]], *, mode: str = "both",
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, delta: bool = False):
         if mode not in MODES:
             raise TransferError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         # every worker takes its part of what is given (wb.Sender, wb.Receiver): cut out of a
@@ -79,7 +80,8 @@ class LocalSession:
                                         thread_name_prefix="wb-session")
         # every worker connects to its peers when made: make them all at once
         s_futs = {r: self._pool.submit(Sender, plan, r, trainer_buffers[r],
-                                       staging=sync.sender_staging, **kw(r)) for r in t_ranks}
+                                       staging=sync.sender_staging, delta=delta, **kw(r))
+                  for r in t_ranks}
         r_futs = {r: self._pool.submit(Receiver, plan, r, rollout_buffers[r],
                                        staging=sync.receiver_staging, **kw(r)) for r in r_ranks}
         self.senders = {r: f.result() for r, f in s_futs.items()}

@@ -72,6 +72,9 @@ class Routes:
         buffers: ``{unit: [buffer name]}`` the buffers each received unit writes (for errors).
         hop_of: ``{unit: hops}``.
         aliased: forwards whose bytes are their parent's (their ``slot`` is the parent's).
+        own: ``{aliased forward: index}`` of a CRC of its own, for an update in which it travels
+            otherwise than its parent came (one a delta, the other dense:
+            :mod:`wb.runtime.engine.deltas`).
     """
 
     def __init__(self, prog):
@@ -100,6 +103,7 @@ class Routes:
         # it is not hashed again
         T = part.transfers
         self.aliased: set[int] = set()
+        self.own: dict[int, int] = {}
         for ms in self.out.values():
             for m in ms:
                 g, q = units[m], units[m].parent
@@ -107,6 +111,7 @@ class Routes:
                 if (g.__class__ is not Frame and p is not None and p.__class__ is not Frame
                         and not p.out and not g.conv and not p.conv
                         and np.array_equal(T.piece[g.ts], T.piece[p.ts])):
+                    self.own[m] = self.slot[m]
                     self.slot[m] = self.slot[q]
                     self.aliased.add(m)
         fed_by = {}  # a received message -> its digest's key
@@ -249,6 +254,7 @@ class Digests:
         self.failed: set[tuple[int, int]] = set()  # those whose units failed (or came corrupt)
         self.unsent = set(routes.out)  # digests not posted yet
         self.outbox: list[tuple[Any, np.ndarray, int]] = []  # digests posted, not complete
+        self.apart: set[int] = set()  # aliased forwards hashed on their own this update
         self.bad: list[tuple[int, int, list[str], str]] = []
         # the CRCs on their way to the host (a device's), and what waits for them
         self.fetching: tuple[Any, list, list] | None = None  # (event, checks, sends)
@@ -260,10 +266,14 @@ class Digests:
             req = self.transport.recv(s, buf, self.base + Routes.tag(s, h))
             self.inbox[(s, h)] = (req, buf)
 
-    def sent(self, g, buf) -> None:
-        """Unit ``g`` was posted from ``buf``."""
+    def sent(self, g, buf, *, parent_alike: bool = True) -> None:
+        """Unit ``g`` was posted from ``buf`` (``parent_alike``: a forward travels as its parent
+        came, so an aliased one's bytes are its parent's)."""
         if g.m not in self.r.aliased:
             self.sums.take(buf, self.r.slot[g.m])
+        elif not parent_alike:
+            self.sums.take(buf, self.r.own[g.m])
+            self.apart.add(g.m)
         self.to_hash_out[(g.peer, self.r.hop_of[g.m])] -= 1
 
     def landed(self, g, buf) -> None:
@@ -365,6 +375,7 @@ class Digests:
         buf = np.empty(len(ms) + 2, np.uint32)
         buf[0] = CORRUPT if self.r.needs[k] & self.failed else OK
         buf[1] = len(ms)
-        buf[2:] = self.sums.read([self.r.slot[m] for m in ms])
+        own, apart = self.r.own, self.apart
+        buf[2:] = self.sums.read([own[m] if m in apart else self.r.slot[m] for m in ms])
         req = self.transport.send(k[0], buf, self.base + Routes.tag(self.prog.rank, k[1]))
         self.outbox.append((req, buf, k[0]))

@@ -186,6 +186,21 @@ class HostMover:
             assign(xp, v, buf[o:o + n].view(w).reshape(v.shape), mine, g.wire)
             o += n
 
+    def gather(self, g):
+        """New staging holding ``g``'s destination regions in order, as a receive wrote them
+        (the base a delta applies to: :mod:`wb.runtime.engine.deltas`); not for a unit this rank
+        converts."""
+        buf = self.staging(g.nbytes)
+        for member, at in (zip(g.members, g.offsets) if g.__class__ is Frame else ((g, 0),)):
+            if member.zc_dst:
+                self.xp.copyto(buf[at:at + member.nbytes], self._slice(member, src=False))
+                continue
+            for v in self.regions(member):
+                n = v.size * v.itemsize
+                buf[at:at + n].view(v.dtype).reshape(v.shape)[...] = v
+                at += n
+        return buf
+
     def copy_local(self, g) -> None:
         dtype_of = self.prog.dtype_of
         for sp, (src, dst) in zip(self.prog.spans(g), self.regions(g)):

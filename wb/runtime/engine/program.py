@@ -19,8 +19,10 @@ import numpy as np
 from wb.data.dtypes import CODES
 from wb.data.layout import Layout
 from wb.data.plan import RankPlan
+from wb.errors import TransferError
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
+from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.digests import Routes
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.frames import frames as frames_of
@@ -254,6 +256,14 @@ class Program:
         #: views of the buffers by message (:mod:`wb.runtime.engine.movers`), for as long as
         #: updates run on the same buffers: emptied when :meth:`check` is given others
         self.view_cache: dict = {}
+        #: deltas (:mod:`wb.runtime.engine.deltas`): the version this program last completed
+        #: with its bases kept (-1: none), the bytes each unit it sends last carried, a copy of
+        #: what each unit it converts on receipt last carried, and the buffers that version was
+        #: written into (held weakly: a delta applies only to them)
+        self.version = -1
+        self.bases: dict[int, np.ndarray] = {}
+        self.recv_bases: dict[int, np.ndarray] = {}
+        self._held: list | None = None
 
     def first_sent(self) -> list[str]:
         """This rank's buffer names in the order its update first sends from them (schedule
@@ -270,6 +280,18 @@ class Program:
         self.staging_pool = new_pool()
         self.view_cache = {}
         self._checked = None
+        self.forget_version()
+
+    def forget_version(self) -> None:
+        """Holds no version for deltas from now (its bases are dropped)."""
+        self.version, self._held = -1, None
+        self.bases, self.recv_bases = {}, {}
+
+    def _same_held(self, buffers) -> bool:
+        """Whether ``buffers`` are the very arrays the version held was written into."""
+        held = self._held
+        return (held is not None and len(held) == len(buffers)
+                and all(r() is a for r, a in zip(held, buffers.values())))
 
     def spans(self, g: Message) -> list[Span]:
         """Message ``g``'s regions in its order, contiguous runs merged (on the side this rank
@@ -328,7 +350,7 @@ class Program:
             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
             trace: list | None = None, layout: Layout | None = None,
             liveness=None, interrupt=None, mover: Mover | None = None,
-            ready: Mapping[str, Any] | None = None) -> ExecStats:
+            ready: Mapping[str, Any] | None = None, delta: DeltaPlan | None = None) -> ExecStats:
         """Runs one update: this rank's sends, receives, local copies and forwards.
 
         Args:
@@ -355,6 +377,10 @@ class Program:
             ready: ``{buffer name: event}`` of device work still writing a buffer (an FP8
                 quantiser's, launched before this update): what is sent straight from it
                 leaves once the event has passed; the rest moves meanwhile.
+            delta: the update runs in a job that sends deltas
+                (:class:`~wb.runtime.engine.deltas.DeltaPlan`): bases are kept, units with its
+                peers travel as deltas, and once it completes this program holds its version
+                (host buffers; on a device it runs dense and holds none).
 
         Returns:
             :class:`~wb.runtime.engine.update.ExecStats`.
@@ -369,6 +395,8 @@ class Program:
         if mover is not None:
             return run_update(self, mover, transport, **kw)
         flat, xp = self.check(buffers, layout=layout)
+        if delta is not None:
+            return self._run_delta(delta, buffers, flat, xp, transport, ready, kw)
         if xp is not np and flat and not self._prepared:
             with next(iter(flat.values())).device:  # compiled once, before the first update
                 prepare(xp, self.conversions)
@@ -381,3 +409,27 @@ class Program:
             with next(iter(flat.values())).device:
                 return run_update(self, mover_for(self, flat, xp, ready), transport, **kw)
         return run_update(self, mover_for(self, flat, xp, ready), transport, **kw)
+
+    def _run_delta(self, delta: DeltaPlan, buffers, flat, xp, transport, ready, kw) -> ExecStats:
+        """:meth:`run` in a job that sends deltas: see ``delta`` there."""
+        if delta.frm and not self._same_held(buffers):
+            was = self.version
+            self.forget_version()
+            raise TransferError(f"rank {self.rank}: deltas came for buffers other than those "
+                                f"version {was} was written into")
+        self.version = -1  # a failure leaves part of the version (and of the bases) written
+        if xp is not np:  # device buffers: dense, holding nothing
+            self.forget_version()
+            if delta.to or delta.frm:
+                raise TransferError(f"rank {self.rank}: deltas on device buffers are not "
+                                    f"built yet; its peers must send it dense bytes")
+            return self.run(buffers, transport, ready=ready, **kw)
+        stats = run_update(self, mover_for(self, flat, xp, ready), transport, delta=delta, **kw)
+        try:
+            self._held = [weakref.ref(a) for a in buffers.values()]
+        except TypeError:  # arrays without weak references: what they hold cannot be vouched for
+            self._held = None
+            return stats
+        self.version = delta.version
+        return stats
+

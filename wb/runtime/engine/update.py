@@ -36,6 +36,8 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from wb.errors import PeersLost, TransferError
+from wb.algorithms.delta import max_bytes
+from wb.runtime.engine.deltas import DeltaPlan, encode_send, land
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import Inflight, abort
@@ -106,7 +108,8 @@ INTERRUPT_EVERY_S = 0.01
 
 def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                timeout: float, trace: list | None, liveness=None,
-               interrupt: Callable[[], bool] | None = None) -> ExecStats:
+               interrupt: Callable[[], bool] | None = None,
+               delta: DeltaPlan | None = None) -> ExecStats:
     """Runs one update of ``program`` (a :class:`~wb.runtime.engine.program.Program`) whose
     bytes ``mover`` moves (a :class:`~wb.runtime.engine.movers.Mover` over its checked buffers)
     over a connected transport (see :meth:`Program.run`, which calls this).
@@ -121,13 +124,16 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
     :class:`PeersLost` too, with no ranks. The caller (:mod:`wb.runtime.membership.finish`) goes on with
     the version another way.
 
+    ``delta``: the update runs in a job that sends deltas (:mod:`wb.runtime.engine.deltas`):
+    bases are kept, and units with the peers it names travel as deltas.
+
     Raises:
         PeersLost: see ``interrupt``.
         TransferError: a failed or stalled transfer, or a silent peer (the transport is then
             aborted).
     """
     u = _Update(program, mover, transport, tag_base=tag_base, staging_bytes=staging_bytes,
-                traced=trace is not None)
+                traced=trace is not None, delta=delta)
     last = polled = time.monotonic()
     asked = last - 1.0  # the first question comes ASK_AFTER_S into a stall, the next 0.5 s later
     idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
@@ -205,10 +211,10 @@ class _Update:
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
-                 "sums", "held")
+                 "sums", "held", "delta", "zc_in", "staged_in")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
-                 traced: bool):
+                 traced: bool, delta: DeltaPlan | None = None):
         self.prog, self.msgs, self.mover = prog, prog.units, mover
         self.transport, self.tag_base = transport, tag_base
         # UCX reads and writes device memory outside our CUDA stream, so device work must finish
@@ -217,7 +223,17 @@ class _Update:
         self.recv_budget = self.send_budget = max(staging_bytes // 2, 1)
         self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
         self.inflight = Inflight()
-        self.next_in = 0  # prog.staged_receives[:next_in] are posted
+        # deltas (wb.runtime.engine.deltas): every send keeps its base; receives of deltas go
+        # through staging, in schedule order with the others
+        self.delta = delta
+        self.zc_in, self.staged_in = prog.zero_copy_receives, prog.staged_receives
+        if delta is not None and delta.frm:
+            units, when, frm = prog.units, prog.when, delta.frm
+            self.zc_in = [m for m in self.zc_in if units[m].peer not in frm]
+            self.staged_in = sorted(self.staged_in + [m for m in prog.zero_copy_receives
+                                                      if units[m].peer in frm],
+                                    key=lambda m: (when[m], m))
+        self.next_in = 0  # self.staged_in[:next_in] are posted
         # sends whose data is here, as a heap of (schedule time, message); the roots are sorted:
         # a heap already
         self.ready: list[tuple[float, int]] = list(prog.roots)
@@ -247,7 +263,7 @@ class _Update:
         base, marks = self.tag_base, self.marks
         if self.sums is not None:
             self.sums.post()
-        for m in self.prog.zero_copy_receives:
+        for m in self.zc_in:
             g = msgs[m]
             add(recv(g.peer, target(g), base + m), g, None)
             if marks is not None:
@@ -256,15 +272,20 @@ class _Update:
     def post_staged_receives(self) -> bool:
         """Receives into staging, in schedule order, while the receive budget lasts (one at
         least when none is in flight, however big)."""
-        staged_in, posted = self.prog.staged_receives, False
+        staged_in, posted, frm = self.staged_in, False, self.delta.frm if self.delta else ()
         while self.next_in < len(staged_in):
             g = self.msgs[staged_in[self.next_in]]
             if self.staged_recv and self.staged_recv + g.nbytes > self.recv_budget:
                 break
-            buf = self.mover.staging(g.nbytes)
-            self.inflight.add(self.transport.recv(g.peer, buf, self.tag_base + g.m), g, buf)
+            if g.peer in frm:  # a delta: as long as it may be, and as long as it is
+                buf = self.mover.staging(max_bytes(g.nbytes))
+                req = self.transport.recv(g.peer, buf, self.tag_base + g.m, upto=True)
+            else:
+                buf = self.mover.staging(g.nbytes)
+                req = self.transport.recv(g.peer, buf, self.tag_base + g.m)
+            self.inflight.add(req, g, buf)
             self.mark(g.m, 1)
-            self.staged_recv += g.nbytes
+            self.staged_recv += buf.nbytes
             self.next_in += 1
             posted = True
         return posted
@@ -275,10 +296,10 @@ class _Update:
         ready, msgs, posted, marks = self.ready, self.msgs, False, self.marks
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
-        wait, sums = self.mover.wait, self.sums
+        wait, sums, delta = self.mover.wait, self.sums, self.delta
         while ready:
             g = msgs[ready[0][1]]
-            if g.zc_src and not g.local:  # the common case: straight from the buffer
+            if g.zc_src and not g.local and delta is None:  # the common case: from the buffer
                 pop(ready)
                 self.sent_out += 1
                 posted = True
@@ -304,6 +325,16 @@ class _Update:
                 self.mark(g.m, 1)
                 self.mover.copy_local(g)
                 self.after(self.fence(), g, None)
+            elif delta is not None:  # host buffers: packed and encoded now
+                buf, staged = encode_send(self.prog, self.mover, g, as_delta=g.peer in delta.to)
+                add(send(g.peer, buf, self.tag_base + g.m), g, buf if staged else None)
+                if sums is not None:
+                    sums.sent(g, buf, parent_alike=self.alike(g))
+                if staged:
+                    self.staged_send += g.nbytes
+                    heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
+                if marks is not None:
+                    self.mark(g.m, 1)
             else:
                 buf = self.mover.pack(g)
                 if sums is not None:  # hashed in a later batch, behind the pack; the send does
@@ -331,7 +362,9 @@ class _Update:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
         the unpacking passed its event) or, zero-copy, has landed."""
         got = self.inflight.completed(full=full)
-        marks, sums = self.marks, self.sums
+        marks, sums, delta = self.marks, self.sums, self.delta
+        if delta is not None:
+            return self.take_delta_completions(got)
         if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
             for _, g, buf in got:
                 if not g.out:
@@ -352,6 +385,42 @@ class _Update:
             else:
                 self.landed(g, None)
         return bool(got)
+
+    def take_delta_completions(self, got) -> bool:
+        """:meth:`take_completions` in a job that sends deltas (host buffers: nothing waits for a
+        device): bytes are counted as they travelled; a send's memory is its base or its own
+        (nothing goes back to the pool); a receive is applied or unpacked, its base kept."""
+        marks, sums, delta, prog, mover = self.marks, self.sums, self.delta, self.prog, self.mover
+        for req, g, buf in got:
+            if g.out:
+                self.bytes_sent += buf.nbytes if buf is not None else g.nbytes
+                self.messages_sent += len(g.members) if g.__class__ is Frame else 1
+                if marks is not None:
+                    self.mark(g.m, 2)
+                if buf is not None:
+                    self.staged_send -= g.nbytes
+                    self.packed_done.add(g.m)
+                continue
+            if buf is None:  # dense, zero-copy: its destination is its base
+                if sums is not None:
+                    sums.landed(g, mover.target(g))
+                self.landed(g, None)
+                continue
+            came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm, keep=True)
+            if sums is not None:
+                sums.landed(g, came)
+            self.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+            self.landed(g, buf)
+        return bool(got)
+
+    def alike(self, g) -> bool:
+        """Whether forward ``g`` travels as its parent came (both dense, or both deltas against
+        one version): then its bytes may be its parent's (a checksum's alias)."""
+        d = self.delta
+        if d is None:
+            return True
+        p = self.msgs.get(g.parent)
+        return p is not None and (p.peer in d.frm) == (g.peer in d.to)
 
     def take_device_work(self) -> bool:
         """Does what follows each pack, unpack or local copy whose event has passed; gives back
@@ -378,7 +447,7 @@ class _Update:
 
     def finished(self) -> bool:
         return (not len(self.inflight) and not self.fenced and not self.held
-                and self.next_in == len(self.prog.staged_receives)
+                and self.next_in == len(self.staged_in)
                 and self.sent_out == self.prog.n_out
                 and (self.sums is None or self.sums.finished()))
 
@@ -417,7 +486,7 @@ class _Update:
 
     def landed(self, g, buf) -> None:
         if buf is not None:
-            self.staged_recv -= g.nbytes
+            self.staged_recv -= buf.nbytes
             self.release(buf)
         self.bytes_received += g.nbytes
         if g.__class__ is Frame:

@@ -165,17 +165,18 @@ class Finisher:
             return None
 
     # --- one version ------------------------------------------------------------------------------
-    def run(self, v: int, arrays, *, ready: dict | None = None) -> ExecStats:
+    def run(self, v: int, arrays, *, ready: dict | None = None, delta=None) -> ExecStats:
         """Version ``v`` for this worker, over as many attempts as it takes (``ready``: device
         work still writing ``arrays``, see :meth:`Program.run
-        <wb.runtime.engine.program.Program.run>`; later attempts find it done)."""
+        <wb.runtime.engine.program.Program.run>`; later attempts find it done; ``delta``: the
+        first attempt's :class:`~wb.runtime.engine.deltas.DeltaPlan`, repairs go dense)."""
         self._refused: ChecksumError | None = None
-        stats = self._run(v, arrays, ready=ready)
+        stats = self._run(v, arrays, ready=ready, delta=delta)
         if self._refused is not None:
             raise self._refused
         return stats
 
-    def _run(self, v: int, arrays, *, ready: dict | None) -> ExecStats:
+    def _run(self, v: int, arrays, *, ready: dict | None, delta=None) -> ExecStats:
         end, a, prog = self.end, 0, self.end.program
         total: ExecStats | None = None
         first = None  # when a failed attempt started: the version's stats run from there
@@ -187,7 +188,7 @@ class Finisher:
                     ex = prog.run(arrays, end.transport, tag_base=tag_base(v, a),
                                   staging_bytes=end.staging_bytes, timeout=end.timeout,
                                   liveness=end.watch, interrupt=lambda: self._stop(v, a),
-                                  ready=ready)
+                                  ready=ready, delta=delta if a == 0 else None)
                     total, ok = ExecStats.merged(total, ex), True
                     self._refused = None  # this attempt rewrote every element it holds
                 except ChecksumError as e:  # done, refused: the version finishes for all

@@ -40,7 +40,11 @@ class Transport(Protocol):
 
     def send(self, peer: int, buf: Any, tag: int) -> Request: ...
 
-    def recv(self, peer: int, buf: Any, tag: int) -> Request: ...
+    def recv(self, peer: int, buf: Any, tag: int, *, upto: bool = False) -> Request:
+        """Receives the message of ``tag`` from ``peer`` into ``buf``: as many bytes as ``buf``
+        holds, or, ``upto``, as many at most (the message lands at its start; what it is says
+        its own length: a delta of :mod:`wb.algorithms.delta`)."""
+        ...
 
     def describe(self) -> str:
         """What is in use (transports, devices), for logs."""

@@ -87,11 +87,12 @@ def _rndv_thresh() -> int:
 class _Req:
     """A send or receive through a :class:`Channel`: pending, done, failed, or handed to UCX."""
 
-    __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "__weakref__")
+    __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "upto",
+                 "__weakref__")
 
-    def __init__(self, chan, peer: int, tag: int, what: str, buf):
+    def __init__(self, chan, peer: int, tag: int, what: str, buf, upto: bool = False):
         self.chan, self.peer, self.tag, self.what, self.buf = chan, peer, tag, what, buf
-        self.ok, self.error, self.ucx = False, None, None
+        self.ok, self.error, self.ucx, self.upto = False, None, None, upto
 
     def done(self) -> bool:
         if self.ucx is not None:
@@ -179,9 +180,11 @@ class Channel:
                 self.pump()
             return req
 
-    def recv(self, peer: int, buf, tag: int) -> _Req:
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False) -> _Req:
+        """``upto``: the message may be shorter than ``buf`` (see :class:`~wb.runtime.transport.
+        Transport`)."""
         with self._lock:
-            req = _Req(self, peer, tag, "recv", buf)
+            req = _Req(self, peer, tag, "recv", buf, upto)
             note = self._notes.pop((peer, tag), None)
             if note is None:
                 self._recvs[peer, tag] = req
@@ -351,7 +354,7 @@ class Channel:
             self.counts["over_ucx"] += 1
             self._to_ucx(req)
             return
-        if nbytes != req.buf.nbytes:
+        if nbytes > req.buf.nbytes or (nbytes != req.buf.nbytes and not req.upto):
             req.error = (f"rank {self.rank}: receive of tag {tag:#x} from peer {peer} is "
                          f"{req.buf.nbytes:,} bytes, the peer sent {nbytes:,} (refused)")
             self._out.setdefault(peer, []).append((ACK_SIZE, tag, 0, b"", 0))

@@ -17,10 +17,10 @@ __all__ = ["LocalHub", "LocalTransport"]
 
 
 class _LocalRequest:
-    __slots__ = ("peer", "tag", "event", "error")
+    __slots__ = ("peer", "tag", "event", "error", "upto")
 
     def __init__(self, peer: int, tag: int):
-        self.peer, self.tag = peer, tag
+        self.peer, self.tag, self.upto = peer, tag, False
         self.event = threading.Event()
         self.error: str | None = None
 
@@ -53,6 +53,9 @@ class LocalHub:
             if key in other:
                 obuf, oreq = other.pop(key)
                 src, dst = (buf, obuf) if is_send else (obuf, buf)
+                rreq = oreq if is_send else req
+                if rreq.upto and src.nbytes <= dst.nbytes:
+                    dst = dst.reshape(-1)[:src.nbytes]
                 if src.nbytes != dst.nbytes:
                     msg = (f"tag {key[2]:#x} from rank {key[0]} to rank {key[1]}: {src.nbytes} "
                            f"bytes sent into a {dst.nbytes}-byte receive")
@@ -111,8 +114,9 @@ class LocalTransport:
         self.hub.post((self.rank, int(peer), int(tag)), np.asarray(buf), req, is_send=True)
         return req
 
-    def recv(self, peer: int, buf, tag: int) -> _LocalRequest:
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False) -> _LocalRequest:
         req = _LocalRequest(peer, tag)
+        req.upto = upto
         self.hub.post((int(peer), self.rank, int(tag)), np.asarray(buf), req, is_send=False)
         return req
 

@@ -450,10 +450,10 @@ class UcxTransport:
             return self._ipc.send(peer, buf, tag)
         return self._post("send", peer, buf, tag)
 
-    def recv(self, peer: int, buf, tag: int):
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False):
         if self._ipc is not None and self._one_sided(peer):
-            return self._ipc.recv(peer, buf, tag)
-        return self._post("recv", peer, buf, tag)
+            return self._ipc.recv(peer, buf, tag, upto=upto)
+        return self._post("recv", peer, buf, tag)  # UCX takes a shorter message as it is
 
     def _one_sided(self, peer: int) -> bool:
         """Whether messages with ``peer`` go through the one-sided channel: both chose the same

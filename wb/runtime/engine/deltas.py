@@ -1,0 +1,113 @@
+"""Updates that send deltas: each unit goes as what changed since the version its receiver holds
+(:mod:`wb.algorithms.delta` encodes it), never against a base that is assumed.
+
+A rank in a job that sends deltas keeps, per unit it sends (a trainer's messages, a rollout's
+forwards), a *base*: the bytes it last sent, in their travelling dtype (a packed message's
+staging becomes its base; a zero-copy one is copied). A unit it receives has its base where it
+lands: its own destination regions, which hold what the last update wrote there (a unit this
+rank converts keeps a copy of the travelling bytes instead, since a conversion back may not
+give them). A :class:`~wb.runtime.engine.program.Program` that completed version ``v`` with its
+bases kept *holds* ``v`` (:attr:`Program.version`); a failed or interrupted update, a new
+program (other membership) or a device rank holds ``-1``.
+
+Per update and peer the two ends decide alike, from what both published when they joined the
+version (:class:`DeltaPlan`): a unit travels as a delta exactly when its sender and receiver
+hold the same version; else dense. The receiver then posts a receive as large as the unit's
+largest delta (``upto``: the delta says its own length), and applies it in place: into the
+destination range (zero-copy units), or into the regions gathered into staging and unpacked
+again. Forwards are encoded against the forwarder's own bases, so each pair's base is its own.
+
+Host buffers only so far (numpy on both ends); a rank on a device holds ``-1``: its peers send
+it dense bytes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from wb.algorithms import delta as codec
+from wb.data.dtypes import dtype_info
+from wb.errors import TransferError
+
+__all__ = ["DeltaPlan", "width", "encode_send", "land"]
+
+
+class DeltaPlan(NamedTuple):
+    """How one update of a rank runs in a job that sends deltas.
+
+    Attributes:
+        version: the version this update moves (held once it completes).
+        to: peers that get this rank's units as deltas (they hold what this rank holds).
+        frm: peers whose units come to this rank as deltas.
+    """
+
+    version: int
+    to: frozenset = frozenset()
+    frm: frozenset = frozenset()
+
+
+def width(g) -> int:
+    """The element width (bytes) unit ``g``'s bytes are compared in: its travelling dtype's."""
+    return dtype_info(g.wire).itemsize if g.wire else 1
+
+
+def encode_send(prog, mover, g, *, as_delta: bool):
+    """Unit ``g``'s payload for this update, and its base updated to the new bytes.
+
+    Returns:
+        ``(payload, staged)``: what to send (the delta, or the dense bytes) and whether it is
+        memory of this update's (counted in the send budget; never a pool buffer).
+    """
+    bases = prog.bases
+    old = bases.get(g.m)
+    if g.zc_src:
+        new = mover.source(g)
+        payload = (codec.encode(old, new, itemsize=width(g))
+                   if as_delta and old is not None else new)
+        if old is None:
+            old = bases[g.m] = np.empty(g.nbytes, np.uint8)
+        np.copyto(old, new)
+        return payload, payload is not new
+    new = mover.pack(g)
+    payload = (codec.encode(old, new, itemsize=width(g))
+               if as_delta and old is not None else new)
+    bases[g.m] = new  # the packed bytes are the next base
+    if old is not None:
+        mover.release(old)
+    return payload, True
+
+
+def land(prog, mover, g, buf, *, as_delta: bool, keep: bool):
+    """Unit ``g`` landed in staging ``buf``: applies it (a delta) or unpacks it (dense), keeping
+    the base of a converted unit. Returns the bytes that came (what its checksum covers)."""
+    got = buf[:codec.size_of(buf)] if as_delta else buf
+    if g.conv:  # its base is a copy of the travelling bytes
+        base = prog.recv_bases.get(g.m)
+        if as_delta:
+            if base is None:
+                raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this "
+                                    f"rank holds no base of it")
+            codec.apply(base, got)
+            mover.unpack(g, base)
+            return got
+        if keep:
+            if base is None:
+                base = prog.recv_bases[g.m] = np.empty(g.nbytes, np.uint8)
+            np.copyto(base, buf)
+        mover.unpack(g, buf)
+        return got
+    if not as_delta:
+        mover.unpack(g, buf)
+        return got
+    if g.zc_dst:
+        codec.apply(mover.target(g), got)
+        return got
+    base = mover.gather(g)
+    try:
+        codec.apply(base, got)
+        mover.unpack(g, base)
+    finally:
+        mover.release(base)
+    return got
