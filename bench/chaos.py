@@ -18,12 +18,18 @@ and each restart's rejoin time and how many versions behind the current one it c
 the versions during which a process died against the clean ones (no death, and no joiner's first
 version). Exits non-zero when a check fails or the run hangs.
 
+``--delta LR``: the weights are bfloat16 and each version is an Adam step at that learning rate
+(:class:`wb.testing.versions.AdamById`); the trainers send deltas (``wb.Sender(delta=True)``), so
+restarted rollouts, survivors of a repair and every rollout after a membership change must come
+back on dense bytes, never on a wrong base. Also reported then: the bytes the rollouts received
+per version (``received_by_version``).
+
 A training step is 1 s by default (RL steps take seconds to minutes): "back within two versions
 of its restart" counts versions, so a step shorter than a restarted process's own start-up
 (interpreter, imports, UCX: ~0.7 s on a 2-core machine) counts that start-up, not wb.
 
     python bench/chaos.py [--replicas 4] [--faults 20] [--seed 0] [--step 1.0] [--rows 256 --cols 192]
-        [--json] [--out FILE]
+        [--delta 1e-6] [--json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -47,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 TRAINERS = 2
 
 
-def _layouts(replicas: int, rows: int = 256, cols: int = 192):
+def _layouts(replicas: int, rows: int = 256, cols: int = 192, dtype: str = "float32"):
     import wb
 
     w = np.arange(rows * cols, dtype=np.int64).reshape(rows, cols)
     norm = w.size + np.arange(cols)
-    f32 = lambda ids: wb.BufferSpec(wb.SourceMap.from_indices(ids), "float32")  # noqa: E731
+    f32 = lambda ids: wb.BufferSpec(wb.SourceMap.from_indices(ids), dtype)  # noqa: E731
     c, r = cols // TRAINERS, rows // 2
     trainers = [wb.Layout(wb.Worker(t, "t0", "trainer", t),
                           {"w": f32(w[:, c * t:c * (t + 1)].T), "n": f32(norm)})
@@ -68,31 +74,57 @@ def _log(path: Path, **row) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _worker(rank: int, plan_path: str, store_dir: str, out: str, role: str):
-    """A worker's plan, store, log file, weights (version 0) and which elements are mapped."""
+class _Versions:
+    """A worker's weights of each version: ``version_bits`` of its version-0 weights, or (with a
+    learning rate) Adam's steps of every element it holds (each id alike everywhere)."""
+
+    def __init__(self, lay, base: dict, mapped: dict, lr: float | None):
+        from wb.testing.versions import AdamById
+
+        self.base, self.mapped = base, mapped
+        self.gens = ({k: AdamById(b.sourcemap.to_indices(), lr=lr, dtype=b.dtype)
+                      for k, b in lay.buffers.items()} if lr else None)
+
+    def at(self, v: int) -> dict:
+        from harness.multiproc import version_bits
+
+        if self.gens is None:
+            return version_bits(self.base, v, self.mapped)
+        for g in self.gens.values():
+            if g.version > v:
+                raise ValueError(f"version {v} after {g.version}")
+            while g.version < v:
+                g.step()
+        return {k: g.weights() for k, g in self.gens.items()}
+
+
+def _worker(rank: int, plan_path: str, store_dir: str, out: str, role: str, lr=None):
+    """A worker's plan, store, log file, version-0 weights and its weights by version."""
     import wb
     from harness.multiproc import buffers_for, mapped_of
     from wb.runtime.transport.stores import DirectoryStore
 
     plan = wb.Plan.load(plan_path)
-    return (plan, DirectoryStore(store_dir), Path(out, f"{role}{rank}.log"),
-            buffers_for(plan, rank, fill=True), mapped_of(plan.layout_of(rank)))
+    lay = plan.layout_of(rank)
+    versions = _Versions(lay, buffers_for(plan, rank, fill=True), mapped_of(lay), lr)
+    return (plan, DirectoryStore(store_dir), Path(out, f"{role}{rank}.log"), versions.at(0),
+            versions)
 
 
-def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float) -> None:
+def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: float,
+                 lr: float | None = None) -> None:
     import wb
-    from harness.multiproc import version_bits
     from wb.runtime.transport.ucx import UcxTransport
 
-    plan, store, log, base, mapped = _worker(rank, plan_path, store_dir, out, "trainer")
+    plan, store, log, base, versions = _worker(rank, plan_path, store_dir, out, "trainer", lr)
     bufs = {k: a.copy() for k, a in base.items()}
     try:
         tx = wb.Sender(plan, rank, bufs, transport=UcxTransport(rank, store, timeout=60),
-                       store=store, timeout=60, wait_timeout=60)
+                       store=store, timeout=60, wait_timeout=60, delta=lr is not None)
         v, last = 0, None
         while last is None or v < last:
             v += 1
-            for k, a in version_bits(base, v, mapped).items():
+            for k, a in versions.at(v).items():
                 bufs[k][...] = a  # the training step
             time.sleep(step_s)
             tx.push()
@@ -111,12 +143,12 @@ def trainer_main(rank: int, plan_path: str, store_dir: str, out: str, step_s: fl
         _log(log, event="error", error=f"{type(e).__name__}: {e}", t=time.time())
 
 
-def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool) -> None:
+def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool,
+                 lr: float | None = None) -> None:
     import wb
-    from harness.multiproc import version_bits
     from wb.runtime.transport.ucx import UcxTransport
 
-    plan, store, log, base, mapped = _worker(rank, plan_path, store_dir, out, "rollout")
+    plan, store, log, base, versions = _worker(rank, plan_path, store_dir, out, "rollout", lr)
     bufs = {k: np.zeros_like(a) for k, a in base.items()}
     pid = os.getpid()
     try:
@@ -133,11 +165,11 @@ def rollout_main(rank: int, plan_path: str, store_dir: str, out: str, join: bool
             t0 = time.time()
             v = rx.apply()
             stall = time.time() - t0
-            want = version_bits(base, v, mapped)
+            want = versions.at(v)
             ok = all(np.array_equal(bufs[k].view(np.uint8), want[k].view(np.uint8)) for k in bufs)
             st = rx.stats[-1]
             _log(log, event="applied", pid=pid, v=v, ok=bool(ok), stall=stall, start=st.start_s,
-                 end=st.end_s, t=time.time())
+                 end=st.end_s, received=st.bytes_received, t=time.time())
             try:
                 if v >= int(store.get("chaos/last", 0.001)):
                     break
@@ -155,13 +187,13 @@ def _rows(path: Path) -> list[dict]:
 
 def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1.0,
         replica_p: float = 0.25, timeout_s: float = 900.0, rows: int = 256,
-        cols: int = 192) -> dict:
+        cols: int = 192, delta: float | None = None) -> dict:
     import wb
 
     rng = random.Random(seed)
     if rows % 2 or cols % TRAINERS:
         raise SystemExit(f"--rows must be even and --cols a multiple of {TRAINERS}")
-    trainers, rollouts = _layouts(replicas, rows, cols)
+    trainers, rollouts = _layouts(replicas, rows, cols, "bfloat16" if delta else "float32")
     plan = wb.plan(trainers, rollouts, chunk_bytes=max(8192, rows * cols // 64))
     work = Path(tempfile.mkdtemp(prefix="wb-chaos-"))
     plan.save(work / "plan.npz")
@@ -175,10 +207,10 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
     def start(rank: int, join: bool = False) -> None:
         if rank < TRAINERS:
             p = ctx.Process(target=trainer_main, args=(rank, plan_path, str(store_dir), str(out),
-                                                       step_s), daemon=True)
+                                                       step_s, delta), daemon=True)
         else:
             p = ctx.Process(target=rollout_main, args=(rank, plan_path, str(store_dir), str(out),
-                                                       join), daemon=True)
+                                                       join, delta), daemon=True)
         p.start()
         procs[rank] = p
 
@@ -244,7 +276,15 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
     hung = [r for r, p in procs.items() if p.is_alive()]
     for r in hung:
         procs[r].kill()
-    return _report(out, kills, restarts, replicas, hung, time.time() - t_start, seed, faults)
+    rep = _report(out, kills, restarts, replicas, hung, time.time() - t_start, seed, faults)
+    if delta:
+        got: dict[int, int] = {}
+        for f in out.glob("rollout*.log"):
+            for x in _rows(f):
+                if x["event"] == "applied":
+                    got[x["v"]] = got.get(x["v"], 0) + x.get("received", 0)
+        rep.update(delta_lr=delta, received_by_version={str(v): got[v] for v in sorted(got)})
+    return rep
 
 
 def _has(store, key: str) -> bool:
@@ -357,13 +397,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step", type=float, default=1.0,
                     help="seconds per training step (default 1.0; see the module's doc)")
-    ap.add_argument("--rows", type=int, default=256, help="rows of the weight (float32)")
+    ap.add_argument("--rows", type=int, default=256,
+                    help="rows of the weight (float32; bfloat16 with --delta)")
     ap.add_argument("--cols", type=int, default=192, help="its columns")
+    ap.add_argument("--delta", type=float, metavar="LR", default=None,
+                    help="bfloat16 weights stepped by Adam at LR, sent as deltas")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
     rep = run(replicas=a.replicas, faults=a.faults, seed=a.seed, step_s=a.step, rows=a.rows,
-              cols=a.cols)
+              cols=a.cols, delta=a.delta)
     if a.out:
         Path(a.out).write_text(json.dumps(rep, indent=1))
     if a.json:

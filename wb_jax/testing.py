@@ -425,6 +425,22 @@ def checkpoint_arrays(spec: wb.CheckpointSpec, seed: int = 0) -> dict[str, np.nd
     return out
 
 
+def sparse_train_step(params: Any, step: int) -> Any:
+    """:func:`wb.testing.versions.sparse_step` on every leaf, as a new pytree with the same
+    shardings: about one element in :data:`~wb.testing.versions.SPARSE_EVERY` changes (what
+    ``python -m wb demo --delta`` trains with)."""
+    from wb.testing import SPARSE_EVERY
+
+    ints = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+    mask = SPARSE_EVERY - 1
+
+    def one(x):
+        b = jax.lax.bitcast_convert_type(x, ints[x.dtype.itemsize])
+        pick = ((b ^ (b >> 7)) & mask) == (step & mask)
+        return jnp.where(pick, x * jnp.asarray(-2.0, x.dtype), x)
+    return jax.tree.map(one, params)
+
+
 @functools.partial(jax.jit, static_argnames="factor")
 def train_step(params: Any, factor: float = -2.0) -> Any:
     """The reference trainer's update, as a new pytree with the same shardings:

@@ -313,6 +313,20 @@ def spread_device(local_rank: int) -> int:
     return int(local_rank) % n
 
 
+def sparse_train_step_(model: nn.Module, step: int) -> None:
+    """:func:`wb.testing.versions.sparse_step` on every parameter, in place: about one element in
+    :data:`~wb.testing.versions.SPARSE_EVERY` changes (what ``python -m wb demo --delta``
+    trains with)."""
+    from wb.testing import SPARSE_EVERY
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        for p in model.parameters():
+            b = p.data.view(ints[p.element_size()])
+            pick = ((b ^ (b >> 7)) & (SPARSE_EVERY - 1)) == (step & (SPARSE_EVERY - 1))
+            p.copy_(torch.where(pick, p * -2.0, p))
+
+
 def train_step_(model: nn.Module, factor: float = -2.0) -> None:
     """The reference trainer's update, in place like an optimizer's: ``w <- factor * w`` for every
     parameter (exact in any float dtype for a power of two), so a receiver can predict the weights

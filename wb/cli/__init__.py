@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--check", action="store_true",
                       help="after every update, every rollout checks its live weights against "
                            "the trainers' claim, through its source maps (wb.Receiver.check)")
+    demo.add_argument("--delta", action="store_true",
+                      help="train with a step that changes about 3%% of the weights, sent as "
+                           "deltas (wb.Sender(delta=True)): the bytes per version fall after "
+                           "the first")
     demo.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     pl = sub.add_parser("plan", help="build a preset deployment's source maps and plan; report "
                                      "traffic, simulated EWTT and baselines")
@@ -77,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--checksums", choices=("on", "compare"), default="on",
                     help="compare: also run wb's plan without its per-message checks "
                          "(checksums_ratio: wb's EWTT over that)")
+    be.add_argument("--delta", type=float, metavar="LR", default=None,
+                    help="also send versions made by Adam at learning rate LR (e.g. 1e-6), dense "
+                         "and as deltas, and report the bytes and EWTT of each per version")
+    be.add_argument("--delta-versions", type=int, default=4, metavar="N",
+                    help="versions of --delta (default 4; the first is dense in both)")
     be.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ch = sub.add_parser("check", help="ask a running job's rollouts to check the weights they "
                                       "serve against the trainers' (through their source maps); "
@@ -114,7 +123,8 @@ def _run(args) -> int:
         report = run_bench(profile=profile, replicas=tuple(args.replicas), cuda=args.cuda,
                            devices=args.devices, links=args.links, quiet=args.json,
                            out_dir=args.out, modes=args.modes, trace=args.trace,
-                           checksums=args.checksums,
+                           checksums=args.checksums, delta_lr=args.delta,
+                           delta_versions=args.delta_versions,
                            **({} if args.polling is None else {"polling": args.polling == "on"}))
         if args.json:
             print(json.dumps(report))
@@ -137,7 +147,7 @@ def _run(args) -> int:
         report = run_demo(trainer=args.trainer, rollout=args.rollout, replicas=args.replicas,
                           tp=args.tp, quiet=args.json, cuda=args.cuda,
                           rollout_dtype=args.rollout_dtype,
-                          check=args.check)
+                          check=args.check, delta=args.delta)
         report["demo_s"] = round(time.perf_counter() - t0, 3)
         if args.json:
             print(json.dumps(report))

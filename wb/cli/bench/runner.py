@@ -37,6 +37,7 @@ from rich.table import Table
 
 import wb
 from wb.cli.bench.baselines import broadcast_plans, needed_tensors, p2p_plan
+from wb.cli.bench.plot import plot
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.data.layout import Cluster
 from wb.data.plan import parts
@@ -97,7 +98,8 @@ def _deployment(cfg: dict, *, gpus: int, replicas: int):
 def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = None,
               devices: str = "one", links: str = "shaped", modes=None, quiet: bool = False,
               out_dir: str | None = None, timeout: float = 900.0, trace: bool = False,
-              checksums: str = "on", **overrides) -> dict:
+              checksums: str = "on", delta_lr: float | None = None, delta_versions: int = 4,
+              **overrides) -> dict:
     """Runs the benchmark; returns its report (what ``--json`` prints last).
 
     Args:
@@ -120,6 +122,8 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
         checksums: ``"on"``: wb checks every message against its sender's CRC32C (its
             default); ``"compare"``: also runs the same plan without (``wb-unchecked``, in the
             rotation) and reports ``checksums_ratio``, wb's EWTT over that.
+        delta_lr: also run ``delta_versions`` versions made by Adam at this learning rate, dense
+            and as deltas (:mod:`wb.cli.bench.deltas`; host buffers); the report's ``delta``.
         overrides: any :data:`PROFILES` field.
     """
     if devices not in ("one", "spread", "role") or links not in ("shaped", "real"):
@@ -132,6 +136,11 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     prof = dict(PROFILES[profile], **overrides)
     if checksums not in ("on", "compare"):
         raise wb.SpecError(f"checksums must be on or compare, got {checksums!r}")
+    if delta_lr is not None and (cuda is not None or not delta_lr > 0 or delta_versions < 2):
+        raise wb.SpecError(f"delta: a positive learning rate, at least 2 versions and host "
+                           f"buffers (deltas on devices are not built yet); got lr {delta_lr}, "
+                           f"{delta_versions} versions, cuda {cuda}")
+    prof["delta"] = (delta_lr, delta_versions) if delta_lr is not None else None
     if checksums == "compare":
         prof["methods"] = (*prof.get("methods", ("wb", "p2p", "broadcast")), "wb-unchecked")
     modes = list(wb.MODES) if modes is None else list(modes)
@@ -173,12 +182,12 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     last = report["by_replicas"][str(max(replicas))]
     report.update({k: last.get(k) for k in ("speedup_vs_broadcast", "speedup_vs_p2p",
                                             "ewtt_over_ideal", "checksums_ratio", "agst_s",
-                                            "agst_broadcast_over_both", "verified")})
+                                            "agst_broadcast_over_both", "verified", "delta")})
     report["verified"] = all(r["verified"] for r in report["by_replicas"].values())
     _print(report, console)
     if out_dir:
         _save(report, out_dir)
-        _plot(report, Path(out_dir, "bench.png"))
+        plot(report, Path(out_dir, "bench.png"))
     return report
 
 
@@ -238,7 +247,9 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
                       probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda),
-                      trace=trace, job_key=secrets.token_hex(16))
+                      trace=trace, job_key=secrets.token_hex(16),
+                      delta_lr=(prof.get("delta") or (None,))[0],
+                      delta_versions=(prof.get("delta") or (0, 0))[1], delta_seed=R)
         from wb.cli.bench.workers import bench_main
 
         ctx = mp.get_context("spawn")
@@ -253,7 +264,8 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         # per run, one after the runs, two per sync mode
         phases = {k.split(":")[0] for k in common["probe_pairs"]}
         n_steps = (1 + len(phases) + 2 * len(common["methods"]) * prof["repeats"] + 1
-                   + 2 * len(modes))
+                   + 2 * len(modes) + (4 * common["delta_versions"] + 1 if common["delta_lr"]
+                                       else 0))
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
             while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:
@@ -274,6 +286,11 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                 "ok": False, "error": f"no result ({'timed out' if late else 'exited'}; last "
                                       f"barrier passed: {_last_barrier(work / 'store', r)})"}
     out = _summarize(plans, res, ranks, R, modes, prof, links)
+    if common["delta_lr"] and not out.get("errors"):
+        from wb.cli.bench.deltas import summarize_deltas
+
+        out["delta"] = dict(summarize_deltas(res), lr=common["delta_lr"])
+        out["verified"] = out["verified"] and out["delta"]["verified"]
     if trace:
         out["traces"] = {str(r): x["msg_trace"] for r, x in res.items() if x.get("msg_trace")}
     return out
@@ -448,40 +465,10 @@ def _print(report: dict, console: Console) -> None:
             a.add_row(mode, f"{v * 1e3:.1f} ms", f"{st['trainer_s'] * 1e3:.1f} / "
                       f"{st['rollout_s'] * 1e3:.1f} ms" if st else "whole update")
         console.print(a)
+    if last.get("delta"):
+        from wb.cli.bench.deltas import print_deltas
+
+        print_deltas(last["delta"], last["replicas"], console)
     for R, r in report["by_replicas"].items():
         for rank, err in r.get("errors", {}).items():
             console.print(f"[red]{R} replicas, rank {rank}:[/red] {err}")
-
-
-def _plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [(int(R), r) for R, r in report["by_replicas"].items() if not r.get("errors")]
-    if not rows:
-        return
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    xs = [R for R, _ in rows]
-    for key, label in (("wb", "wb"), ("p2p", "naive P2P"), ("broadcast", "broadcast")):
-        if key not in rows[0][1]["ewtt_s"]:
-            continue
-        ax[0].plot(xs, [r["ewtt_s"][key] for _, r in rows], "o-", label=label)
-    ax[0].plot(xs, [r["ideal_s"] for _, r in rows], "k--", label="ideal (lower bound)")
-    ax[0].set_xlabel("rollout replicas")
-    ax[0].set_ylabel("EWTT (s)")
-    ax[0].set_xticks(xs)
-    ax[0].legend()
-    last = rows[-1][1]
-    names = list(last["agst_s"])
-    ax[1].bar(range(len(names)), [last["agst_s"][n] for n in names])
-    ax[1].set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    ax[1].set_yscale("log")
-    ax[1].set_ylabel(f"AGST (s), {last['replicas']} replicas")
-    fig.suptitle(f"{report['model']}, {report['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -209,6 +209,13 @@ def _run(c: _Ctx, result: dict) -> None:
                 k[0].close()
     c.barrier("ewtt/closed")
 
+    # --- versions as a trainer makes them, dense and as deltas (--delta LR) -----------------------
+    if job.get("delta_lr"):
+        from wb.cli.bench.deltas import run_deltas
+
+        run_deltas(c, lambda key: c.barrier(key, start=True), result)
+        c.barrier("delta/closed")
+
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
     import wb
     from wb.cli.bench.weights import mapped_of, version_bits

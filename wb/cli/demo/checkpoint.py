@@ -6,6 +6,7 @@ import numpy as np
 
 from wb.data.dtypes import dtype_info
 from wb.layouts.presets import TINY, spec_from_config
+from wb.testing.versions import sparse_step
 
 __all__ = ["DEMO_FP8", "random_checkpoint", "expected_checkpoint", "fp8_checkpoint"]
 
@@ -23,9 +24,14 @@ def random_checkpoint(seed: int = 0, cfg: dict = TINY) -> dict[str, np.ndarray]:
         dtype_info(spec.dtype(n)).numpy) for n in spec.names}
 
 
-def expected_checkpoint(ckpt: dict, step: int) -> dict:
-    """The trainer's weights after ``step`` updates (``w <- -2 w`` each, exact in any float dtype),
-    as checkpoint tensors (numpy)."""
+def expected_checkpoint(ckpt: dict, step: int, *, sparse: bool = False) -> dict:
+    """The trainer's weights after ``step`` updates (``w <- -2 w`` each, exact in any float dtype;
+    ``sparse``: :func:`wb.testing.versions.sparse_step` each), as checkpoint tensors (numpy)."""
+    if sparse:
+        out = dict(ckpt)
+        for k in range(1, step + 1):
+            out = {n: sparse_step(a, k) for n, a in out.items()}
+        return out
     f = (-2.0) ** step
     return {n: (a * np.asarray(f, dtype=a.dtype)).astype(a.dtype) for n, a in ckpt.items()}
 

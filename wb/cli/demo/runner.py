@@ -151,7 +151,7 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
              quiet: bool = False, modes: Sequence[str] | None = None, steps: int = 3,
              train_s: float = 0.3, gen_s: float = 0.02, processes: bool = True,
              cuda: bool = False, rollout_dtype: str | None = None,
-             check: bool = False) -> dict:
+             check: bool = False, delta: bool = False) -> dict:
     """Runs the demo and returns its report (what ``--json`` prints).
 
     Args:
@@ -176,6 +176,11 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
         check: after every update the trainers claim it and every rollout checks its live
             buffers against the claim through its source maps (:meth:`wb.Receiver.check`,
             every element): ``weight_checks`` in the report.
+        delta: the trainers' step changes about one element in 32
+            (:func:`wb.testing.versions.sparse_step`) and they send deltas
+            (``wb.Sender(delta=True)``): each mode's ``received_per_version`` (bytes that reached
+            the rollouts) falls after its first version. JAX rollouts land every version in new
+            memory and so get dense bytes.
     """
     if replicas < 1 or tp < 1:
         raise wb.SpecError(f"--replicas and --tp must be >= 1, got {replicas} and {tp}")
@@ -298,7 +303,8 @@ def run_demo(*, trainer: str = "jax", rollout: str = "torch", replicas: int = 2,
     if processes:
         report.update(run_processes(trainer, rollout, replicas=replicas, tp=tp, modes=modes,
                                      steps=steps, train_s=train_s, gen_s=gen_s, console=console,
-                                     cuda=cuda, rollout_dtype=rollout_dtype, check=check))
+                                     cuda=cuda, rollout_dtype=rollout_dtype, check=check,
+                                     delta=delta))
         report["verified"] = bool(verified and report["transfers_verified"])
     return report
 
@@ -331,7 +337,7 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                   steps: int, train_s: float, gen_s: float, console: Console | None = None,
                   timeout: float = 900.0, expect_offset: int = 0, cuda: bool = False,
                   rollout_dtype: str | None = None, cfg: dict = TINY,
-                  check: bool = False) -> dict:
+                  check: bool = False, delta: bool = False) -> dict:
     """Spawns the trainer and rollout processes and runs ``steps`` updates in each sync mode over
     UCX; returns what they measured and checked (the demo's second half; benches call it with a
     larger ``cfg``, a model config of :mod:`wb.layouts.presets`). Other arguments as
@@ -361,7 +367,7 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                       modes=list(modes), steps=steps, train_s=train_s, gen_s=gen_s,
                       rollout_workers=replicas * tp, plan_path=str(work / "plan.npz"),
                       expect_offset=expect_offset, cuda=bool(cuda), rollout_dtype=rollout_dtype,
-                      check=bool(check), job_key=secrets.token_hex(16))
+                      check=bool(check), job_key=secrets.token_hex(16), delta=bool(delta))
         jobs = _jobs(trainer, rollout, replicas=replicas, tp=tp, common=common)
         n_roll = sum(j["role"] == "rollout" for j in jobs)
         ctx = mp.get_context("spawn")
@@ -412,7 +418,11 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                               "trainer_stall_s": round(sm.trainer_stall_s, 4),
                               "rollout_stall_s": round(sm.rollout_stall_s, 4),
                               "updates": len(updates), "rollout_records": rollout_records,
-                              "checks": checks, "mismatches": int(bad), "verified": ok}
+                              "checks": checks, "mismatches": int(bad), "verified": ok,
+                              "received_per_version": {
+                                  v: sum(s.bytes_received for s in stats
+                                         if s.role == "rollout" and s.version == v)
+                                  for v in sorted(updates)}}
         else:
             per_mode[mode] = {"verified": False}
     # two-line headers and one staging column keep the table within 80 columns
@@ -433,6 +443,11 @@ def run_processes(trainer: str, rollout: str, *, replicas: int, tp: int, modes: 
                       f"[green]yes[/green] ({m['checks']})" if m["verified"]
                       else "[red]NO[/red]")
     console.print(table)
+    if delta:
+        for mode, m in per_mode.items():
+            if "received_per_version" in m:
+                console.print(f"{mode}: kB to the rollouts per version, as deltas: " + ", ".join(
+                    f"v{v} {b / 1e3:,.1f}" for v, b in m["received_per_version"].items()))
     out = {"transfer": "UCX between spawned processes", "processes": len(jobs),
            "torch_device": "cuda" if cuda else "cpu",
            "process_rollout_workers": workers,

@@ -140,7 +140,7 @@ def _jax_trainer(job, store, spec, ckpt, result):
 
     _jax_devices(job, job["dp"] * job["tp"])
     import wb
-    from wb_jax.testing import make_load_fn, make_mesh, train_step
+    from wb_jax.testing import make_load_fn, make_mesh, sparse_train_step, train_step
 
     mesh = make_mesh(job["dp"], job["tp"])
     load = make_load_fn(job["cfg"], mesh)
@@ -160,10 +160,12 @@ def _jax_trainer(job, store, spec, ckpt, result):
         planned[0].save(job["plan_path"])
     if q:  # each rank rebuilds what it quantises from its own layout
         q["layout"] = {lay.worker.rank: lay for lay in layouts}
-    state = {"params": params}
+    state = {"params": params, "steps": 0}
 
     def step(sender):  # JAX makes a new pytree every step
-        state["params"] = train_step(state["params"])
+        state["steps"] += 1
+        state["params"] = (sparse_train_step(state["params"], state["steps"]) if job.get("delta")
+                           else train_step(state["params"]))
         sender.push(state["params"])
         if job.get("check"):
             sender.claim(spec, per_tensor=None)
@@ -176,7 +178,8 @@ def _jax_trainer(job, store, spec, ckpt, result):
                                staging=wb.MODES[mode][0], name=f"demo/{mode}", timeout=60,
                                wait_timeout=300,
                                transports={r: _jax_ucx(r, store, mode, d)
-                                           for d, r in ranks.items()}, **q)
+                                           for d, r in ranks.items()},
+                               delta=bool(job.get("delta")), **q)
         _train(job, mode, sender, step, result)
 
 
@@ -198,7 +201,7 @@ def _train(job, mode, sender, step, result):
 def _torch_trainer(job, store, spec, ckpt, result):
     import wb
     import wb_torch
-    from wb_torch.testing import TinyRollout, train_step_
+    from wb_torch.testing import TinyRollout, sparse_train_step_, train_step_
 
     tp, r = job["tp"], job["local_rank"]
     model = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp)
@@ -216,14 +219,23 @@ def _torch_trainer(job, store, spec, ckpt, result):
                        planned=planned, **q)
     if planned and job.get("plan_path"):
         planned[0].save(job["plan_path"])
+    steps = [0]
+
+    def train(model):
+        steps[0] += 1
+        if job.get("delta"):
+            sparse_train_step_(model, steps[0])
+        else:
+            train_step_(model)
     for mode in job["modes"]:
         sender = wb_torch.Sender(model, plan, r, store=store, staging=wb.MODES[mode][0],
                                  name=f"demo/{mode}", timeout=60, wait_timeout=300,
-                                 transports=_ucx(r, store, mode, dev), layout=lay, **q)
+                                 transports=_ucx(r, store, mode, dev), layout=lay,
+                                 delta=bool(job.get("delta")), **q)
         params = dict(model.named_parameters())
         in_place = {r: {n: params[n] for n in lay.buffers}} if not q else {}
         _train(job, mode, sender,
-               lambda s: (train_step_(model), s.push(),
+               lambda s: (train(model), s.push(),
                           job.get("check") and s.claim(spec, per_tensor=None),
                           _zero_copy(s.workers, in_place))[3],
                result)
@@ -265,7 +277,8 @@ def _torch_rollout(job, store, spec, ckpt, result):
                 v = rx.version
                 step += 1
                 ref = TinyRollout(job["cfg"], tp_rank=r, tp_size=tp, **kw)
-                want_ck = expected_checkpoint(ckpt, step + job["expect_offset"])
+                want_ck = expected_checkpoint(ckpt, step + job["expect_offset"],
+                                              sparse=bool(job.get("delta")))
                 if fp8 is not None:  # its own load of the reference-quantised checkpoint
                     want_ck = fp8_checkpoint(want_ck, fp8, job["cfg"])
                 ref.load_weights((n, wb_torch.from_numpy(a)) for n, a in want_ck.items())
@@ -296,7 +309,7 @@ def _jax_rollout(job, store, spec, ckpt, result):
     maps = wb_jax.probe(load, rollout_spec)
 
     def checkpoint(step):  # what this rollout's own load is fed at a step
-        ck = expected_checkpoint(ckpt, step)
+        ck = expected_checkpoint(ckpt, step, sparse=bool(job.get("delta")))
         return ck if fp8 is None else fp8_checkpoint(ck, fp8, job["cfg"])
 
     template = load({n: np.zeros_like(a) for n, a in checkpoint(0).items()})

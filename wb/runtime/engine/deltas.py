@@ -30,8 +30,9 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
+from wb.runtime.engine.frames import Frame
 
-__all__ = ["DeltaPlan", "width", "encode_send", "land"]
+__all__ = ["DeltaPlan", "width", "encode_send", "land", "take_completions", "alike"]
 
 
 class DeltaPlan(NamedTuple):
@@ -111,3 +112,42 @@ def land(prog, mover, g, buf, *, as_delta: bool, keep: bool):
     finally:
         mover.release(base)
     return got
+
+
+def take_completions(u, got) -> bool:
+    """An update's completed requests (``u``: its :class:`~wb.runtime.engine.update._Update`) in
+    a job that sends deltas (host buffers: nothing waits for a device): bytes are counted as
+    they travelled; a send's memory is its base or its own (nothing goes back to the pool); a
+    receive is applied or unpacked, its base kept."""
+    marks, sums, delta, prog, mover = u.marks, u.sums, u.delta, u.prog, u.mover
+    for req, g, buf in got:
+        if g.out:
+            u.bytes_sent += buf.nbytes if buf is not None else g.nbytes
+            u.messages_sent += len(g.members) if g.__class__ is Frame else 1
+            if marks is not None:
+                u.mark(g.m, 2)
+            if buf is not None:
+                u.staged_send -= g.nbytes
+                u.packed_done.add(g.m)
+            continue
+        if buf is None:  # dense, zero-copy: its destination is its base
+            if sums is not None:
+                sums.landed(g, mover.target(g))
+            u.landed(g, None)
+            continue
+        came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm, keep=True)
+        if sums is not None:
+            sums.landed(g, came)
+        u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        u.landed(g, buf)
+    return bool(got)
+
+
+def alike(u, g) -> bool:
+    """Whether forward ``g`` of update ``u`` travels as its parent came (both dense, or both
+    deltas against one version): then its bytes may be its parent's (a checksum's alias)."""
+    d = u.delta
+    if d is None:
+        return True
+    p = u.msgs.get(g.parent)
+    return p is not None and (p.peer in d.frm) == (g.peer in d.to)

@@ -247,6 +247,7 @@ class Program:
         self.roots = sorted((float(when[m]), m) for m, g in units.items()
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in units.values())  # sends and local copies
+        self.senders = frozenset(g.peer for g in units.values() if not g.out)  # it receives from
         self.routes = Routes(self) if checksums else None
         self._checked: _Checked | None = None
         self._prepared = False  # the CUDA conversion and copy kernels are loaded
@@ -412,7 +413,7 @@ class Program:
 
     def _run_delta(self, delta: DeltaPlan, buffers, flat, xp, transport, ready, kw) -> ExecStats:
         """:meth:`run` in a job that sends deltas: see ``delta`` there."""
-        if delta.frm and not self._same_held(buffers):
+        if not delta.frm.isdisjoint(self.senders) and not self._same_held(buffers):
             was = self.version
             self.forget_version()
             raise TransferError(f"rank {self.rank}: deltas came for buffers other than those "

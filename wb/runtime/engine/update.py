@@ -32,13 +32,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
-from wb.runtime.engine.deltas import DeltaPlan, encode_send, land
+from wb.runtime.engine.deltas import DeltaPlan, alike, encode_send, take_completions
 from wb.runtime.engine.digests import Digests
+from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import Inflight, abort
 
@@ -46,54 +46,6 @@ __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
 
 
 DEFAULT_STAGING_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class ExecStats:
-    """What one worker did: bytes and messages each way, seconds, staging high-water mark."""
-
-    rank: int  # the worker
-    bytes_sent: int  # to other ranks (local copies not counted)
-    bytes_received: int  # from other ranks
-    bytes_local: int  # copied within this rank
-    messages_sent: int  # to other ranks
-    messages_received: int  # from other ranks
-    start_s: float  # time.time() when the first byte could move (after connecting)
-    end_s: float  # time.time() when the worker's last message completed
-    staging_peak: int  # bytes of packing/unpacking staging in use at most
-
-    @property
-    def seconds(self) -> float:
-        return self.end_s - self.start_s
-
-    def since(self, first: float | None) -> ExecStats:
-        """These stats counted from ``first`` (a failed attempt's start), if earlier."""
-        return self if first is None else replace(self, start_s=min(first, self.start_s))
-
-    @staticmethod
-    def merged(a: ExecStats | None, b: ExecStats) -> ExecStats:
-        """One version's stats over its attempts ``a`` then ``b``: from the first start to the
-        last end, bytes and messages summed, the higher staging peak."""
-        if a is None:
-            return b
-        return ExecStats(b.rank, a.bytes_sent + b.bytes_sent, a.bytes_received + b.bytes_received,
-                         a.bytes_local + b.bytes_local, a.messages_sent + b.messages_sent,
-                         a.messages_received + b.messages_received, a.start_s, b.end_s,
-                         max(a.staging_peak, b.staging_peak))
-
-
-class TraceEntry(NamedTuple):
-    """One message of a rank in one update, timed with ``time.time()`` (comparable across the
-    processes of one host). A tuple: JSON writes it as a list, in this order."""
-
-    message: int  # index in plan.messages
-    stage: int  # 1 from a trainer, 2 between rollout nodes, 3 inside a rollout node
-    peer: int  # the other rank
-    outgoing: bool  # sent (or copied locally) by this rank
-    nbytes: int  # bytes moved
-    ready: float  # its data was here (a forward: its parent landed)
-    posted: float  # handed to the transport (after packing)
-    done: float  # completed (a receive: after unpacking)
 
 
 #: Seconds without progress before a stalled update asks the liveness watch about its peers
@@ -329,7 +281,7 @@ class _Update:
                 buf, staged = encode_send(self.prog, self.mover, g, as_delta=g.peer in delta.to)
                 add(send(g.peer, buf, self.tag_base + g.m), g, buf if staged else None)
                 if sums is not None:
-                    sums.sent(g, buf, parent_alike=self.alike(g))
+                    sums.sent(g, buf, parent_alike=alike(self, g))
                 if staged:
                     self.staged_send += g.nbytes
                     heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
@@ -364,7 +316,7 @@ class _Update:
         got = self.inflight.completed(full=full)
         marks, sums, delta = self.marks, self.sums, self.delta
         if delta is not None:
-            return self.take_delta_completions(got)
+            return take_completions(self, got)
         if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
             for _, g, buf in got:
                 if not g.out:
@@ -385,42 +337,6 @@ class _Update:
             else:
                 self.landed(g, None)
         return bool(got)
-
-    def take_delta_completions(self, got) -> bool:
-        """:meth:`take_completions` in a job that sends deltas (host buffers: nothing waits for a
-        device): bytes are counted as they travelled; a send's memory is its base or its own
-        (nothing goes back to the pool); a receive is applied or unpacked, its base kept."""
-        marks, sums, delta, prog, mover = self.marks, self.sums, self.delta, self.prog, self.mover
-        for req, g, buf in got:
-            if g.out:
-                self.bytes_sent += buf.nbytes if buf is not None else g.nbytes
-                self.messages_sent += len(g.members) if g.__class__ is Frame else 1
-                if marks is not None:
-                    self.mark(g.m, 2)
-                if buf is not None:
-                    self.staged_send -= g.nbytes
-                    self.packed_done.add(g.m)
-                continue
-            if buf is None:  # dense, zero-copy: its destination is its base
-                if sums is not None:
-                    sums.landed(g, mover.target(g))
-                self.landed(g, None)
-                continue
-            came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm, keep=True)
-            if sums is not None:
-                sums.landed(g, came)
-            self.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-            self.landed(g, buf)
-        return bool(got)
-
-    def alike(self, g) -> bool:
-        """Whether forward ``g`` travels as its parent came (both dense, or both deltas against
-        one version): then its bytes may be its parent's (a checksum's alias)."""
-        d = self.delta
-        if d is None:
-            return True
-        p = self.msgs.get(g.parent)
-        return p is not None and (p.peer in d.frm) == (g.peer in d.to)
 
     def take_device_work(self) -> bool:
         """Does what follows each pack, unpack or local copy whose event has passed; gives back
