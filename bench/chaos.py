@@ -100,7 +100,11 @@ class _Versions:
 
 def _worker(rank: int, plan_path: str, store_dir: str, out: str, role: str, lr=None):
     """A worker's plan, store, log file, version-0 weights and its weights by version."""
+    import faulthandler
+
     import wb
+
+    faulthandler.enable()  # a crash (not a kill) prints where it happened
     from harness.multiproc import buffers_for, mapped_of
     from wb.runtime.transport.stores import DirectoryStore
 
@@ -203,6 +207,7 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
     ctx = mp.get_context("spawn")
     plan_path = str(work / "plan.npz")
     procs: dict[int, mp.Process] = {}
+    died: list[dict] = []  # processes that ended without being killed (a crash: exit code)
 
     def start(rank: int, join: bool = False) -> None:
         if rank < TRAINERS:
@@ -255,20 +260,26 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
                 v = pushed()
                 mid = any(_has(store, f"wb/join/{v}/{r}") and
                           not _has(store, f"wb/v/{v}/done/0/{r}") for r in victims)
-                for r in victims:
-                    os.kill(procs[r].pid, signal.SIGKILL)
+                pids = [procs[r].pid for r in victims]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
                 t = time.time()
-                kills.append({"ranks": victims, "t": t, "version": v,
+                kills.append({"ranks": victims, "pids": pids, "t": t, "version": v,
                               "phase": "mid-transfer" if mid else "between versions",
                               "gap": rng.uniform(0.5, 6.0)})
                 for r in victims:
                     pending.append((t + rng.uniform(0.5, 4.0), r))
         time.sleep(0.02)
-    # every restarted process back (admitted), then stop
-    while time.time() < deadline and training() and not all(
+    # every restarted process back (admitted), then stop; one that died on its own ends the wait
+    def crashed() -> list[dict]:
+        killed = {p for k in kills for p in k.get("pids", ())}
+        return [{"rank": r, "pid": p.pid, "exitcode": p.exitcode} for r, p in procs.items()
+                if not p.is_alive() and p.pid not in killed and p.exitcode not in (0, None)]
+    while time.time() < deadline and training() and not crashed() and not all(
             any(x["event"] == "admitted" and x.get("pid") == procs[r["rank"]].pid
                 for x in _rows(out / f"rollout{r['rank']}.log")) for r in restarts):
         time.sleep(0.1)
+    died += crashed()
     (out / "stop").write_text("1")
     end = min(deadline, time.time() + 180)  # the last versions and the closing: well within
     for p in procs.values():
@@ -277,6 +288,8 @@ def run(*, replicas: int = 4, faults: int = 20, seed: int = 0, step_s: float = 1
     for r in hung:
         procs[r].kill()
     rep = _report(out, kills, restarts, replicas, hung, time.time() - t_start, seed, faults)
+    rep["died"] = died  # ended on their own (not killed here): a crash
+    rep["ok"] = rep["ok"] and not died
     if delta:
         got: dict[int, int] = {}
         for f in out.glob("rollout*.log"):

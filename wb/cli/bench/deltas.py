@@ -6,7 +6,9 @@ same values for an id, so a rollout knows what it must hold). Per version, wb's 
 in one rotation over the same emulated links: dense (``wb``) and as deltas (``wb-delta``: each
 unit as what changed since the version its receiver holds, :mod:`wb.runtime.engine.deltas`),
 each into its own rollout buffers, both checked bit for bit. The first version is dense in both
-(nobody holds one yet).
+(nobody holds one yet). A rollout's dense buffers are checked against Adam's values on a
+sample of their elements, its delta buffers against the dense ones in full (see
+:func:`run_deltas`).
 
 Reported per version: the fraction of the rollouts' elements that changed, the bytes that reached
 the rollouts each way, what the changed values themselves take (their elements' bytes), and both
@@ -19,15 +21,25 @@ import time
 
 import numpy as np
 
-__all__ = ["run_deltas", "summarize_deltas", "print_deltas", "METHODS"]
+from wb.data.dtypes import dtype_info
+
+__all__ = ["run_deltas", "summarize_deltas", "print_deltas", "METHODS", "SAMPLE"]
 
 METHODS = ("wb", "wb-delta")
+#: A rollout checks its dense buffers against Adam's values on one element in this many.
+SAMPLE = 16
+#: Staging budget of both methods' updates (41 processes share the host's memory).
+STAGING_BYTES = 32 << 20
 
 
 def run_deltas(c, barrier_start, result: dict) -> None:
     """One worker's part (``c``: its :class:`~wb.cli.bench.workers._Ctx`; ``barrier_start``:
     the common start of a timed step): appends a record per version and method to
-    ``result["delta"]``."""
+    ``result["delta"]``.
+
+    Trainers step Adam over every element they hold. A rollout (41 processes share the host's
+    memory) steps it over one element in :data:`SAMPLE` of each buffer: its dense buffers must
+    equal those values there, and its delta buffers the dense ones everywhere, bit for bit."""
     from wb.runtime.engine.deltas import DeltaPlan
     from wb.runtime.engine.program import Program
     from wb.testing.versions import AdamById
@@ -36,49 +48,62 @@ def run_deltas(c, barrier_start, result: dict) -> None:
     part = c.plans["wb"]
     lay = part.layout if part is not None else None
     role = lay.worker.role.value if lay is not None else None
-    gens = ({k: AdamById(b.sourcemap.to_indices(), lr=job["delta_lr"], seed=job["delta_seed"],
-                         dtype=b.dtype) for k, b in lay.buffers.items()} if lay is not None else {})
-    now = {k: g.weights() for k, g in gens.items()}
+    step = 1 if role == "trainer" else SAMPLE
+    gens = ({k: AdamById(b.sourcemap.to_indices().reshape(-1)[::step], lr=job["delta_lr"],
+                         seed=job["delta_seed"], dtype=b.dtype)
+             for k, b in lay.buffers.items()} if lay is not None else {})
     kept = {}
     for method in METHODS:  # each with its own transports, program and rollout buffers
         t = c.transport(f"delta/{method}", part, checksums=True)
-        bufs = ({k: a.copy() for k, a in now.items()} if role == "trainer"
-                else {k: np.zeros_like(a) for k, a in now.items()})
+        bufs = ({k: g.weights().reshape(lay.buffers[k].shape) for k, g in gens.items()}
+                if role == "trainer" else
+                {k: np.zeros(b.shape, dtype_info(b.dtype).numpy) for k, b in lay.buffers.items()}
+                if role == "rollout" else {})
         kept[method] = (t, None if t is None else Program(part, checksums=True), bufs)
+    dense = kept["wb"][2]
     records = result.setdefault("delta", [])
     for v in range(job["delta_versions"]):
-        before = now
         if v:
             for g in gens.values():
                 g.step()
-            now = {k: g.weights() for k, g in gens.items()}
-        diff = {k: int(np.count_nonzero(before[k].view(f"u{a.itemsize}")
-                                        != a.view(f"u{a.itemsize}"))) for k, a in now.items()}
-        changed = sum(n * now[k].itemsize for k, n in diff.items())
+        if role == "trainer":
+            for _, _, bufs in kept.values():
+                for k, g in gens.items():
+                    bufs[k].reshape(-1)[...] = g.weights()
+        before = {k: a.copy() for k, a in dense.items()} if role == "rollout" else {}
+        times = {}
         for method in METHODS[v % 2:] + METHODS[:v % 2]:
             t, program, bufs = kept[method]
-            if role == "trainer":
-                for k, a in now.items():
-                    bufs[k][...] = a
             peers = frozenset(part.peers) if (part is not None and v) else frozenset()
             plan = DeltaPlan(v, peers, peers) if method == "wb-delta" else None
             t0 = barrier_start(f"delta/{v}/{method}")
             stats = (program.run(bufs, t, tag_base=(v + 1) << 32, timeout=c.timeout,
-                                 staging_bytes=job["staging_bytes"], delta=plan)
+                                 staging_bytes=STAGING_BYTES, delta=plan)
                      if program is not None else None)
-            end = time.time()
-            ok = (all(np.array_equal(bufs[k].view(np.uint8), now[k].view(np.uint8)) for k in now)
-                  if role == "rollout" else None)
-            records.append({"version": v, "method": method, "t0": t0, "end": end, "ok": ok,
-                            "role": role, "received": stats.bytes_received if stats else 0,
-                            "changed_bytes": changed if role == "rollout" else 0,
-                            "elements": sum(a.size for a in now.values())
-                            if role == "rollout" else 0,
-                            "changed": sum(diff.values()) if role == "rollout" else 0})
+            times[method] = (t0, time.time(), stats.bytes_received if stats else 0)
             c.barrier(f"delta/{v}/{method}/done")
-    for t, _, _ in kept.values():
+        ok = {m: None for m in METHODS}
+        diff = {}
+        if role == "rollout":
+            ok["wb"] = all(np.array_equal(
+                np.ascontiguousarray(dense[k].reshape(-1)[::SAMPLE]).view(np.uint8),
+                g.weights().view(np.uint8)) for k, g in gens.items())
+            ok["wb-delta"] = all(np.array_equal(kept["wb-delta"][2][k].view(np.uint8),
+                                                a.view(np.uint8)) for k, a in dense.items())
+            diff = {k: int(np.count_nonzero(before[k].view(f"u{a.itemsize}")
+                                            != a.view(f"u{a.itemsize}")))
+                    for k, a in dense.items()}
+        changed = sum(n * dense[k].itemsize for k, n in diff.items())
+        for method, (t0, end, got) in times.items():
+            records.append({"version": v, "method": method, "t0": t0, "end": end,
+                            "ok": ok[method], "role": role, "received": got,
+                            "changed_bytes": changed, "changed": sum(diff.values()),
+                            "elements": sum(a.size for a in dense.values())
+                            if role == "rollout" else 0})
+    for t, program, _ in kept.values():
         if t is not None:
             t.close()
+            program.release()
 
 
 def summarize_deltas(res: dict) -> dict:

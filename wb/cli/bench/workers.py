@@ -207,14 +207,9 @@ def _run(c: _Ctx, result: dict) -> None:
         for k in ks:
             if k is not None:
                 k[0].close()
+                k[1].release()  # its staging: the processes share the host's memory
+    kept.clear()
     c.barrier("ewtt/closed")
-
-    # --- versions as a trainer makes them, dense and as deltas (--delta LR) -----------------------
-    if job.get("delta_lr"):
-        from wb.cli.bench.deltas import run_deltas
-
-        run_deltas(c, lambda key: c.barrier(key, start=True), result)
-        c.barrier("delta/closed")
 
     # --- AGST: wb's four sync modes through Sender / Receiver ----------------------------------
     import wb
@@ -252,6 +247,14 @@ def _run(c: _Ctx, result: dict) -> None:
             result["modes"][mode] = {"stats": [s.to_json() for s in rx.stats], "ok": good}
             rx.close()
         c.barrier(f"mode/{mode}/done")
+
+    # --- versions as a trainer makes them, dense and as deltas (--delta LR) -----------------------
+    if job.get("delta_lr"):
+        from wb.cli.bench.deltas import run_deltas
+
+        del arena, weights, targets  # the broadcast's copy of the model first: 41 processes
+        run_deltas(c, lambda key: c.barrier(key, start=True), result)
+        c.barrier("delta/closed")
 
 
 def _merge_links(stats: list[dict]) -> dict:
