@@ -30,7 +30,6 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
-from wb.runtime.engine.frames import Frame
 
 __all__ = ["DeltaPlan", "width", "encode_send", "land", "take_completions", "alike"]
 
@@ -80,7 +79,7 @@ def encode_send(prog, mover, g, *, as_delta: bool):
     return payload, True
 
 
-def land(prog, mover, g, buf, *, as_delta: bool, keep: bool):
+def land(prog, mover, g, buf, *, as_delta: bool):
     """Unit ``g`` landed in staging ``buf``: applies it (a delta) or unpacks it (dense), keeping
     the base of a converted unit. Returns the bytes that came (what its checksum covers)."""
     got = buf[:codec.size_of(buf)] if as_delta else buf
@@ -93,10 +92,9 @@ def land(prog, mover, g, buf, *, as_delta: bool, keep: bool):
             codec.apply(base, got)
             mover.unpack(g, base)
             return got
-        if keep:
-            if base is None:
-                base = prog.recv_bases[g.m] = np.empty(g.nbytes, np.uint8)
-            np.copyto(base, buf)
+        if base is None:
+            base = prog.recv_bases[g.m] = np.empty(g.nbytes, np.uint8)
+        np.copyto(base, buf)
         mover.unpack(g, buf)
         return got
     if not as_delta:
@@ -119,23 +117,17 @@ def take_completions(u, got) -> bool:
     a job that sends deltas (host buffers: nothing waits for a device): bytes are counted as
     they travelled; a send's memory is its base or its own (nothing goes back to the pool); a
     receive is applied or unpacked, its base kept."""
-    marks, sums, delta, prog, mover = u.marks, u.sums, u.delta, u.prog, u.mover
+    sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
     for req, g, buf in got:
         if g.out:
-            u.bytes_sent += buf.nbytes if buf is not None else g.nbytes
-            u.messages_sent += len(g.members) if g.__class__ is Frame else 1
-            if marks is not None:
-                u.mark(g.m, 2)
-            if buf is not None:
-                u.staged_send -= g.nbytes
-                u.packed_done.add(g.m)
+            u.sent(g, buf.nbytes if buf is not None else g.nbytes, staged=buf is not None)
             continue
         if buf is None:  # dense, zero-copy: its destination is its base
             if sums is not None:
                 sums.landed(g, mover.target(g))
             u.landed(g, None)
             continue
-        came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm, keep=True)
+        came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm)
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes

@@ -314,7 +314,7 @@ class _Update:
         """Completed requests: a send frees its staging; a receive is unpacked (then lands once
         the unpacking passed its event) or, zero-copy, has landed."""
         got = self.inflight.completed(full=full)
-        marks, sums, delta = self.marks, self.sums, self.delta
+        sums, delta = self.sums, self.delta
         if delta is not None:
             return take_completions(self, got)
         if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
@@ -323,13 +323,8 @@ class _Update:
                     sums.landed(g, buf if buf is not None else self.mover.target(g))
         for req, g, buf in got:
             if g.out:
-                self.bytes_sent += g.nbytes
-                self.messages_sent += len(g.members) if g.__class__ is Frame else 1
-                if marks is not None:
-                    self.mark(g.m, 2)
+                self.sent(g, g.nbytes, staged=buf is not None)
                 if buf is not None:
-                    self.staged_send -= g.nbytes
-                    self.packed_done.add(g.m)
                     self.release(buf)
             elif buf is not None:
                 self.mover.unpack(g, buf)
@@ -337,6 +332,17 @@ class _Update:
             else:
                 self.landed(g, None)
         return bool(got)
+
+    def sent(self, g, nbytes: int, *, staged: bool) -> None:
+        """Unit ``g``'s send completed, ``nbytes`` on the wire; ``staged``: its memory counted in
+        the send budget (a packed send's)."""
+        self.bytes_sent += nbytes
+        self.messages_sent += len(g.members) if g.__class__ is Frame else 1
+        if self.marks is not None:
+            self.mark(g.m, 2)
+        if staged:
+            self.staged_send -= g.nbytes
+            self.packed_done.add(g.m)
 
     def take_device_work(self) -> bool:
         """Does what follows each pack, unpack or local copy whose event has passed; gives back
