@@ -257,6 +257,20 @@ def test_inflight_polls_the_heads_and_finds_late_ones_on_a_full_sweep():
     assert [g.m for _, g, _ in inf.completed(full=True)] == [39] and len(inf) == 37
 
 
+def test_inflight_takes_a_whole_burst_of_completions_in_one_poll():
+    from wb.runtime.engine.program import Message
+    from wb.runtime.engine.inflight import Inflight
+
+    inf = Inflight()
+    reqs = [_Req() for _ in range(3 * Inflight.WINDOW)]
+    for i, r in enumerate(reqs):  # one peer's receives, in posting order
+        inf.add(r, Message(i, 1, 0, 8, None, -1, True, True, False, False), None)
+    for r in reqs[:2 * Inflight.WINDOW + 1]:  # a burst longer than the window, in order
+        r.finished = True
+    got = [g.m for _, g, _ in inf.completed(full=False)]
+    assert got == list(range(2 * Inflight.WINDOW + 1)) and len(inf) == Inflight.WINDOW - 1
+
+
 @pytest.mark.parametrize("which", ["plan", "strided_plan"])
 def test_mapped_of_marks_exactly_the_mapped_elements(which, request):
     from harness.multiproc import mapped_of

@@ -32,7 +32,7 @@ import numpy as np
 
 from wb.errors import TransferError
 
-__all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "apply", "changed", "kind_of",
+__all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "dense", "apply", "changed", "kind_of",
            "size_of", "max_bytes", "sizes", "expected_bytes"]
 
 DENSE, MASK, GAPS = 0, 1, 2
@@ -154,6 +154,16 @@ def encode(base: np.ndarray, new: np.ndarray, *, itemsize: int) -> np.ndarray:
         byte = (g[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
         more = (lengths[sel] > j + 1).astype(np.uint64) << np.uint64(7)
         dst[starts[sel] + j] = (byte | more).astype(np.uint8)
+    return out
+
+
+def dense(new: np.ndarray, *, itemsize: int) -> np.ndarray:
+    """``new`` (bytes, elements of ``itemsize`` bytes) as a delta of the :data:`DENSE` kind: what
+    goes to a receiver that expects a delta where the sender has no base to make one against."""
+    vals = _elements(new, itemsize, "new")
+    out = np.empty(HEADER.size + vals.nbytes, np.uint8)
+    HEADER.pack_into(out, 0, DENSE, itemsize, out.nbytes, vals.size, vals.size)
+    out[HEADER.size:] = vals.view(np.uint8)
     return out
 
 

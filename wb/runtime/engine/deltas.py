@@ -2,8 +2,10 @@
 (:mod:`wb.algorithms.delta` encodes it), never against a base that is assumed.
 
 A rank in a job that sends deltas keeps, per unit it sends (a trainer's messages, a rollout's
-forwards), a *base*: the bytes it last sent, in their travelling dtype (a packed message's
-staging becomes its base; a zero-copy one is copied). A unit it receives has its base where it
+forwards that it packs otherwise than they came), a *base*: the bytes it last sent, in their
+travelling dtype (a packed message's staging becomes its base; a zero-copy one is copied). A
+forward of exactly the bytes its parent brought (a *relay*) keeps none: the delta that came goes
+on as it came. A unit it receives has its base where it
 lands: its own destination regions, which hold what the last update wrote there (a unit this
 rank converts keeps a copy of the travelling bytes instead, since a conversion back may not
 give them). A :class:`~wb.runtime.engine.program.Program` that completed version ``v`` with its
@@ -15,7 +17,10 @@ version (:class:`DeltaPlan`): a unit travels as a delta exactly when its sender 
 hold the same version; else dense. The receiver then posts a receive as large as the unit's
 largest delta (``upto``: the delta says its own length), and applies it in place: into the
 destination range (zero-copy units), or into the regions gathered into staging and unpacked
-again. Forwards are encoded against the forwarder's own bases, so each pair's base is its own.
+again. A relay's receiver holds the version its forwarder holds, which is the one the parent's
+delta was made against, so the delta applies there alike; where the parent came dense, the relay
+sends the new bytes as a delta of the dense kind. Other forwards are encoded against the
+forwarder's own bases.
 
 Host buffers only so far (numpy on both ends); a rank on a device holds ``-1``: its peers send
 it dense bytes.
@@ -53,13 +58,34 @@ def width(g) -> int:
     return dtype_info(g.wire).itemsize if g.wire else 1
 
 
-def encode_send(prog, mover, g, *, as_delta: bool):
+def encode_send(prog, mover, g, *, as_delta: bool, came: dict):
     """Unit ``g``'s payload for this update, and its base updated to the new bytes.
 
+    A relay (:attr:`Program.relays <wb.runtime.engine.program.Program.relays>`: a forward of
+    exactly its parent's bytes) keeps no base: as a delta it carries the delta its parent brought
+    (``came``: ``{parent: [delta, relays still to send it]}``; both pairs hold the same version,
+    so it applies alike at its receiver), or, where its parent came dense, the new bytes as a
+    delta of the dense kind.
+
     Returns:
-        ``(payload, staged)``: what to send (the delta, or the dense bytes) and whether it is
-        memory of this update's (counted in the send budget; never a pool buffer).
+        ``(payload, staged, pooled)``: what to send (the delta, or the dense bytes), whether it
+        is memory of this update's (counted in the send budget) and whether that memory is a
+        pool buffer (given back once sent).
     """
+    if g.m in prog.relays:
+        if not as_delta:
+            return (mover.source(g), False, False) if g.zc_src else (mover.pack(g), True, True)
+        kept = came.get(g.parent)
+        if kept is None:
+            new = mover.source(g) if g.zc_src else mover.pack(g)
+            payload = codec.dense(new, itemsize=width(g))
+            if not g.zc_src:
+                mover.release(new)
+            return payload, True, False
+        kept[1] -= 1
+        if not kept[1]:
+            del came[g.parent]
+        return kept[0], True, False
     bases = prog.bases
     old = bases.get(g.m)
     if g.zc_src:
@@ -69,14 +95,14 @@ def encode_send(prog, mover, g, *, as_delta: bool):
         if old is None:
             old = bases[g.m] = np.empty(g.nbytes, np.uint8)
         np.copyto(old, new)
-        return payload, payload is not new
+        return payload, payload is not new, False
     new = mover.pack(g)
     payload = (codec.encode(old, new, itemsize=width(g))
                if as_delta and old is not None else new)
     bases[g.m] = new  # the packed bytes are the next base
     if old is not None:
         mover.release(old)
-    return payload, True
+    return payload, True, False
 
 
 def land(prog, mover, g, buf, *, as_delta: bool):
@@ -121,13 +147,22 @@ def take_completions(u, got) -> bool:
     for req, g, buf in got:
         if g.out:
             u.sent(g, buf.nbytes if buf is not None else g.nbytes, staged=buf is not None)
+            if g.m in u.pooled:
+                u.pooled.discard(g.m)
+                u.release(buf)
             continue
         if buf is None:  # dense, zero-copy: its destination is its base
             if sums is not None:
                 sums.landed(g, mover.target(g))
             u.landed(g, None)
             continue
-        came = land(prog, mover, g, buf, as_delta=g.peer in delta.frm)
+        as_delta = g.peer in delta.frm
+        came = land(prog, mover, g, buf, as_delta=as_delta)
+        if as_delta:  # kept for the relays that send it on as it came
+            n = sum(1 for c in prog.children.get(g.m, ())
+                    if c in prog.relays and prog.units[c].peer in delta.to)
+            if n:
+                u.came[g.m] = [came.copy(), n]
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes

@@ -97,23 +97,14 @@ class Routes:
         self._device: _DeviceSums | None = None  # kept across updates (see sums)
         self.slot = {m: i for i, m in enumerate(m for ms in (*self.out.values(),
                                                              *self.inn.values()) for m in ms)}
-        # a forward of exactly its parent's pieces, neither converted here, is its parent's
-        # bytes (a conversion there and back may not keep a NaN's payload): its CRC is the
-        # parent's (checked against the parent's sender before this rank's digest goes), and
-        # it is not hashed again
-        T = part.transfers
-        self.aliased: set[int] = set()
+        # a forward of exactly its parent's bytes (Program.relays) takes its parent's CRC
+        # (checked against the parent's sender before this rank's digest goes), and is not
+        # hashed again
+        self.aliased: set[int] = set(prog.relays)
         self.own: dict[int, int] = {}
-        for ms in self.out.values():
-            for m in ms:
-                g, q = units[m], units[m].parent
-                p = units.get(q)
-                if (g.__class__ is not Frame and p is not None and p.__class__ is not Frame
-                        and not p.out and not g.conv and not p.conv
-                        and np.array_equal(T.piece[g.ts], T.piece[p.ts])):
-                    self.own[m] = self.slot[m]
-                    self.slot[m] = self.slot[q]
-                    self.aliased.add(m)
+        for m in prog.relays:
+            self.own[m] = self.slot[m]
+            self.slot[m] = self.slot[units[m].parent]
         fed_by = {}  # a received message -> its digest's key
         for key, ms in self.inn.items():
             for m in ms:

@@ -42,10 +42,12 @@ def recorded(xp, stream):
 class Inflight:
     """Requests in flight, one FIFO per (peer, direction) in posting order.
 
-    Transfers with one peer mostly complete in the order they were posted, so a poll looks at the
-    first few of each FIFO (``full=False``: O(peers), not O(requests), per poll: a rollout can
-    have thousands of receives posted) and at all of them when asked (the loop does now and then,
-    and when it finds nothing): every completion is seen, a rare late one a few polls later."""
+    Transfers with one peer mostly complete in the order they were posted, so a poll takes every
+    completed request at the head of each FIFO (however many: a burst that completed together is
+    seen at once) and looks for ones completed out of order among the next few (``full=False``:
+    O(peers + completions), not O(requests), per poll: a rollout can have thousands of receives
+    posted) or among all when asked (the loop does now and then, and when it finds nothing):
+    every completion is seen, a rare late one a few polls later."""
 
     WINDOW = 8
 
@@ -67,14 +69,13 @@ class Inflight:
         return self.n
 
     def completed(self, *, full: bool) -> list[tuple[Any, Any, Any]]:
-        """Takes the completed ``(request, message, staging)`` out (the first ``WINDOW`` of each
-        FIFO, or all with ``full``)."""
+        """Takes the completed ``(request, message, staging)`` out: each FIFO's completed head,
+        then any completed out of order among the next ``WINDOW`` (or all, with ``full``)."""
         out = []
         for q in self.queues.values():
-            limit = len(q) if full else min(len(q), self.WINDOW)
-            while limit and q[0][0].done():  # in posting order: the common case
+            while q and q[0][0].done():  # in posting order: the common case
                 out.append(q.popleft())
-                limit -= 1
+            limit = len(q) if full else min(len(q), self.WINDOW)
             i = 1
             while i < limit:  # one that completed out of order
                 if q[i][0].done():

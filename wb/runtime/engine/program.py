@@ -247,6 +247,14 @@ class Program:
         self.roots = sorted((float(when[m]), m) for m, g in units.items()
                             if g.out and g.parent < 0)
         self.n_out = sum(g.out for g in units.values())  # sends and local copies
+        #: forwards that carry exactly the bytes their parent brought here: the same pieces,
+        #: neither a frame nor converted at either end (a conversion there and back may not keep
+        #: a NaN's payload). A checksum's alias; a delta that came goes on as it came.
+        self.relays = frozenset(
+            m for m, g in units.items()
+            if g.out and g.__class__ is not Frame and not g.conv and not g.local
+            and (p := units.get(g.parent)) is not None and p.__class__ is not Frame
+            and not p.out and not p.conv and np.array_equal(T.piece[g.ts], T.piece[p.ts]))
         self.senders = frozenset(g.peer for g in units.values() if not g.out)  # it receives from
         self.routes = Routes(self) if checksums else None
         self._checked: _Checked | None = None

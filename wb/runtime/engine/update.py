@@ -7,9 +7,9 @@ The state of one update is :class:`_Update`; :func:`run_update` is its loop. Eve
 2. posts sends and local copies whose data is here (a forward once its parent landed), in
    schedule order; packed ones while the send budget lasts (zero-copy ones and local copies use
    no staging and go as soon as they are ready);
-3. takes the completions of requests in flight (the head of each peer's FIFO, all of them now
-   and then: :class:`~wb.runtime.engine.inflight.Inflight`), unpacking landed receives and
-   releasing the forwards they feed;
+3. takes the completions of requests in flight (the completed head of each peer's FIFO, a
+   look at the rest now and then: :class:`~wb.runtime.engine.inflight.Inflight`), unpacking
+   landed receives and releasing the forwards they feed, which are posted at once;
 4. takes device work whose event has passed (CUDA: see
    :func:`~wb.runtime.engine.inflight.fencer`);
 5. stops when every message is done; else, when nothing moved, yields, then backs off.
@@ -103,6 +103,8 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                 tick()
             turns += 1
             progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
+            if u.ready:  # forwards that just became ready go before this turn's device work
+                u.post_ready_sends()
             progressed |= u.take_device_work()
             if u.sums is not None:
                 progressed |= u.sums.turn(idle=not progressed)
@@ -163,7 +165,7 @@ class _Update:
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
-                 "sums", "held", "delta", "zc_in", "staged_in")
+                 "sums", "held", "delta", "zc_in", "staged_in", "came", "pooled")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool, delta: DeltaPlan | None = None):
@@ -178,6 +180,8 @@ class _Update:
         # deltas (wb.runtime.engine.deltas): every send keeps its base; receives of deltas go
         # through staging, in schedule order with the others
         self.delta = delta
+        self.came: dict[int, list] = {}  # parent -> [the delta it brought, relays still to send]
+        self.pooled: set[int] = set()  # sends from pool staging given back once sent
         self.zc_in, self.staged_in = prog.zero_copy_receives, prog.staged_receives
         if delta is not None and delta.frm:
             units, when, frm = prog.units, prog.when, delta.frm
@@ -278,7 +282,10 @@ class _Update:
                 self.mover.copy_local(g)
                 self.after(self.fence(), g, None)
             elif delta is not None:  # host buffers: packed and encoded now
-                buf, staged = encode_send(self.prog, self.mover, g, as_delta=g.peer in delta.to)
+                buf, staged, pooled = encode_send(self.prog, self.mover, g,
+                                                  as_delta=g.peer in delta.to, came=self.came)
+                if pooled:
+                    self.pooled.add(g.m)
                 add(send(g.peer, buf, self.tag_base + g.m), g, buf if staged else None)
                 if sums is not None:
                     sums.sent(g, buf, parent_alike=alike(self, g))
