@@ -35,6 +35,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
+from wb.runtime.engine.frames import Frame
 
 __all__ = ["DeltaPlan", "width", "encode_send", "land", "take_completions", "alike"]
 
@@ -58,34 +59,44 @@ def width(g) -> int:
     return dtype_info(g.wire).itemsize if g.wire else 1
 
 
-def encode_send(prog, mover, g, *, as_delta: bool, came: dict):
+def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     """Unit ``g``'s payload for this update, and its base updated to the new bytes.
 
     A relay (:attr:`Program.relays <wb.runtime.engine.program.Program.relays>`: a forward of
     exactly its parent's bytes) keeps no base: as a delta it carries the delta its parent brought
     (``came``: ``{parent: [delta, relays still to send it]}``; both pairs hold the same version,
-    so it applies alike at its receiver), or, where its parent came dense, the new bytes as a
-    delta of the dense kind.
+    so it applies alike at its receiver). A forward of one member of a frame that came
+    (:attr:`Program.sliced <wb.runtime.engine.program.Program.sliced>`) keeps none either: it
+    carries the member's part of the frame's delta (``cut``: ``{frame: [(positions, values),
+    forwards still to send]}``, what :func:`~wb.algorithms.delta.apply` decoded), encoded anew.
+    Where the parent came dense, either sends the new bytes as a delta of the dense kind.
 
     Returns:
         ``(payload, staged, pooled)``: what to send (the delta, or the dense bytes), whether it
         is memory of this update's (counted in the send budget) and whether that memory is a
         pool buffer (given back once sent).
     """
-    if g.m in prog.relays:
+    at = prog.sliced.get(g.m)
+    if at is not None or g.m in prog.relays:
         if not as_delta:
             return (mover.source(g), False, False) if g.zc_src else (mover.pack(g), True, True)
-        kept = came.get(g.parent)
-        if kept is None:
-            new = mover.source(g) if g.zc_src else mover.pack(g)
-            payload = codec.dense(new, itemsize=width(g))
-            if not g.zc_src:
-                mover.release(new)
-            return payload, True, False
-        kept[1] -= 1
-        if not kept[1]:
-            del came[g.parent]
-        return kept[0], True, False
+        key = g.parent if at is None else at[0]
+        kept = (came if at is None else cut).get(key)
+        if kept is not None:
+            kept[1] -= 1
+            if not kept[1]:
+                del (came if at is None else cut)[key]
+            if at is None:
+                return kept[0], True, False
+            pos, vals = kept[0]
+            w = width(g)
+            e0, e1 = at[1] // w, (at[1] + g.nbytes) // w
+            if pos is None:  # the frame came dense: these are the member's new values
+                return codec.dense(vals[e0:e1], itemsize=w), True, False
+            i0, i1 = np.searchsorted(pos, (e0, e1))
+            return codec.of_changes(e1 - e0, pos[i0:i1] - e0, vals[i0:i1], itemsize=w,
+                                    whole=lambda: _whole(mover, g)), True, False
+        return codec.dense(_whole(mover, g), itemsize=width(g)), True, False
     bases = prog.bases
     old = bases.get(g.m)
     if g.zc_src:
@@ -105,9 +116,25 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict):
     return payload, True, False
 
 
+def _whole(mover, g) -> np.ndarray:
+    """Unit ``g``'s new bytes, as a copy of this update's own (the pool's staging goes back)."""
+    if g.zc_src:
+        return mover.source(g)
+    packed = mover.pack(g)
+    try:
+        return packed.copy()
+    finally:
+        mover.release(packed)
+
+
 def land(prog, mover, g, buf, *, as_delta: bool):
     """Unit ``g`` landed in staging ``buf``: applies it (a delta) or unpacks it (dense), keeping
-    the base of a converted unit. Returns the bytes that came (what its checksum covers)."""
+    the base of a converted unit.
+
+    Returns:
+        ``(came, decoded)``: the bytes that came (what its checksum covers), and a delta's
+        ``(positions, values)`` as :func:`~wb.algorithms.delta.apply` returns them (``None``
+        for dense bytes)."""
     got = buf[:codec.size_of(buf)] if as_delta else buf
     if g.conv:  # its base is a copy of the travelling bytes
         base = prog.recv_bases.get(g.m)
@@ -115,27 +142,26 @@ def land(prog, mover, g, buf, *, as_delta: bool):
             if base is None:
                 raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this "
                                     f"rank holds no base of it")
-            codec.apply(base, got)
+            decoded = codec.apply(base, got)
             mover.unpack(g, base)
-            return got
+            return got, decoded
         if base is None:
             base = prog.recv_bases[g.m] = np.empty(g.nbytes, np.uint8)
         np.copyto(base, buf)
         mover.unpack(g, buf)
-        return got
+        return got, None
     if not as_delta:
         mover.unpack(g, buf)
-        return got
+        return got, None
     if g.zc_dst:
-        codec.apply(mover.target(g), got)
-        return got
+        return got, codec.apply(mover.target(g), got)
     base = mover.gather(g)
     try:
-        codec.apply(base, got)
+        decoded = codec.apply(base, got)
         mover.unpack(g, base)
     finally:
         mover.release(base)
-    return got
+    return got, decoded
 
 
 def take_completions(u, got) -> bool:
@@ -157,17 +183,31 @@ def take_completions(u, got) -> bool:
             u.landed(g, None)
             continue
         as_delta = g.peer in delta.frm
-        came = land(prog, mover, g, buf, as_delta=as_delta)
-        if as_delta:  # kept for the relays that send it on as it came
-            n = sum(1 for c in prog.children.get(g.m, ())
-                    if c in prog.relays and prog.units[c].peer in delta.to)
-            if n:
-                u.came[g.m] = [came.copy(), n]
+        came, decoded = land(prog, mover, g, buf, as_delta=as_delta)
+        if as_delta:  # kept for the forwards that send it on (see encode_send)
+            _keep(u, g, came, decoded)
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
         u.landed(g, buf)
     return bool(got)
+
+
+def _keep(u, g, came, decoded) -> None:
+    """Keeps what a delta for unit ``g`` brought for as long as forwards of this update will send
+    it on: the delta itself for relays, the decoded changes of a frame for forwards of its
+    members (copies: the staging goes back to the pool)."""
+    prog, to, units = u.prog, u.delta.to, u.prog.units
+    kids = prog.children
+    n = sum(1 for c in kids.get(g.m, ()) if c in prog.relays and units[c].peer in to)
+    if n:
+        u.came[g.m] = [came.copy(), n]
+    if g.__class__ is Frame:
+        n = sum(1 for x in g.members for c in kids.get(x.m, ())
+                if c in prog.sliced and units[c].peer in to)
+        if n:
+            pos, vals = decoded
+            u.cut[g.m] = [(None if pos is None else pos.copy(), vals.copy()), n]
 
 
 def alike(u, g) -> bool:

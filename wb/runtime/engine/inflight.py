@@ -44,12 +44,10 @@ class Inflight:
 
     Transfers with one peer mostly complete in the order they were posted, so a poll takes every
     completed request at the head of each FIFO (however many: a burst that completed together is
-    seen at once) and looks for ones completed out of order among the next few (``full=False``:
-    O(peers + completions), not O(requests), per poll: a rollout can have thousands of receives
-    posted) or among all when asked (the loop does now and then, and when it finds nothing):
-    every completion is seen, a rare late one a few polls later."""
-
-    WINDOW = 8
+    seen at once), O(peers + completions), not O(requests), per poll (a rollout can have
+    thousands of receives posted); a full poll also looks behind each head, for ones completed
+    out of order (the loop asks for one now and then, and after a turn that found nothing):
+    every completion is seen, a rare late one a few turns later."""
 
     def __init__(self):
         # (peer, outgoing) -> deque of (request, message, staging buffer or None)
@@ -70,12 +68,12 @@ class Inflight:
 
     def completed(self, *, full: bool) -> list[tuple[Any, Any, Any]]:
         """Takes the completed ``(request, message, staging)`` out: each FIFO's completed head,
-        then any completed out of order among the next ``WINDOW`` (or all, with ``full``)."""
+        and with ``full`` any completed out of order behind it."""
         out = []
         for q in self.queues.values():
             while q and q[0][0].done():  # in posting order: the common case
                 out.append(q.popleft())
-            limit = len(q) if full else min(len(q), self.WINDOW)
+            limit = len(q) if full else 0
             i = 1
             while i < limit:  # one that completed out of order
                 if q[i][0].done():

@@ -255,6 +255,16 @@ class Program:
             if g.out and g.__class__ is not Frame and not g.conv and not g.local
             and (p := units.get(g.parent)) is not None and p.__class__ is not Frame
             and not p.out and not p.conv and np.array_equal(T.piece[g.ts], T.piece[p.ts]))
+        #: ``{forward: (frame, byte offset)}``: forwards of exactly the bytes of one member of a
+        #: frame that came here (neither converted): a delta that came for the frame goes on
+        #: cut to the member's part
+        member_at = {x.m: (m, off) for m, f in units.items() if f.__class__ is Frame and not f.out
+                     for x, off in zip(f.members, f.offsets) if not x.conv}
+        self.sliced = {
+            m: member_at[g.parent] for m, g in units.items()
+            if g.out and g.__class__ is not Frame and not g.conv and not g.local
+            and g.parent in member_at
+            and np.array_equal(T.piece[g.ts], T.piece[self.messages[g.parent].ts])}
         self.senders = frozenset(g.peer for g in units.values() if not g.out)  # it receives from
         self.routes = Routes(self) if checksums else None
         self._checked: _Checked | None = None

@@ -165,7 +165,7 @@ class _Update:
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
-                 "sums", "held", "delta", "zc_in", "staged_in", "came", "pooled")
+                 "sums", "held", "delta", "zc_in", "staged_in", "came", "cut", "pooled")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool, delta: DeltaPlan | None = None):
@@ -181,6 +181,7 @@ class _Update:
         # through staging, in schedule order with the others
         self.delta = delta
         self.came: dict[int, list] = {}  # parent -> [the delta it brought, relays still to send]
+        self.cut: dict[int, list] = {}  # frame -> [its changes decoded, forwards still to send]
         self.pooled: set[int] = set()  # sends from pool staging given back once sent
         self.zc_in, self.staged_in = prog.zero_copy_receives, prog.staged_receives
         if delta is not None and delta.frm:
@@ -283,7 +284,8 @@ class _Update:
                 self.after(self.fence(), g, None)
             elif delta is not None:  # host buffers: packed and encoded now
                 buf, staged, pooled = encode_send(self.prog, self.mover, g,
-                                                  as_delta=g.peer in delta.to, came=self.came)
+                                                  as_delta=g.peer in delta.to, came=self.came,
+                                                  cut=self.cut)
                 if pooled:
                     self.pooled.add(g.m)
                 add(send(g.peer, buf, self.tag_base + g.m), g, buf if staged else None)
