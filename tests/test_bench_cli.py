@@ -176,3 +176,39 @@ def test_a_timed_step_starts_at_one_instant_on_every_rank(tmp_path):
     assert at >= max(arrived.values()) + START_AFTER_S - 1e-3
     assert all(left[r] >= at for r in range(4))
     assert max(left.values()) - at < 0.5  # and left then (a loaded machine may lag a little)
+
+
+class _Proc:
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def test_a_worker_that_ended_in_failure_is_found_at_once(tmp_path):
+    """The bench's parent stops the others as soon as one worker ended failing: its result says
+    so, or it left none (killed); a worker still running or done well is no failure."""
+    from wb.cli.bench.runner import _failed
+
+    (tmp_path / "0.json").write_text(json.dumps({"ok": True}))
+    (tmp_path / "2.json").write_text(json.dumps({"ok": False, "error": "OutOfMemoryError: x\ny"}))
+    assert _failed({0: _Proc(0), 1: _Proc(None)}, tmp_path) is None
+    assert _failed({0: _Proc(0), 1: _Proc(None), 2: _Proc(0)}, tmp_path) == (
+        2, "OutOfMemoryError: x")
+    assert _failed({0: _Proc(0), 3: _Proc(-9)}, tmp_path) == (3, "exit code -9, no result")
+
+
+@pytest.mark.timeout(300)
+def test_the_others_stop_when_one_worker_fails():
+    """Every rollout fails in the sync mode's run (a decode step of negative length); the
+    trainers, waiting for them there, are stopped at once instead of waiting out their timeout,
+    and the report names each rank's error."""
+    from wb.cli.bench.runner import run_bench
+
+    report = run_bench(profile="quick", replicas=(1,), modes=["sync"], gen_s=-1.0, quiet=True,
+                       timeout=600.0)
+    errors = report["by_replicas"]["1"]["errors"]
+    assert any("sleep length must be non-negative" in e for e in errors.values()), errors
+    stopped = [r for r, e in errors.items() if "stopped after rank" in e]
+    assert stopped and all("last barrier passed: mode/sync" in errors[r] for r in stopped), errors

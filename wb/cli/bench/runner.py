@@ -266,15 +266,20 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         n_steps = (1 + len(phases) + 2 * len(common["methods"]) * prof["repeats"] + 1
                    + 2 * len(modes) + (4 * common["delta_versions"] + 1 if common["delta_lr"]
                                        else 0))
+        failed = None
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"{R} replica(s): {len(procs)} processes", total=n_steps)
             while any(p.is_alive() for p in procs) and time.perf_counter() - t0 < timeout:
                 done = len(_barrier_files(work / "store", ranks[-1]))
                 bar.update(task, completed=min(done, n_steps))
+                # the others would wait for it in a barrier until their timeout
+                if (failed := _failed(dict(zip(ranks, procs)), work / "results")) is not None:
+                    break
                 time.sleep(0.2)
         late = time.perf_counter() - t0 >= timeout
-        console.log(f"processes {'timed out' if late else 'done'} in "
-                    f"{time.perf_counter() - t0:.1f} s")
+        console.log(f"rank {failed[0]} failed ({failed[1]}); the others stopped" if failed
+                    else f"processes {'timed out' if late else 'done'}",
+                    f"in {time.perf_counter() - t0:.1f} s")
         for p in procs:
             p.join(1)
             if p.is_alive():
@@ -282,9 +287,11 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
         res = {}
         for r in ranks:
             f = work / "results" / f"{r}.json"
+            why = (f"stopped after rank {failed[0]} failed" if failed is not None
+                   else "timed out" if late else "exited")
             res[r] = json.loads(f.read_text()) if f.exists() else {
-                "ok": False, "error": f"no result ({'timed out' if late else 'exited'}; last "
-                                      f"barrier passed: {_last_barrier(work / 'store', r)})"}
+                "ok": False, "error": f"no result ({why}; last barrier passed: "
+                                      f"{_last_barrier(work / 'store', r)})"}
     out = _summarize(plans, res, ranks, R, modes, prof, links)
     if common["delta_lr"] and not out.get("errors"):
         from wb.cli.bench.deltas import summarize_deltas
@@ -294,6 +301,21 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
     if trace:
         out["traces"] = {str(r): x["msg_trace"] for r, x in res.items() if x.get("msg_trace")}
     return out
+
+
+def _failed(procs: dict, results: Path) -> tuple[int, str] | None:
+    """The first rank whose process ended in failure, and why: its result says so (its error's
+    first line), or it left none (killed: by the kernel out of memory, say). A worker ends only
+    after the last barrier, so the others would wait for a failed one until their timeout."""
+    for r, p in procs.items():
+        if p.is_alive() or p.exitcode is None:
+            continue
+        f = results / f"{r}.json"  # written whole (a rename)
+        if not f.exists():
+            return r, f"exit code {p.exitcode}, no result"
+        if not (res := json.loads(f.read_text())).get("ok"):
+            return r, (str(res.get("error")) or "?").splitlines()[0][:200]
+    return None
 
 
 def _barrier_files(store_dir: Path, rank: int) -> list[str]:
