@@ -167,3 +167,70 @@ def test_peers_answer_the_key_challenge_and_one_with_another_key_is_refused(tmp_
     errors = pair(tmp_path / "bad", other_key_at_1=True)
     assert isinstance(errors.get(0), wb.AuthError), errors
     assert "peer 1" in str(errors[0]) and "address" in str(errors[0]), errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stranger", [False, True])
+def test_a_peer_met_after_set_up_is_challenged_before_its_messages_are_taken(tmp_path, stranger):
+    """Ranks 0 and 1 set up (challenged at set-up); rank 2 comes later, as a joiner does (its
+    address published, added as a peer, no set-up round). Its first message with rank 0 waits
+    for its challenge: with the job's key it passes and the message lands, and later ones go
+    at once; a process answering with another key (its message already sent to rank 0's worker
+    under the right tag) is refused, naming it, and rank 0's buffer stays untouched."""
+    from harness.threads import run_each
+    from wb.runtime.transport.ucx import UcxTransport
+
+    store = DirectoryStore(tmp_path)
+    ts = {r: UcxTransport(r, KeyedStore(store, KEY), timeout=4) for r in (0, 1, 2)}
+    data = np.arange(1, 4097, dtype=np.uint32).view(np.uint8)
+    got, errors = np.zeros_like(data), {}
+
+    def set_up(r):
+        ts[r].connect([1 - r], hello=b"x")
+        ts[r].prepare([1 - r])
+    assert not run_each(set_up, [0, 1])
+    ts[2].connect([], hello=b"")
+    ts[0].add_peers([2])
+    ts[2].add_peers([0])
+
+    def wait(req, deadline=8.0):
+        import time
+        end = time.monotonic() + deadline
+        while not req.done():
+            assert time.monotonic() < end, "not done"
+            time.sleep(0.001)
+
+    def run(r):
+        t = ts[r]
+        if r == 0:
+            try:
+                wait(t.recv(2, got, 7))
+                wait(t.recv(2, got[:8], 8))  # the peer is trusted now: posted at once
+                assert 2 in t._gate.trusted
+            except wb.AuthError as e:
+                errors[0] = e
+        else:
+            if stranger:  # answers the challenge with another key, posts its data directly
+                t._ep(0)  # rank 0's address read with the job's key
+                t.store = KeyedStore(store, OTHER)
+                t._gate.key = t.store.key
+                t._send(0, data, 7)
+                try:
+                    wait(t.recv(0, np.zeros(8, np.uint8), 9))
+                except wb.AuthError as e:
+                    errors[2] = e
+            else:
+                wait(t.send(0, data, 7))
+                wait(t.send(0, data[:8], 8))
+    assert not run_each(run, [0, 2])
+    if stranger:
+        assert isinstance(errors.get(0), wb.AuthError), errors
+        assert "peer 2" in str(errors[0]) and "another key" in str(errors[0]), errors
+        assert "address" in str(errors[0]), errors
+        assert not got.any()  # nothing of it landed
+        for t in ts.values():
+            t.abort()
+    else:
+        assert not errors, errors
+        assert np.array_equal(got, data)
+        assert not run_each(lambda r: ts[r].close(), [0, 1, 2])

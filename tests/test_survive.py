@@ -103,9 +103,9 @@ def test_a_rollout_dead_between_versions_is_left_out_of_the_next(plan_file, tmp_
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("joiner", [
-    {"like": 6},  # one rank: wb.Receiver.join
+    {"like": 6},  # one rank: wb.Receiver.join, in a job with a key
     {"group": [(8, 6), (9, 7)]},  # a process of two ranks: wb.ReceiverGroup.join
-], ids=["rank", "process-of-two-ranks"])
+], ids=["rank-keyed", "process-of-two-ranks"])
 def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_file, tmp_path,
                                                                           joiner):
     """Rank 8 (not in the plan: a third node with rollout 6's layout; or a process with ranks 8
@@ -113,15 +113,19 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
     trainers push 8 versions: admitted into the next version the leader pushes (a process's
     ranks into the same one: all or none), it applies it and every later one bit-identical; in
     that first version it is fed apart (only trainers send to it: no other rollout's part has a
-    message with it); the others apply all 8."""
+    message with it); the others apply all 8. With a job key, the joiner (no set-up round)
+    passed the key's challenge with every peer it met: the trainers, then its node's rollouts."""
     from wb.runtime.membership.records import fetch_part
     from wb.runtime.transport.stores import DirectoryStore
 
+    keyed = "like" in joiner
     run = run_ranks(str(plan_file / "plan.npz"), RANKS + [8], str(tmp_path / "run"),
                     target=coord_child_main,
                     options={"versions": 8, "timeout": 60, "step_s": 0.4,
                              "join_as": {"rank": 8, "node": "r2", "after_version": 2,
-                                         **joiner}},
+                                         **joiner},
+                             **({"env": {"WB_JOB_KEY": "a key of this job, 16+"}} if keyed
+                                else {})},
                     join_timeout=150)
     _survivors_applied_everything(run, None, 8)
     j = run.results[8]
@@ -136,6 +140,10 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
     if "group" in joiner:
         assert j["firsts"] == {"8": first, "9": first}, j
     store = DirectoryStore(str(tmp_path / "run" / "store"))
+    if keyed:
+        from wb.runtime.transport.keyed import KeyedStore
+
+        store = KeyedStore(store, "a key of this job, 16+")
     from wb.runtime.transport.stores import get_record
 
     start = get_record(store, f"wb/v/{first}/start", 1.0)
@@ -144,8 +152,11 @@ def test_a_new_rollout_joins_between_versions_and_receives_every_later_one(plan_
         part = fetch_part(store, r, name=f"wb/epoch/{start['epoch']}", timeout=1.0)
         assert not joiners & set(part.peers), (r, part.peers)
     for r in joiners:  # the joiners': only trainers
-        assert set(fetch_part(store, r, name=f"wb/epoch/{start['epoch']}",
-                              timeout=1.0).peers) <= {0, 1, 2, 3}, r
+        first_peers = set(fetch_part(store, r, name=f"wb/epoch/{start['epoch']}",
+                                     timeout=1.0).peers)
+        assert first_peers <= {0, 1, 2, 3}, r
+    if keyed:  # every peer it exchanged messages with, in its first version and its last
+        assert first_peers | set(j["peers"]) <= set(j["challenged"]), (first_peers, j)
     print(f"admitted {j['admitted_at'] - j['asked_at']:.1f} s after asking (version {asked} "
           f"out), from version {first}")
 
@@ -196,12 +207,14 @@ def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tm
     """The forwarding rollout dies mid-version 2 and is restarted 1 s later (the same rank and
     layout, joining): the survivors finish version 2; the restarted one is admitted into the
     next version pushed and applies every later one bit-identical, back within two versions of
-    its call to join."""
+    its call to join. The job has a key: the new process passed the key's challenge with every
+    peer of its last version (theirs with its dead predecessor was dropped)."""
     victim = _forwarder(plan_file)
     stamp = tmp_path / "stamp"
     run = run_ranks(str(plan_file / "plan.npz"), RANKS, str(tmp_path / "run"),
                     target=coord_child_main,
-                    options={"versions": 10, "timeout": 60, "step_s": 0.5},
+                    options={"versions": 10, "timeout": 60, "step_s": 0.5,
+                             "env": {"WB_JOB_KEY": "a key of this job, 16+"}},
                     faults={victim: {"die_after": 1, "in_version": 2, "stamp": str(stamp),
                                      "rejoin_after_s": 1.0}},
                     join_timeout=150)
@@ -210,6 +223,7 @@ def test_a_killed_rollout_restarts_and_is_back_within_two_versions(plan_file, tm
     assert back is not None and back["ok"], back
     first = back["first_version"]
     assert back["applied"] == list(range(first, 11)) and all(back["checks"]), back
+    assert back["peers"] and set(back["peers"]) <= set(back["challenged"]), back
     gone = float(stamp.read_text())
     # back within two versions of its call to join (the versions pushed while the restarted
     # process started its interpreter are its start-up's, not the join's)

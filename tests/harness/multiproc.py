@@ -459,7 +459,8 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
         store = DirectoryStore(store_dir)
         timeout = options.get("timeout", 60.0)
         result["asked_at"] = time.time()
-        rx = wb.Receiver.join(store, lay, bufs, transport=UcxTransport(rank, store, timeout=timeout),
+        transport = UcxTransport(rank, store, timeout=timeout)
+        rx = wb.Receiver.join(store, lay, bufs, transport=transport,
                               staging=options.get("receiver_staging", True), timeout=timeout,
                               wait_timeout=timeout, join_timeout=timeout)
         result["admitted_at"], result["first_version"] = time.time(), rx.version + 1
@@ -469,6 +470,10 @@ def _joiner_main(rank: int, plan_path: str, store_dir: str, result_dir: str, opt
             result["applied"].append(v)
             result["checks"].append(bool(all(np.array_equal(bufs[k].view(np.uint8),
                                                             want[k].view(np.uint8)) for k in bufs)))
+        # with a job key: the peers whose challenge it passed (a joiner has no set-up round)
+        gate = getattr(transport, "_gate", None)
+        result["challenged"] = sorted(gate.trusted) if gate is not None else None
+        result["peers"] = sorted(rx._end.peers)  # its last version's
         rx.close()
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test

@@ -7,8 +7,8 @@ name and the value, so a signed value moved under another name is refused too) a
 with :class:`wb.AuthError` naming the key, every value it reads that is not signed with the
 same key. A worker then takes nothing from a process without the key: no address to connect to,
 no join request (the trainers' leader logs it and goes on), no record; a transport keyed so
-(:func:`tag_secret`) matches no message of theirs, and at set-up every peer answers a challenge
-(:func:`challenge`) before any message of an update goes to or from it. The values are not
+(:func:`tag_secret`) matches no message of theirs, and every peer answers a challenge
+(:mod:`wb.runtime.transport.challenge`) before any message of an update goes to or from it. The values are not
 encrypted: anyone who can read the store reads them; and anyone who can write it can still
 overwrite a record (which is then refused, not taken).
 
@@ -24,7 +24,7 @@ import warnings
 
 from wb.errors import AuthError, WbWarning
 
-__all__ = ["KeyedStore", "keyed", "job_key", "tag_secret", "challenge", "MAGIC"]
+__all__ = ["KeyedStore", "keyed", "job_key", "tag_secret", "MAGIC"]
 
 #: What a signed value starts with (then the 32-byte signature, then the value).
 MAGIC = b"wbk1"
@@ -114,78 +114,3 @@ def tag_secret(store, session: str) -> int:
         return 0
     mac = hmac.new(store.key, b"wb tags\0" + session.encode(), hashlib.sha256).digest()
     return int.from_bytes(mac[:8], "little")
-
-
-#: Tags of the key's challenge round: above every tag an update uses (bit 63 set), per connect
-#: round and sender.
-_CHALLENGE_TAG = 1 << 63
-
-
-def _answer(key: bytes, nonce: bytes, frm: int, to: int) -> bytes:
-    return hmac.new(key, b"wb challenge\0" + nonce + frm.to_bytes(8, "little")
-                    + to.to_bytes(8, "little"), hashlib.sha256).digest()
-
-
-def challenge(transport, peers, key: bytes, *, round_: int, timeout: float,
-              where=lambda peer: "") -> None:
-    """Each of ``peers`` proves over ``transport`` that it holds ``key`` before any message of
-    an update is posted to or from it: this rank sends each a fresh nonce and answers theirs
-    with an HMAC of theirs, its rank and the peer's; every peer does the same at once (posts
-    first, then waits: no order among ranks is needed).
-
-    Args:
-        transport: the rank's transport (``send``/``recv`` of host buffers, ``rank``).
-        peers: the ranks to challenge (each challenges this one back).
-        key: the job's key.
-        round_: the transport's connect round (keeps rounds' messages apart).
-        timeout: seconds to wait for every answer.
-        where: ``peer -> str``: how to name a peer's address in the error.
-
-    Raises:
-        AuthError: a peer answered with another key, or not within ``timeout`` (another key
-            keys its tags otherwise: its answer never reaches this rank), naming it.
-    """
-    import secrets
-    import time
-
-    import numpy as np
-
-    me, peers = int(transport.rank), [int(p) for p in peers]
-    base = _CHALLENGE_TAG | (int(round_) & 0x7FFFFF) << 40
-    tag = lambda kind, frm: base | kind << 32 | frm  # noqa: E731 - kind 1 nonce, 2 answer
-    nonce = secrets.token_bytes(16)
-    theirs = {p: np.zeros(16, np.uint8) for p in peers}
-    answers = {p: np.zeros(32, np.uint8) for p in peers}
-    wait = {p: (transport.recv(p, theirs[p], tag(1, p)),
-                transport.recv(p, answers[p], tag(2, p))) for p in peers}
-    mine = np.frombuffer(nonce, np.uint8).copy()
-    sent = [transport.send(p, mine, tag(1, me)) for p in peers]
-    answered, checked = set(), set()
-    deadline = time.monotonic() + timeout
-    while len(checked) < len(peers) or len(answered) < len(peers):
-        progress = getattr(transport, "progress", None)
-        if progress is not None:
-            progress()
-        for p in peers:
-            got_nonce, got_answer = wait[p]
-            if p not in answered and got_nonce.done():
-                ans = np.frombuffer(_answer(key, theirs[p].tobytes(), me, p), np.uint8).copy()
-                sent.append(transport.send(p, ans, tag(2, me)))
-                answered.add(p)
-            if p not in checked and got_answer.done():
-                if not hmac.compare_digest(answers[p].tobytes(), _answer(key, nonce, p, me)):
-                    raise AuthError(f"rank {me}: peer {p}{where(p)} answered the job key's "
-                                    f"challenge with another key: refused")
-                checked.add(p)
-        if time.monotonic() > deadline:
-            late = sorted(set(peers) - (checked & answered))
-            raise AuthError(f"rank {me}: peer{'s' if len(late) > 1 else ''} "
-                            f"{', '.join(f'{p}{where(p)}' for p in late)} did not answer the job "
-                            f"key's challenge within {timeout:.0f} s: its messages are keyed "
-                            f"otherwise (another key), or it is dead, slow, or in another "
-                            f"connect round; refused")
-        time.sleep(0.0005)
-    while not all(r.done() for r in sent):  # the answers this rank owes have left
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.0005)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from typing import Any
 
 from wb.runtime.transport.copy_kernel import PieceCopier
 
-__all__ = ["CudaMemory", "HostMemory", "host_id", "HANDLE_BYTES"]
+__all__ = ["CudaMemory", "HostMemory", "host_id", "cma_usable", "HANDLE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,32 @@ class _Iov(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+@functools.lru_cache(maxsize=1)
+def cma_usable() -> bool:
+    """Whether processes of this host may read each other's memory (``process_vm_readv``, UCX's
+    ``cma``): Yama's ``ptrace_scope`` is 0 (or absent) and the call is not filtered (tried on
+    this process's own memory)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() != "0":
+                return False
+    except OSError:
+        pass  # no Yama
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        src, dst = ctypes.c_uint64(0x5742), ctypes.c_uint64(0)
+        local = _Iov(ctypes.cast(ctypes.byref(dst), ctypes.c_void_p), 8)
+        remote = _Iov(ctypes.cast(ctypes.byref(src), ctypes.c_void_p), 8)
+        n = libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1,
+                                  0)
+    except (OSError, AttributeError):
+        return False
+    return n == 8 and dst.value == src.value
+
+
 class HostMemory:
     """Host buffers of another process, read with ``process_vm_readv`` (UCX's ``cma``; needs
-    :func:`~wb.runtime.transport.ucx.cma_usable`). Copies are synchronous: each completes before
+    :func:`cma_usable`). Copies are synchronous: each completes before
     the call returns."""
 
     name = "host"

@@ -38,8 +38,6 @@ path) makes ``ucxx`` load it; then ``rc`` (and ``dc``/``ud``) carry stage 1 and 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import glob
 import json
@@ -56,8 +54,9 @@ import numpy as np
 
 from wb.errors import AuthError, TransferError
 from wb.runtime.transport.ipc import Channel
-from wb.runtime.transport.memory import CudaMemory, HostMemory, host_id
-from wb.runtime.transport.keyed import KeyedStore, challenge, keyed, tag_secret
+from wb.runtime.transport.memory import CudaMemory, HostMemory, cma_usable, host_id
+from wb.runtime.transport.challenge import Gate, challenge
+from wb.runtime.transport.keyed import KeyedStore, keyed, tag_secret
 from wb.runtime.transport.stores import Store
 
 __all__ = ["UcxTransport", "default_tls", "cma_usable"]
@@ -82,33 +81,6 @@ def default_tls() -> str:
     if os.environ.get("RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY", "").lower() in ("1", "true", "yes"):
         tls = "rc," + tls  # the system's UCX: built with verbs on an InfiniBand cluster
     return tls
-
-
-@functools.lru_cache(maxsize=1)
-def cma_usable() -> bool:
-    """Whether processes of this host may read each other's memory (``process_vm_readv``, UCX's
-    ``cma``): Yama's ``ptrace_scope`` is 0 (or absent) and the call is not filtered (tried on
-    this process's own memory)."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            if f.read().strip() != "0":
-                return False
-    except OSError:
-        pass  # no Yama
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        src, dst = ctypes.c_uint64(0x5742), ctypes.c_uint64(0)
-
-        class _Iovec(ctypes.Structure):
-            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-        local = _Iovec(ctypes.cast(ctypes.byref(dst), ctypes.c_void_p), 8)
-        remote = _Iovec(ctypes.cast(ctypes.byref(src), ctypes.c_void_p), 8)
-        n = libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1,
-                                  0)
-    except (OSError, AttributeError):
-        return False
-    return n == 8 and dst.value == src.value
 
 
 class _UcxRequest:
@@ -182,6 +154,9 @@ class UcxTransport:
         self.rank, self.session, self.timeout = int(rank), session, timeout
         self.store = keyed(store, key)
         self._secret = tag_secret(self.store, session)
+        # with a key, messages with a peer not challenged yet wait for its challenge
+        self._gate = (Gate(self._send, self._recv, self.rank, self.store.key, timeout=timeout,
+                           where=self._address_of) if isinstance(self.store, KeyedStore) else None)
         self.checksums = (os.environ.get("WB_CHECKSUMS", "1") != "0" if checksums is None
                           else bool(checksums))
         self.cuda_device = cuda_device
@@ -383,6 +358,8 @@ class UcxTransport:
         self._posted = weakref.WeakSet()
         if self._ipc is not None:
             self._ipc.cancel()
+        if self._gate is not None:
+            self._gate.cancel()
 
     def add_peers(self, peers: Iterable[int]) -> None:
         """Allows sends and receives with ``peers`` too (ranks of the same session, whose
@@ -402,6 +379,8 @@ class UcxTransport:
             self._ipc.forget(gone)
         for p in gone:  # a process that takes the rank later is met anew (its own record)
             self._ipc_peers.pop(p, None)
+        if self._gate is not None:  # and challenged anew
+            self._gate.forget(gone)
 
     # --- transfers -----------------------------------------------------------------------------
     def _ep(self, peer: int):
@@ -424,8 +403,9 @@ class UcxTransport:
 
     def prepare(self, peers: Iterable[int]) -> None:
         """Creates the endpoints to ``peers`` now (connected peers only) rather than at first use;
-        with a job key, each peer then answers its challenge (:func:`~wb.runtime.transport.keyed.
-        challenge`: every peer of a plan prepares at its set-up) before any update.
+        with a job key, each peer then answers its challenge (:mod:`~wb.runtime.transport.
+        challenge`: every peer of a plan prepares at its set-up) before any update. A peer met
+        later (:meth:`add_peers`) is challenged where the first message with it is posted.
 
         Raises:
             AuthError: a peer answered with another key, or not in time (named, with its
@@ -433,9 +413,11 @@ class UcxTransport:
         peers = [int(p) for p in peers]
         for p in peers:
             self._ep(p)
-        if isinstance(self.store, KeyedStore) and peers:
-            challenge(self, peers, self.store.key, round_=self._round, timeout=self.timeout,
-                      where=self._address_of)
+        if self._gate is not None and peers:
+            challenge(self._send, self._recv, self.rank, peers, self.store.key,
+                      round_=self._round, timeout=self.timeout, where=self._address_of,
+                      progress=self.progress)
+            self._gate.trusted.update(peers)
 
     def _address_of(self, peer: int) -> str:
         """`` (address <digest>)``: a peer's UCX worker address, as an error names it."""
@@ -446,11 +428,21 @@ class UcxTransport:
         return f" (UCX address sha256 {hashlib.sha256(raw).hexdigest()[:16]})"
 
     def send(self, peer: int, buf, tag: int):
+        if self._gate is not None and peer not in self._gate.trusted:
+            return self._gate.hold(peer, tag, lambda: self._send(peer, buf, tag))
+        return self._send(peer, buf, tag)
+
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False):
+        if self._gate is not None and peer not in self._gate.trusted:
+            return self._gate.hold(peer, tag, lambda: self._recv(peer, buf, tag, upto=upto))
+        return self._recv(peer, buf, tag, upto=upto)
+
+    def _send(self, peer: int, buf, tag: int):
         if self._ipc is not None and self._one_sided(peer):
             return self._ipc.send(peer, buf, tag)
         return self._post("send", peer, buf, tag)
 
-    def recv(self, peer: int, buf, tag: int, *, upto: bool = False):
+    def _recv(self, peer: int, buf, tag: int, *, upto: bool = False):
         if self._ipc is not None and self._one_sided(peer):
             return self._ipc.recv(peer, buf, tag, upto=upto)
         return self._post("recv", peer, buf, tag)  # UCX takes a shorter message as it is
