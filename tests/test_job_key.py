@@ -234,3 +234,47 @@ def test_a_peer_met_after_set_up_is_challenged_before_its_messages_are_taken(tmp
         assert not errors, errors
         assert np.array_equal(got, data)
         assert not run_each(lambda r: ts[r].close(), [0, 1, 2])
+
+
+def test_a_gate_posts_what_it_held_in_order_once_the_challenge_passes():
+    """Gate over an in-process transport, both ranks stepped in turn: messages held until the
+    challenge passes, then posted in the order they were asked for (the data lands whole); after
+    a cancel, what was held is never posted; a forgotten peer's held message fails; another key
+    is refused naming the peer."""
+    from wb.runtime.transport.challenge import Gate
+    from wb.runtime.transport.local import LocalHub, LocalTransport
+
+    def pair(key_b=KEY.encode()):
+        hub = LocalHub()
+        a, b = LocalTransport(0, hub), LocalTransport(1, hub)
+        return (Gate(a.send, a.recv, 0, KEY.encode(), timeout=5),
+                Gate(b.send, b.recv, 1, key_b, timeout=5))
+
+    ga, gb = pair()
+    got = [np.zeros(4, np.uint8) for _ in range(3)]
+    recvs = [ga.hold(1, t, lambda t=t: ga.recv(1, got[t], t)) for t in range(3)]
+    sends = [gb.hold(0, t, lambda t=t: gb.send(0, np.full(4, t + 1, np.uint8), t))
+             for t in (2, 1, 0)]  # the other side's own order
+    assert not any(r.req for r in recvs + sends)  # nothing posted before the challenge
+    for _ in range(1000):
+        if all([r.done() for r in recvs] + [s.done() for s in sends]):  # both sides stepped
+            break
+    assert [int(g[0]) for g in got] == [1, 2, 3] and ga.trusted == {1} and gb.trusted == {0}
+
+    ga, gb = pair()
+    held = ga.hold(1, 5, lambda: pytest.fail("posted after a cancel"))
+    ga.cancel()
+    gb.hold(0, 6, lambda: None)
+    with pytest.raises(wb.TransferError, match="cancelled"):
+        held.done()
+    later = ga.hold(1, 7, lambda: ga.recv(1, np.zeros(1, np.uint8), 7))
+    ga.forget([1])
+    with pytest.raises(wb.TransferError, match="dropped"):
+        later.done()
+
+    ga, gb = pair(OTHER.encode())
+    x, y = ga.hold(1, 1, lambda: None), gb.hold(0, 1, lambda: None)
+    with pytest.raises(wb.AuthError, match=r"peer [01] answered .*another key"):
+        for _ in range(1000):
+            x.done()
+            y.done()

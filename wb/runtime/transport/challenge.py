@@ -175,6 +175,9 @@ class Gate:
             AuthError: see :meth:`Challenge.step`; nothing held for the peer is posted."""
         if peer in self.trusted:
             return True
+        if peer not in self._pending:
+            raise TransferError(f"rank {self.me}: peer {peer} was dropped (dead or replaced) "
+                                f"before it answered the job key's challenge")
         ch, held = self._pending[peer]
         try:
             if not ch.step():
