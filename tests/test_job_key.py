@@ -278,3 +278,90 @@ def test_a_gate_posts_what_it_held_in_order_once_the_challenge_passes():
         for _ in range(1000):
             x.done()
             y.done()
+
+
+def _wait(req, deadline=8.0):
+    import time
+
+    end = time.monotonic() + deadline
+    while not req.done():
+        assert time.monotonic() < end, "not done"
+        time.sleep(0.001)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["cancelled", "died-before-answering", "died-after-its-nonce"])
+def test_a_challenge_left_by_an_attempt_does_not_spoil_the_next(tmp_path, how):
+    """A challenge between ranks 0 and 2 is left unfinished in version 2: rank 0 cancels the
+    attempt (over the one-sided channel too, which drops its receives), or rank 2 dies before
+    answering (rank 0 cancels and forgets it), or rank 2 dies right after sending its nonce
+    (still unmatched at rank 0). In the next attempt (a new process of rank 2 where it died),
+    the pair's challenge runs in that attempt's own round: it passes and the message lands."""
+    import time
+
+    from harness.threads import run_each
+    from wb.runtime.transport.ucx import UcxTransport
+
+    store = DirectoryStore(tmp_path)
+    make = lambda r: UcxTransport(r, KeyedStore(store, KEY), timeout=4,  # noqa: E731
+                                  ipc="host" if how == "cancelled" else "off")
+    t0, t2 = make(0), make(2)
+    for t, p in ((t0, 2), (t2, 0)):
+        t.connect([], hello=b"")
+        t.add_peers([p])
+    v2, v3 = 2 << 32, 3 << 32
+    if how == "died-after-its-nonce":
+        h = t2.send(0, np.zeros(8, np.uint8), v2 + 7)
+        for _ in range(50):
+            h.done()
+            time.sleep(0.002)
+    else:
+        h = t0.recv(2, np.zeros(8, np.uint8), v2 + 7)
+        for _ in range(50):
+            h.done()
+            time.sleep(0.002)
+        t0.cancel()
+    if how != "cancelled":  # a new process of rank 2 asks to join; rank 0 drops the old one
+        t2.abort()
+        t0.forget([2])
+        t2 = make(2)
+        t2.connect([], hello=b"")
+        t2.add_peers([0])
+        t0.add_peers([2])
+    got, data = np.zeros(64, np.uint8), np.arange(64, dtype=np.uint8)
+    errors = run_each(lambda r: _wait(t0.recv(2, got, v3 + 5) if r == 0
+                                      else t2.send(0, data, v3 + 5)), [0, 2])
+    assert not errors, errors
+    assert np.array_equal(got, data)
+    t0.abort()
+    t2.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_whose_first_message_comes_later_than_the_timeout_is_not_refused(tmp_path):
+    """Rank 0 posts its receive from rank 2 (a forwarder, say, whose send waits for its own
+    data) and polls it for longer than the transports' timeout before rank 2 posts anything:
+    the challenge waits for the peer to start (its update's stall timeout is what bounds that),
+    then passes, and the message lands."""
+    import time
+
+    from harness.threads import run_each
+    from wb.runtime.transport.ucx import UcxTransport
+
+    store = DirectoryStore(tmp_path)
+    ts = {r: UcxTransport(r, KeyedStore(store, KEY), timeout=1) for r in (0, 2)}
+    for r in (0, 2):
+        ts[r].connect([], hello=b"")
+        ts[r].add_peers([2 - r])
+    got, data = np.zeros(16, np.uint8), np.arange(16, dtype=np.uint8)
+
+    def run(r):
+        if r == 0:
+            _wait(ts[0].recv(2, got, (4 << 32) + 3))
+        else:
+            time.sleep(1.5)
+            _wait(ts[2].send(0, data, (4 << 32) + 3))
+    assert not run_each(run, [0, 2])
+    assert np.array_equal(got, data)
+    for t in ts.values():
+        t.abort()

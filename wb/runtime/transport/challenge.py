@@ -27,9 +27,17 @@ __all__ = ["Challenge", "challenge", "Gate", "LATER"]
 
 #: Tags of the challenge: above every tag an update uses (bit 63 set), per round and sender.
 _TAG = 1 << 63
-#: The round of a challenge where a pair first meets after set-up (set-up's rounds are the
-#: transport's connect rounds, small numbers).
+#: Rounds of challenges where a pair meets after set-up: this bit, and the version and attempt
+#: of the update whose first message with the peer started it (a message's tag carries them above
+#: bit 27: ``wb.runtime.membership.finish.tag_base``), so both sides of the pair use the same
+#: round, and nothing of an earlier attempt (a receive a cancel left posted, a dead process's
+#: late nonce) is taken for it. Set-up's rounds are the transport's connect rounds, small numbers.
 LATER = 1 << 22
+
+
+def later_round(tag: int) -> int:
+    """The round of a challenge started by a message of ``tag``."""
+    return LATER | (int(tag) >> 27) & (LATER - 1)
 
 
 def _answer(key: bytes, nonce: bytes, frm: int, to: int) -> bytes:
@@ -46,13 +54,16 @@ class Challenge:
         me, peer: the ranks.
         key: the job's key.
         round_: keeps rounds' messages apart (both sides use the same).
-        timeout: seconds from now the peer has to answer.
+        timeout: seconds the peer has to answer once its nonce came (a peer that has not
+            started yet is waited for: its side's update may start later; what waits for it
+            says how long, as an update's stall timeout does).
         where: ``peer -> str``: how an error names the peer's address.
     """
 
     def __init__(self, send, recv, me: int, peer: int, key: bytes, *, round_: int,
                  timeout: float, where: Callable[[int], str] = lambda p: ""):
         self.send, self.me, self.peer, self.key, self.where = send, me, peer, key, where
+        self.round, self.timeout, self.deadline = round_, timeout, None
         base = _TAG | (int(round_) & 0x7FFFFF) << 40
         self._tag = lambda kind, frm: base | kind << 32 | frm  # kind 1 nonce, 2 answer
         self.nonce = secrets.token_bytes(16)
@@ -61,34 +72,34 @@ class Challenge:
                      recv(peer, self._answer, self._tag(2, peer)))
         self.sent = [send(peer, np.frombuffer(self.nonce, np.uint8).copy(), self._tag(1, me))]
         self.answered = self.checked = False
-        self.deadline = time.monotonic() + timeout
 
     def step(self) -> bool:
         """Whether the peer has proved the key, and this side's nonce and answer have left.
 
         Raises:
-            AuthError: the peer answered with another key, or not in time."""
+            AuthError: the peer answered with another key, or not within ``timeout`` of its
+                nonce."""
         if not self.answered and self._got[0].done():
             ans = _answer(self.key, self._theirs.tobytes(), self.me, self.peer)
             self.sent.append(self.send(self.peer, np.frombuffer(ans, np.uint8).copy(),
                                        self._tag(2, self.me)))
             self.answered = True
+            self.deadline = time.monotonic() + self.timeout
         if not self.checked and self._got[1].done():
             if not hmac.compare_digest(self._answer.tobytes(),
                                        _answer(self.key, self.nonce, self.peer, self.me)):
-                raise self._refuse("answered the job key's challenge with another key")
+                raise self.refuse("answered the job key's challenge with another key")
             self.checked = True
         # and what this side sent has left: a request dropped before then may never be sent
         # (a transport that submits posts later, from its progress thread)
         if self.answered and self.checked and all(r.done() for r in self.sent):
             return True
-        if time.monotonic() > self.deadline:
-            raise self._refuse("did not answer the job key's challenge in time: its messages "
-                               "are keyed otherwise (another key), or it is dead, slow, or in "
-                               "another round")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise self.refuse("sent its nonce but did not answer this rank's within "
+                              f"{self.timeout:.0f} s")
         return False
 
-    def _refuse(self, why: str) -> AuthError:
+    def refuse(self, why: str) -> AuthError:
         err = AuthError(f"rank {self.me}: peer {self.peer}{self.where(self.peer)} {why}; "
                         f"refused")
         err.peer = self.peer  # an update may go on without it (wb.runtime.membership.finish)
@@ -108,10 +119,17 @@ def challenge(send, recv, me: int, peers: Iterable[int], key: bytes, *, round_: 
     """
     pending = [Challenge(send, recv, me, p, key, round_=round_, timeout=timeout, where=where)
                for p in peers]
+    deadline = time.monotonic() + timeout
     while pending:
         if progress is not None:
             progress()
         pending = [c for c in pending if not c.step()]
+        if pending and time.monotonic() > deadline:
+            late = ", ".join(f"{c.peer}{where(c.peer)}" for c in pending)
+            raise AuthError(f"rank {me}: peer{'s' if len(pending) > 1 else ''} {late} did not "
+                            f"answer the job key's challenge within {timeout:.0f} s: its "
+                            f"messages are keyed otherwise (another key), or it is dead, slow, "
+                            f"or in another connect round; refused")
         if pending:
             time.sleep(0.0005)
 
@@ -119,20 +137,24 @@ def challenge(send, recv, me: int, peers: Iterable[int], key: bytes, *, round_: 
 class _Held:
     """A send or receive a :class:`Gate` holds until its peer's challenge passes."""
 
-    __slots__ = ("gate", "peer", "tag", "post", "req", "epoch")
+    __slots__ = ("gate", "peer", "tag", "post", "req", "error")
 
     def __init__(self, gate: Gate, peer: int, tag: int, post: Callable):
-        self.gate, self.peer, self.tag, self.post, self.req = gate, peer, tag, post, None
-        self.epoch = gate.epoch
+        self.gate, self.peer, self.tag, self.post = gate, peer, tag, post
+        self.req = self.error = None
 
     def done(self) -> bool:
         if self.req is None:
-            if self.epoch != self.gate.epoch:
-                raise TransferError(f"a message of tag {self.tag:#x} with peer {self.peer} was "
-                                    f"cancelled before its peer answered the key's challenge")
-            if not self.gate.passed(self.peer):
+            if self.error is None and not self.gate.passed(self.peer, self):
                 return False
+            if self.error is not None:
+                raise self.error
         return self.req.done()
+
+    def fail(self, why: str) -> None:
+        self.error = TransferError(f"rank {self.gate.me}: a message of tag {self.tag:#x} with "
+                                   f"peer {self.peer} {why}")
+        self.error.peer = self.peer
 
 
 class Gate:
@@ -143,7 +165,7 @@ class Gate:
         send, recv: the transport's own posts (not held).
         me: its rank.
         key: the job's key.
-        timeout: seconds a peer has to answer once its first message is posted.
+        timeout: seconds a peer has to answer once its nonce came.
         where: ``peer -> str`` for errors.
     """
 
@@ -152,55 +174,70 @@ class Gate:
         self.send, self.recv, self.me, self.key = send, recv, me, key
         self.timeout, self.where = timeout, where
         self.trusted: set[int] = set()
-        self.epoch = 0  # a cancel() drops what is held
         self._pending: dict[int, tuple[Challenge, list[_Held]]] = {}
+        self._left: list[Challenge] = []  # dropped, their receives kept until they complete
 
     def hold(self, peer: int, tag: int, post: Callable) -> _Held:
         """A request whose ``post()`` runs once ``peer`` (not trusted) has passed its
-        challenge, started now if it is not under way."""
-        if peer not in self._pending:
-            self._pending[peer] = (Challenge(self.send, self.recv, self.me, peer, self.key,
-                                             round_=LATER, timeout=self.timeout,
-                                             where=self.where), [])
+        challenge: the one under way for this update's attempt, or one started now (a
+        challenge of an earlier attempt is dropped, with what it held)."""
+        round_ = later_round(tag)
+        entry = self._pending.get(peer)
+        if entry is None or entry[0].round != round_:
+            if entry is not None:
+                self._drop(peer, "was held for an attempt that was left")
+            entry = self._pending[peer] = (
+                Challenge(self.send, self.recv, self.me, peer, self.key, round_=round_,
+                          timeout=self.timeout, where=self.where), [])
         held = _Held(self, peer, tag, post)
-        self._pending[peer][1].append(held)
+        entry[1].append(held)
         return held
 
-    def passed(self, peer: int) -> bool:
+    def passed(self, peer: int, asking: _Held) -> bool:
         """Steps ``peer``'s challenge; once it passes, posts every message held for it, in the
         order they were asked for (the peer posts its side in its own order: none may wait
-        for another still held).
-
-        Raises:
-            AuthError: see :meth:`Challenge.step`; nothing held for the peer is posted."""
+        for another still held). A failed challenge fails all of them (``asking`` raises it)."""
         if peer in self.trusted:
+            if asking.req is None and asking.error is None:  # left by a cancel or a forget
+                asking.fail("was held for an attempt that was left")
             return True
-        if peer not in self._pending:
-            raise TransferError(f"rank {self.me}: peer {peer} was dropped (dead or replaced) "
-                                f"before it answered the job key's challenge")
         ch, held = self._pending[peer]
         try:
             if not ch.step():
                 return False
-        except AuthError:
+        except AuthError as e:
             del self._pending[peer]
-            raise
+            for h in held:
+                h.error = e
+            return True
         del self._pending[peer]
         self.trusted.add(peer)
         for h in held:
-            if h.epoch == self.epoch:
+            try:
                 h.req = h.post()
+            except TransferError as e:
+                e.peer = getattr(e, "peer", None) or peer
+                h.error = e
         return True
+
+    def _drop(self, peer: int, why: str) -> None:
+        ch, held = self._pending.pop(peer)
+        for h in held:
+            h.fail(why)
+        # a receive posted may still be written into (a late message): its buffer stays alive
+        self._left = [c for c in (*self._left, ch) if not all(r.done() for r in c._got)]
 
     def forget(self, peers: Iterable[int]) -> None:
         """Drops ``peers`` (dead, or replaced by a new process: met anew, challenged anew)."""
         for p in peers:
             self.trusted.discard(p)
-            self._pending.pop(p, None)
+            if p in self._pending:
+                self._drop(p, "was dropped (dead or replaced) before it answered the job "
+                              "key's challenge")
 
     def cancel(self) -> None:
-        """What is held is never posted (its update was abandoned); challenges under way go
-        on for the messages of the next attempt."""
-        self.epoch += 1
-        for peer, (ch, _) in self._pending.items():
-            self._pending[peer] = (ch, [])
+        """Drops the challenges under way and what they hold (the update was abandoned; the
+        next attempt challenges anew in its own round: a cancel may leave this attempt's
+        receives posted, or take them from the one-sided channel)."""
+        for p in list(self._pending):
+            self._drop(p, "was cancelled before its peer answered the job key's challenge")
