@@ -169,6 +169,15 @@ def test_peers_answer_the_key_challenge_and_one_with_another_key_is_refused(tmp_
     assert "peer 1" in str(errors[0]) and "address" in str(errors[0]), errors
 
 
+def _wait(req, deadline=8.0):
+    import time
+
+    end = time.monotonic() + deadline
+    while not req.done():
+        assert time.monotonic() < end, "not done"
+        time.sleep(0.001)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stranger", [False, True])
 def test_a_peer_met_after_set_up_is_challenged_before_its_messages_are_taken(tmp_path, stranger):
@@ -193,19 +202,12 @@ def test_a_peer_met_after_set_up_is_challenged_before_its_messages_are_taken(tmp
     ts[0].add_peers([2])
     ts[2].add_peers([0])
 
-    def wait(req, deadline=8.0):
-        import time
-        end = time.monotonic() + deadline
-        while not req.done():
-            assert time.monotonic() < end, "not done"
-            time.sleep(0.001)
-
     def run(r):
         t = ts[r]
         if r == 0:
             try:
-                wait(t.recv(2, got, 7))
-                wait(t.recv(2, got[:8], 8))  # the peer is trusted now: posted at once
+                _wait(t.recv(2, got, 7))
+                _wait(t.recv(2, got[:8], 8))  # the peer is trusted now: posted at once
                 assert 2 in t._gate.trusted
             except wb.AuthError as e:
                 errors[0] = e
@@ -216,12 +218,12 @@ def test_a_peer_met_after_set_up_is_challenged_before_its_messages_are_taken(tmp
                 t._gate.key = t.store.key
                 t._send(0, data, 7)
                 try:
-                    wait(t.recv(0, np.zeros(8, np.uint8), 9))
+                    _wait(t.recv(0, np.zeros(8, np.uint8), 9))
                 except wb.AuthError as e:
                     errors[2] = e
             else:
-                wait(t.send(0, data, 7))
-                wait(t.send(0, data[:8], 8))
+                _wait(t.send(0, data, 7))
+                _wait(t.send(0, data[:8], 8))
     assert not run_each(run, [0, 2])
     if stranger:
         assert isinstance(errors.get(0), wb.AuthError), errors
@@ -278,15 +280,6 @@ def test_a_gate_posts_what_it_held_in_order_once_the_challenge_passes():
         for _ in range(1000):
             x.done()
             y.done()
-
-
-def _wait(req, deadline=8.0):
-    import time
-
-    end = time.monotonic() + deadline
-    while not req.done():
-        assert time.monotonic() < end, "not done"
-        time.sleep(0.001)
 
 
 @pytest.mark.timeout(120)
