@@ -32,8 +32,8 @@ import numpy as np
 
 from wb.errors import TransferError
 
-__all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "of_changes", "dense", "apply", "changed", "kind_of",
-           "size_of", "max_bytes", "sizes", "expected_bytes"]
+__all__ = ["DENSE", "MASK", "GAPS", "HEADER", "encode", "of_changes", "dense", "apply", "changed",
+           "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes"]
 
 DENSE, MASK, GAPS = 0, 1, 2
 _NAMES = {DENSE: "dense", MASK: "mask", GAPS: "gaps"}

@@ -80,12 +80,12 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     if at is not None or g.m in prog.relays:
         if not as_delta:
             return (mover.source(g), False, False) if g.zc_src else (mover.pack(g), True, True)
-        key = g.parent if at is None else at[0]
-        kept = (came if at is None else cut).get(key)
+        key, kept_by = (g.parent, came) if at is None else (at[0], cut)
+        kept = kept_by.get(key)
         if kept is not None:
             kept[1] -= 1
             if not kept[1]:
-                del (came if at is None else cut)[key]
+                del kept_by[key]
             if at is None:
                 return kept[0], True, False
             pos, vals = kept[0]

@@ -73,8 +73,9 @@ class Inflight:
         for q in self.queues.values():
             while q and q[0][0].done():  # in posting order: the common case
                 out.append(q.popleft())
-            limit = len(q) if full else 0
-            i = 1
+            if not full:
+                continue
+            i, limit = 1, len(q)
             while i < limit:  # one that completed out of order
                 if q[i][0].done():
                     out.append(q[i])

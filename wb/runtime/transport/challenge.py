@@ -99,6 +99,14 @@ class Challenge:
                               f"{self.timeout:.0f} s")
         return False
 
+    def open(self) -> bool:
+        """Whether a receive of this challenge may still be written into (not complete, not
+        failed: a cancelled one fails)."""
+        try:
+            return not all(r.done() for r in self._got)
+        except TransferError:
+            return False
+
     def refuse(self, why: str) -> AuthError:
         err = AuthError(f"rank {self.me}: peer {self.peer}{self.where(self.peer)} {why}; "
                         f"refused")
@@ -145,7 +153,7 @@ class _Held:
 
     def done(self) -> bool:
         if self.req is None:
-            if self.error is None and not self.gate.passed(self.peer, self):
+            if self.error is None and not self.gate.passed(self.peer):
                 return False
             if self.error is not None:
                 raise self.error
@@ -193,13 +201,11 @@ class Gate:
         entry[1].append(held)
         return held
 
-    def passed(self, peer: int, asking: _Held) -> bool:
+    def passed(self, peer: int) -> bool:
         """Steps ``peer``'s challenge; once it passes, posts every message held for it, in the
         order they were asked for (the peer posts its side in its own order: none may wait
-        for another still held). A failed challenge fails all of them (``asking`` raises it)."""
+        for another still held). A failed challenge fails all of them (each raises it)."""
         if peer in self.trusted:
-            if asking.req is None and asking.error is None:  # left by a cancel or a forget
-                asking.fail("was held for an attempt that was left")
             return True
         ch, held = self._pending[peer]
         try:
@@ -225,7 +231,7 @@ class Gate:
         for h in held:
             h.fail(why)
         # a receive posted may still be written into (a late message): its buffer stays alive
-        self._left = [c for c in (*self._left, ch) if not all(r.done() for r in c._got)]
+        self._left = [c for c in (*self._left, ch) if c.open()]
 
     def forget(self, peers: Iterable[int]) -> None:
         """Drops ``peers`` (dead, or replaced by a new process: met anew, challenged anew)."""
