@@ -357,3 +357,46 @@ def test_sends_from_a_buffer_still_being_written_wait_for_its_event(plan):
         for k, a in want.items():
             np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
                                           a.view(np.uint8))
+
+
+def test_sends_a_transport_cannot_read_in_place_leave_from_staging(plan):
+    """``stage_send`` (the UCX transport's, for CUDA memory without an IPC handle, as JAX's is):
+    every message it names leaves from staging, never from the buffer itself; the ones it does
+    not name still leave in place, asked once per message while the buffers stay the same; what
+    arrives is bit-identical."""
+    trainer = plan.trainers[0].worker.rank
+    prog = Program(RankPlan.of(plan, trainer), frames=False)
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    mine = [b for b in bufs[trainer].values()]
+    asked: list[int] = []
+    sent: dict[int, bool] = {}  # zero-copy message -> whether it left from the buffer itself
+
+    class Staging(LocalTransport):
+        def stage_send(self, peer, buf):
+            asked.append(peer)
+            return peer % 2 == 1  # odd peers' messages from staging
+
+        def send(self, peer, buf, tag):
+            g = prog.units[int(tag) & 0xFFFFFFFF]
+            if g.zc_src:
+                sent[g.m] = any(np.shares_memory(buf, b) for b in mine)
+            return super().send(peer, buf, tag)
+
+    def run(r):
+        t = (Staging if r == trainer else LocalTransport)(r, hub, timeout=20)
+        p = prog if r == trainer else Program(RankPlan.of(plan, r), frames=False)
+        connect(p.part, t)
+        for _ in range(2):  # the same buffers again: the answers are kept
+            p.run(bufs[r], t, staging_bytes=1 << 16, timeout=20)
+        t.close()
+    assert not run_each(run, plan.ranks)
+    zc = [g for g in prog.units.values() if g.zc_src and not g.local]
+    assert {g.peer % 2 for g in zc} == {0, 1}  # the plan has both kinds
+    assert sent == {g.m: g.peer % 2 == 0 for g in zc}
+    assert len(asked) == len(zc)  # once per message, not once per update
+    for lay in plan.rollouts:
+        want = buffers_for(plan, lay.worker.rank, fill=True)
+        for k, a in want.items():
+            np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
+                                          a.view(np.uint8))

@@ -111,6 +111,15 @@ class HostMover:
             v = self.cache[(g.m, 0)] = self._bytes(g, src=True)
         return v
 
+    def direct(self, g, stage_send) -> bool:
+        """Whether zero-copy message ``g`` leaves from its buffer itself rather than packed into
+        staging: ``stage_send(peer, view)`` is the transport's say (its path from that memory is
+        slow); asked once while the buffers stay the same."""
+        v = self.cache.get((g.m, 3))
+        if v is None:
+            v = self.cache[(g.m, 3)] = not stage_send(g.peer, self.source(g))
+        return v
+
     def target(self, g):
         v = self.cache.get((g.m, 1))
         if v is None:

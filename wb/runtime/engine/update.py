@@ -165,12 +165,15 @@ class _Update:
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
-                 "sums", "held", "delta", "zc_in", "staged_in", "came", "cut", "pooled")
+                 "sums", "held", "delta", "zc_in", "staged_in", "came", "cut", "pooled",
+                 "stage_send")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool, delta: DeltaPlan | None = None):
         self.prog, self.msgs, self.mover = prog, prog.units, mover
         self.transport, self.tag_base = transport, tag_base
+        # sends the transport would rather take from staging (memory it cannot read one-sided)
+        self.stage_send = getattr(transport, "stage_send", None)
         # UCX reads and writes device memory outside our CUDA stream, so device work must finish
         # before a send is posted or a message counts as landed: see `fencer`
         self.fence = mover.fence
@@ -253,10 +256,11 @@ class _Update:
         ready, msgs, posted, marks = self.ready, self.msgs, False, self.marks
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
-        wait, sums, delta = self.mover.wait, self.sums, self.delta
+        wait, sums, delta, stage = self.mover.wait, self.sums, self.delta, self.stage_send
         while ready:
             g = msgs[ready[0][1]]
-            if g.zc_src and not g.local and delta is None:  # the common case: from the buffer
+            if g.zc_src and not g.local and delta is None and \
+                    (stage is None or self.mover.direct(g, stage)):  # common: from the buffer
                 pop(ready)
                 self.sent_out += 1
                 posted = True

@@ -180,6 +180,12 @@ class Channel:
                 self.pump()
             return req
 
+    def unexportable(self, buf) -> bool:
+        """Whether ``buf`` is memory this channel moves but cannot export (see the memory's
+        ``unexportable``): its messages would go over UCX tags."""
+        with self._lock:
+            return self.mem.unexportable(buf)
+
     def recv(self, peer: int, buf, tag: int, *, upto: bool = False) -> _Req:
         """``upto``: the message may be shorter than ``buf`` (see :class:`~wb.runtime.transport.
         Transport`)."""

@@ -134,6 +134,11 @@ class HostMemory:
     def passed(self, token) -> bool:
         return True
 
+    def unexportable(self, buf) -> bool:
+        """Whether ``buf`` is memory of the kind this channel moves that it cannot export: never
+        for host arrays (any address of this process is readable)."""
+        return False
+
     def new_round(self) -> None:
         pass
 
@@ -226,6 +231,12 @@ class CudaMemory:
         bisect.insort(self._starts, start)
         self._exports[start] = [start + size, handle, bid, self._round]
         return None if handle is None else (handle, ptr - start)
+
+    def unexportable(self, buf) -> bool:
+        """Whether ``buf`` is CUDA memory without an IPC handle (an allocation of the virtual
+        memory API or of a stream-ordered pool, as JAX's are): a message from it would go over
+        UCX tags, whose path from such memory is far slower than a device copy into staging."""
+        return _cuda_ptr(buf) is not None and self.export(buf) is None
 
     def open(self, handle: bytes) -> Any:
         start = self._opened.get(handle)

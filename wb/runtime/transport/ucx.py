@@ -437,6 +437,16 @@ class UcxTransport:
             return self._gate.hold(peer, tag, lambda: self._recv(peer, buf, tag, upto=upto))
         return self._recv(peer, buf, tag, upto=upto)
 
+    def stage_send(self, peer: int, buf) -> bool:
+        """Whether a message to ``peer`` should leave from staging rather than from ``buf``
+        itself: ``buf`` is CUDA memory the one-sided channel cannot export (JAX's, for one), so
+        a send from it would take UCX's far slower path for such memory, where a device copy
+        into staging (CUDA IPC capable) costs microseconds. A peer not yet trusted (the job key's
+        challenge still running) is not asked about: ``False``."""
+        if self._ipc is None or (self._gate is not None and peer not in self._gate.trusted):
+            return False
+        return self._one_sided(peer) and self._ipc.unexportable(buf)
+
     def _send(self, peer: int, buf, tag: int):
         if self._ipc is not None and self._one_sided(peer):
             return self._ipc.send(peer, buf, tag)
