@@ -187,3 +187,35 @@ def test_a_rank_without_a_part_is_refused_naming_the_ranks_there_are(shim):
     ranks = 0 if shim == "torch" else {jax.devices()[0]: 0}
     with pytest.raises(wb.PlanError, match=r"rank 0 has no part here .*ranks \[1\]"):
         mod.Receiver(params, parts, ranks, transports=object(), store=wb.MemoryStore())
+
+
+def test_jax_arrays_of_wb_memory_are_that_memory_and_fall_back_when_jax_differs(monkeypatch):
+    """``wb_jax.views.array_of``: the array JAX makes of wb's memory is that memory (same
+    address, values, shape), held until JAX lets it go; a conversion that gives anything else
+    (another JAX's internals) is dropped for ``jax.dlpack.from_dlpack``, with the same result."""
+    import jax
+
+    from wb.runtime.engine import dlpack
+    from wb.runtime.engine.buffers import aligned_empty
+    from wb_jax import views
+
+    dev = jax.devices("cpu")[0]
+    a = aligned_empty((3, 5), "float32")
+    a[...] = np.arange(15).reshape(3, 5)
+    holds = dlpack.Holds()
+    x = views.array_of(dlpack.export(a, "float32", holds), dev)
+    assert views._direct  # this JAX's conversion is taken directly
+    assert x.unsafe_buffer_pointer() == a.ctypes.data and x.shape == (3, 5)
+    np.testing.assert_array_equal(np.asarray(x), a)
+    assert holds.count == 1
+    del x
+    assert holds.count == 0
+
+    def elsewhere(capsule, device, stream, copy, kind):  # an array of other memory
+        return jax.device_put(np.zeros((3, 5), np.float32), device)
+
+    monkeypatch.setattr(views, "_direct", elsewhere)
+    y = views.array_of(dlpack.export(a, "float32", holds), dev)
+    assert views._direct is False  # given up for good
+    assert y.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(y), a)

@@ -34,6 +34,7 @@ from wb.algorithms.probing import HostArrays
 from wb.runtime.engine import dlpack
 from wb_jax.devices import use_cpu_devices
 from wb_jax.probing import DeviceArrays
+from wb_jax.views import array_of
 from wb.data.dtypes import canonical_dtype, dtype_info
 
 log = logging.getLogger(__name__)
@@ -440,7 +441,7 @@ class _Arrays:
         if isinstance(buf, jax.Array) and buf.devices() == {device}:
             return buf
         if isinstance(buf, dlpack.Export):
-            return jax.dlpack.from_dlpack(buf, device=device, copy=False)
+            return array_of(buf, device)
         return jax.device_put(buf, device)
 
 
