@@ -97,3 +97,25 @@ def test_cuda_tensors_and_jax_gpu_arrays_are_viewed_on_their_device(dtype):
         x = jax.device_put(jax.numpy.arange(6, dtype=dtype), gpu[0])
         xp, a = as_array("x", x, rank=0)
         assert xp is cupy and a.shape == (6,) and a.dtype.itemsize == x.dtype.itemsize
+
+
+def test_capsules_are_released_while_the_interpreter_exits(monkeypatch):
+    """A consumer may let go of wb's memory after this module's globals were cleared (arrays
+    alive at exit): the deleters still release what they held, raising nothing."""
+    import sys
+
+    from wb.runtime.engine import dlpack
+
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    a = np.arange(6, dtype=np.float32)
+    holds = dlpack.Holds()
+    taken = np.from_dlpack(dlpack.export(a, "float32", holds))  # consumed: the deleter runs
+    never = dlpack.export(a, "float32", holds).__dlpack__()  # unconsumed: the destructor runs
+    assert holds.count == 2
+    for name in ("_DLManagedTensor", "_decref", "_capsule_valid", "_capsule_pointer",
+                 "_delete"):
+        monkeypatch.setattr(dlpack, name, None)  # as module teardown leaves them
+    monkeypatch.setattr(dlpack, "ctypes", None)
+    del taken, never
+    assert holds.count == 0 and raised == []

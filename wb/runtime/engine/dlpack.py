@@ -198,23 +198,26 @@ _incref = ctypes.pythonapi.Py_IncRef
 _decref = ctypes.pythonapi.Py_DecRef
 
 
+# The deleters below take what they use as default arguments: a consumer may release its arrays
+# while the interpreter exits, after this module's globals were cleared.
 @_DELETER
-def _delete(addr: int) -> None:
+def _delete(addr: int, _struct=_DLManagedTensor, _cast=ctypes.cast, _obj=ctypes.py_object,
+            _dec=_decref) -> None:
     """The DLManagedTensor's deleter: the consumer is done with the memory (called once). Its
     ``manager_ctx`` is a reference to ``(struct, shape array, owner, holds)``, taken when the
     capsule was made (the consumer holds only the struct's address): dropped here, last."""
-    ctx = _DLManagedTensor.from_address(addr).manager_ctx
-    entry = ctypes.cast(ctx, ctypes.py_object)
+    entry = _cast(_struct.from_address(addr).manager_ctx, _obj)
     entry.value[3].drop()
-    _decref(entry)
+    _dec(entry)
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _capsule_destructor(capsule: int) -> None:
+def _capsule_destructor(capsule: int, _valid=_capsule_valid, _pointer=_capsule_pointer,
+                        _release=_delete) -> None:
     # a consumer renames the capsule it takes ("used_dltensor") and calls the deleter itself
     # when done; a capsule still named "dltensor" was never consumed: release it here
-    if _capsule_valid(capsule, b"dltensor"):
-        _delete(_capsule_pointer(capsule, b"dltensor"))
+    if _valid(capsule, b"dltensor"):
+        _release(_pointer(capsule, b"dltensor"))
 
 
 class Holds:
