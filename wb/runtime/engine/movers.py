@@ -63,6 +63,10 @@ class Mover(Protocol):
         """The device work a zero-copy message's source must wait for before it may leave (an
         event, as :meth:`fence` gives: a quantiser writing its buffer), or ``None``."""
 
+    def direct(self, g, stage_send) -> bool:
+        """Whether a zero-copy message leaves from its buffer itself (asked only over a
+        transport with ``stage_send``; else it is packed like any other)."""
+
 
 class HostMover:
     """A :class:`Mover` over numpy arrays: copies are done when they return.
