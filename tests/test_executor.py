@@ -400,3 +400,43 @@ def test_sends_a_transport_cannot_read_in_place_leave_from_staging(plan):
         for k, a in want.items():
             np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
                                           a.view(np.uint8))
+
+
+def test_a_transport_that_cannot_tell_yet_is_asked_again_next_update(plan):
+    """``stage_send`` answering ``None`` (a peer whose job-key challenge is still running): the
+    message leaves from the buffer and the answer is not kept; the next update asks again and
+    follows the answer it then gets (staging)."""
+    trainer = plan.trainers[0].worker.rank
+    prog = Program(RankPlan.of(plan, trainer), frames=False)
+    hub = LocalHub()
+    bufs = {r: buffers_for(plan, r, fill=r < len(plan.trainers)) for r in plan.ranks}
+    mine = list(bufs[trainer].values())
+    update = [0]
+    in_place: dict[int, list[bool]] = {0: [], 1: []}  # update -> zero-copy sends' sources
+
+    class Settling(LocalTransport):
+        def stage_send(self, peer, buf):
+            return None if update[0] == 0 else True
+
+        def send(self, peer, buf, tag):
+            if prog.units[int(tag) & 0xFFFFFFFF].zc_src:
+                in_place[update[0]].append(any(np.shares_memory(buf, b) for b in mine))
+            return super().send(peer, buf, tag)
+
+    def run(r):
+        t = (Settling if r == trainer else LocalTransport)(r, hub, timeout=20)
+        p = prog if r == trainer else Program(RankPlan.of(plan, r), frames=False)
+        connect(p.part, t)
+        for v in range(2):
+            p.run(bufs[r], t, staging_bytes=1 << 16, timeout=20, tag_base=v << 32)
+            if r == trainer:
+                update[0] = 1
+        t.close()
+    assert not run_each(run, plan.ranks)
+    assert in_place[0] and all(in_place[0])  # not known: from the buffers
+    assert in_place[1] and not any(in_place[1])  # then staged
+    for lay in plan.rollouts:
+        want = buffers_for(plan, lay.worker.rank, fill=True)
+        for k, a in want.items():
+            np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
+                                          a.view(np.uint8))

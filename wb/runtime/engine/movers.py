@@ -118,10 +118,15 @@ class HostMover:
     def direct(self, g, stage_send) -> bool:
         """Whether zero-copy message ``g`` leaves from its buffer itself rather than packed into
         staging: ``stage_send(peer, view)`` is the transport's say (its path from that memory is
-        slow); asked once while the buffers stay the same."""
+        slow); its answer is kept while the buffers stay the same, except ``None`` (it cannot
+        tell yet: the message leaves from the buffer and the transport is asked again next
+        time)."""
         v = self.cache.get((g.m, 3))
         if v is None:
-            v = self.cache[(g.m, 3)] = not stage_send(g.peer, self.source(g))
+            stage = stage_send(g.peer, self.source(g))
+            if stage is None:
+                return True
+            v = self.cache[(g.m, 3)] = not stage
         return v
 
     def target(self, g):

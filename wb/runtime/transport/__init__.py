@@ -56,7 +56,8 @@ class Transport(Protocol):
 
     # Optional: ``stage_send(peer, buf)``, whether a message from ``buf`` to ``peer`` should
     # leave from staging instead (a device copy first: the transport's path from that memory is
-    # slow); a transport without it sends every message from its buffer where the plan allows.
+    # slow), or ``None`` while it cannot tell (asked again); a transport without it sends every
+    # message from its buffer where the plan allows.
     # Optional, for versions that finish without a dead peer (wb.runtime.membership.finish): ``cancel()``
     # cancels the requests in flight and keeps the connections, ``add_peers(peers)`` allows
     # ranks of the same session not connected so far, ``forget(peers)`` drops dead ones. A

@@ -437,14 +437,17 @@ class UcxTransport:
             return self._gate.hold(peer, tag, lambda: self._recv(peer, buf, tag, upto=upto))
         return self._recv(peer, buf, tag, upto=upto)
 
-    def stage_send(self, peer: int, buf) -> bool:
+    def stage_send(self, peer: int, buf) -> bool | None:
         """Whether a message to ``peer`` should leave from staging rather than from ``buf``
         itself: ``buf`` is CUDA memory the one-sided channel cannot export (JAX's, for one), so
         a send from it would take UCX's far slower path for such memory, where a device copy
-        into staging (CUDA IPC capable) costs microseconds. A peer not yet trusted (the job key's
-        challenge still running) is not asked about: ``False``."""
-        if self._ipc is None or (self._gate is not None and peer not in self._gate.trusted):
+        into staging (CUDA IPC capable) costs microseconds. ``None`` for a peer not trusted yet
+        (the job key's challenge still running): whether messages with it go one-sided is not
+        settled until then."""
+        if self._ipc is None:
             return False
+        if self._gate is not None and peer not in self._gate.trusted:
+            return None
         return self._one_sided(peer) and self._ipc.unexportable(buf)
 
     def _send(self, peer: int, buf, tag: int):
