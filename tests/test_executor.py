@@ -352,11 +352,7 @@ def test_sends_from_a_buffer_still_being_written_wait_for_its_event(plan):
         t.close()
     assert not run_each(run, plan.ranks)
     assert posted and all(ok for _, ok in posted), posted  # none went before its event passed
-    for lay in plan.rollouts:
-        want = buffers_for(plan, lay.worker.rank, fill=True)
-        for k, a in want.items():
-            np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
-                                          a.view(np.uint8))
+    _assert_rollouts_hold_the_checkpoint(plan, bufs)
 
 
 def test_sends_a_transport_cannot_read_in_place_leave_from_staging(plan):
@@ -395,11 +391,7 @@ def test_sends_a_transport_cannot_read_in_place_leave_from_staging(plan):
     assert {g.peer % 2 for g in zc} == {0, 1}  # the plan has both kinds
     assert sent == {g.m: g.peer % 2 == 0 for g in zc}
     assert len(asked) == len(zc)  # once per message, not once per update
-    for lay in plan.rollouts:
-        want = buffers_for(plan, lay.worker.rank, fill=True)
-        for k, a in want.items():
-            np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
-                                          a.view(np.uint8))
+    _assert_rollouts_hold_the_checkpoint(plan, bufs)
 
 
 def test_a_transport_that_cannot_tell_yet_is_asked_again_next_update(plan):
@@ -435,8 +427,12 @@ def test_a_transport_that_cannot_tell_yet_is_asked_again_next_update(plan):
     assert not run_each(run, plan.ranks)
     assert in_place[0] and all(in_place[0])  # not known: from the buffers
     assert in_place[1] and not any(in_place[1])  # then staged
+    _assert_rollouts_hold_the_checkpoint(plan, bufs)
+
+
+def _assert_rollouts_hold_the_checkpoint(plan, bufs):
+    """Every rollout buffer in ``bufs`` is bit for bit what the plan fills it with."""
     for lay in plan.rollouts:
-        want = buffers_for(plan, lay.worker.rank, fill=True)
-        for k, a in want.items():
+        for k, a in buffers_for(plan, lay.worker.rank, fill=True).items():
             np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
                                           a.view(np.uint8))

@@ -64,11 +64,9 @@ def array_of(buf: dlpack.Export, device: Any) -> jax.Array:
             arr = convert(buf.__dlpack__(), device, None, False, buf.device[0])
         except Exception as e:  # noqa: BLE001 - another JAX: the public call from now on
             _give_up(f"{type(e).__name__}: {e}")
-        else:
-            if arr.dtype != jax.dtypes.canonicalize_dtype(arr.dtype):
-                pass  # 64-bit values without x64: the public call converts them
-            elif arr.unsafe_buffer_pointer() == buf.ptr and arr.shape == buf.shape:
-                return arr
-            else:
+        else:  # 64-bit values without x64 fall through: the public call converts them
+            if arr.dtype == jax.dtypes.canonicalize_dtype(arr.dtype):
+                if arr.unsafe_buffer_pointer() == buf.ptr and arr.shape == buf.shape:
+                    return arr
                 _give_up("the array JAX made is not the memory given")
     return jax.dlpack.from_dlpack(buf, device=device, copy=False)
