@@ -2,7 +2,8 @@
 one thread and one block (its loops then visit every element in order), against numpy: packing
 regions of several buffers gives the elements of numpy's strided views of them, in order, and
 unpacking writes each back where numpy's assignment would. The table's cutting of long regions
-into pieces is checked on the way (small pieces). On a GPU, ``tests/test_transfer_cuda.py`` and
+into pieces is checked on the way (small pieces), and transposed regions (moved in tiles through
+shared memory, which one thread fills and then empties) over several tiles, edges included. On a GPU, ``tests/test_transfer_cuda.py`` and
 ``tests/test_jax_cuda.py`` run the same source through real transfers."""
 
 import ctypes
@@ -13,12 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from wb.runtime.engine.gather import FIELDS, kernel_source, table
+from wb.runtime.engine.gather import FIELDS, TILE, kernel_source, table
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
 _HOST = r"""
 #define __global__
+#define __shared__
+#define __syncthreads()
 struct D3 { long long x, y; };
 static D3 threadIdx, blockIdx, gridDim, blockDim;
 """
@@ -95,7 +98,10 @@ def test_packing_and_unpacking_match_numpy_views(kernels, spans, size, piece):
     stage = np.zeros(want.size, dt)
     tab = _run(kernels[size], bufs, spans, stage, scatter=False, piece=piece)
     np.testing.assert_array_equal(stage, want)
-    assert (tab[2] * tab[3]).max() <= max(piece, 1)  # no piece longer than asked
+    transposed = (tab[4] == 1) & (tab[5] != 1)
+    # no piece longer than asked, but transposed ones: whole rows, TILE of them or all
+    assert (tab[2] * tab[3])[~transposed].max(initial=0) <= max(piece, 1)
+    assert ((tab[2] % TILE == 0) | (tab[2] == _rows_of(spans, tab)))[transposed].all()
     # unpacking: each region gets its stretch of the message, in order (later ones win)
     fresh = rng.integers(0, np.iinfo(dt).max, want.size, dtype=dt, endpoint=True)
     got = [b.copy() for b in bufs]
@@ -109,6 +115,39 @@ def test_packing_and_unpacking_match_numpy_views(kernels, spans, size, piece):
         np.testing.assert_array_equal(g, r)
 
 
+def _rows_of(spans, tab):
+    """Per table row: the rows of the region it was cut from (the last region starting at or
+    before its message position)."""
+    starts = np.cumsum([0] + [sp[2] * sp[3] for sp in spans])[:-1]
+    nas = np.array([sp[2] for sp in spans])
+    return nas[np.searchsorted(starts, tab[6], side="right") - 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(na=st.integers(2, 80), nb=st.integers(2, 80), pad=st.integers(0, 5),
+       size=st.sampled_from([1, 2, 4, 8]), piece=st.sampled_from([1, 64, 1 << 16]))
+def test_transposed_regions_move_in_tiles_like_numpy(kernels, na, nb, pad, size, piece):
+    """A region whose rows run down the buffer (a ``[out, in]`` message in an ``[in, out]``
+    array, with ``pad`` elements between its columns), across several tiles and partial ones:
+    packed, it is the numpy view's elements in order; unpacked, it writes them there and leaves
+    every other element alone."""
+    dt = np.dtype(f"u{size}")
+    rng = np.random.default_rng(na * 1000 + nb * 10 + pad)
+    fb = na + pad
+    buf = rng.integers(0, np.iinfo(dt).max, 3 + fb * nb, dtype=dt, endpoint=True)
+    spans = [(0, 3, na, nb, 1, fb)]
+    want = _region(buf, 3, na, nb, 1, fb).reshape(-1).copy()
+    stage = np.zeros(na * nb, dt)
+    tab = _run(kernels[size], [buf], spans, stage, scatter=False, piece=piece)
+    np.testing.assert_array_equal(stage, want)
+    assert (tab[3] == nb).all() and tab[2].sum() == na  # whole rows only
+    fresh = rng.integers(0, np.iinfo(dt).max, na * nb, dtype=dt, endpoint=True)
+    ref, got = buf.copy(), buf.copy()
+    _region(ref, 3, na, nb, 1, fb)[...] = fresh.reshape(na, nb)
+    _run(kernels[size], [got], spans, fresh, scatter=True, piece=piece)
+    np.testing.assert_array_equal(got, ref)
+
+
 def test_long_regions_are_cut_at_rows_or_within_a_row():
     """Rows are kept whole while they fit a piece; a longer row is cut into stretches; the
     pieces' message positions follow the region's order."""
@@ -118,3 +157,8 @@ def test_long_regions_are_cut_at_rows_or_within_a_row():
                     (1, 0, 1, 7, 10, 1, 12), (1, 7, 1, 3, 10, 1, 19),
                     (1, 10, 1, 7, 10, 1, 22), (1, 17, 1, 3, 10, 1, 29)]
     assert table([]).shape == (len(FIELDS), 0)
+    # transposed (rows step 1, columns step 100): whole rows, TILE at a time, however small the
+    # pieces asked
+    tab = table([(0, 0, 70, 100, 1, 100)], piece=7)
+    assert tab[2].tolist() == [TILE, TILE, 70 - 2 * TILE] and tab[1].tolist() == [0, TILE, 2 * TILE]
+    assert tab[6].tolist() == [0, TILE * 100, 2 * TILE * 100]

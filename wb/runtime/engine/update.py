@@ -21,10 +21,9 @@ completions: after ``timeout`` seconds without any progress the update raises
 :class:`wb.TransferError` naming the peers and plan steps it still waits for, and aborts the
 transport.
 
-Costs per message are what this loop is about (an update posts thousands per rank): the program
-has worked out everything that does not depend on the buffers, and a turn allocates nothing per
-message beyond what moving it takes (its staging, its request, its event and the small tuples
-that queue it).
+Costs per message are what this loop is about (thousands per rank an update): the program has
+worked out all that does not depend on the buffers, and a turn allocates per message only what
+moving it takes (staging, request, event, the tuples that queue it).
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
 
 
 DEFAULT_STAGING_BYTES = 256 << 20
+#: Packs between looks at the device work in a run of packed sends: those packed go while the
+POST_EVERY = 8  # rest are packed (a pack costs ~15 us to launch)
 
 
 #: Seconds without progress before a stalled update asks the liveness watch about its peers
@@ -53,8 +54,7 @@ DEFAULT_STAGING_BYTES = 256 << 20
 #: peer's last beat by the peer's own clock: a peer that died before this update started is
 #: named at once, not a grace after the first question.
 ASK_AFTER_S = 0.1
-#: Seconds without progress before (and between) asking ``interrupt`` (one store lookup): a
-#: version that went on without this attempt is joined within this much of its record.
+#: Seconds without progress before (and between) asking ``interrupt`` (a store lookup).
 INTERRUPT_EVERY_S = 0.01
 
 
@@ -257,6 +257,7 @@ class _Update:
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
         wait, sums, delta, stage = self.mover.wait, self.sums, self.delta, self.stage_send
+        packs = 0
         while ready:
             g = msgs[ready[0][1]]
             if g.zc_src and not g.local and delta is None and \
@@ -307,17 +308,19 @@ class _Update:
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 self.after(self.fence(), g, buf)
+                packs += 1
+                if packs % POST_EVERY == 0:  # the sends packed so far go (and their notes)
+                    self.take_device_work()  # while the rest are packed
+                    self.take_completions(full=False)
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
 
     def lowest_in_flight(self, item: tuple[float, int]) -> bool:
         """Whether unit ``item`` (``(schedule time, unit)``) comes before every packed send in
-        flight: then it goes even over the send budget. Units are sent and received in one
-        order everywhere; a forward becomes ready when its parent lands, possibly after later
-        units went, and the lowest unfinished unit of the whole plan must never wait for
-        staging that later ones hold (its receiver waits for it first): that is what keeps
-        every budget deadlock-free. Later units still wait, so staging in flight stays within
-        the budget and the few units posted ahead of it."""
+        flight: then it goes even over the send budget. Units move in one order everywhere; a
+        forward is ready when its parent lands, maybe after later units went, and the lowest
+        unfinished unit of the plan must never wait for staging later ones hold (its receiver
+        waits for it first): so every budget is deadlock-free. Later units still wait."""
         packed, done = self.packed, self.packed_done
         while packed and packed[0][1] in done:
             done.discard(heapq.heappop(packed)[1])
@@ -388,8 +391,7 @@ class _Update:
 
     # --- what follows device work --------------------------------------------------------------
     def after(self, ev, g, buf) -> None:
-        """Does what follows device work (``ev``) on message ``g``, or queues it until ``ev`` has
-        passed (``None``: nothing to wait for)."""
+        """What follows device work ``ev`` on message ``g``, now or once ``ev`` passed."""
         if ev is None:
             self.then(g, buf)
         else:
@@ -411,8 +413,7 @@ class _Update:
             self.landed(g, buf)
 
     def release(self, buf) -> None:
-        """Staging back to the pool, once no hashing reads it (a receive may be posted into it at
-        once, outside any stream)."""
+        """Staging back to the pool once no hashing reads it (a receive may go into it at once)."""
         token = self.sums.guard() if self.sums is not None else None
         if token is None:
             self.mover.release(buf)
@@ -449,8 +450,7 @@ class _Update:
 
     # --- records -------------------------------------------------------------------------------
     def mark(self, m: int, i: int) -> None:
-        """Trace: unit ``m`` (each message of a frame) reached step ``i`` (0 ready, 1 posted, 2
-        done) now."""
+        """Trace: unit ``m`` (each of a frame's) reached step ``i`` (ready, posted, done) now."""
         if self.marks is not None:
             now, g = time.time(), self.msgs.get(m)
             for k in ([x.m for x in g.members] if g.__class__ is Frame else [m]):

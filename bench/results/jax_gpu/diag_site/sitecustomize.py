@@ -65,6 +65,12 @@ if _out:
         ipc.Channel._flush = _flush
         if os.environ.get("WB_FLUSH_ROWS"):
             ipc.FLUSH_ROWS = int(os.environ["WB_FLUSH_ROWS"])
+        if os.environ.get("WB_STAGING_BYTES"):  # every update's staging budget, whatever asked
+            ru = program.run_update
+            def run_update(*a, **k):
+                k["staging_bytes"] = int(os.environ["WB_STAGING_BYTES"])
+                return ru(*a, **k)
+            program.run_update = run_update
         prun = program.Program.run
         def run(self, *a, **k):
             tr = k.get("trace")
