@@ -69,7 +69,7 @@ def retyped(layouts, dtype: str):
 
 
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
-        staging=256 << 20, cuda_device=None, shape="tp2", dtypes=None, fp8=None, before=False,
+        staging=None, cuda_device=None, shape="tp2", dtypes=None, fp8=None, before=False,
         trace_out=None, warmup=0, polling=None, checksums=True, timeout=120.0,
         profile_out=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that

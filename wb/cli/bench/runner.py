@@ -243,7 +243,7 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
                       nic_Bps=prof["nic_MBps"] * 1e6, nvlink_Bps=prof["nvlink_MBps"] * 1e6,
                       methods=list(prof.get("methods", ("wb", "p2p", "broadcast"))),
                       repeats=prof["repeats"], steps=prof["steps"], train_s=prof["train_s"],
-                      gen_s=prof["gen_s"], modes=modes, staging_bytes=256 << 20,
+                      gen_s=prof["gen_s"], modes=modes, staging_bytes=None,
                       timeout=max(60.0, timeout / 3), cuda=cuda, polling=prof.get("polling"),
                       probe_pairs=_probe_pairs(trainers, rollouts, links), links=links,
                       probe_bytes=chunk, probe_reps=_probe_reps(prof, chunk, links, cuda),

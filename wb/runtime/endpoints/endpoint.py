@@ -108,7 +108,8 @@ class Endpoint:
         transport: this rank's transport, kept connected across updates.
         store: the rendezvous store every worker shares.
         name: prefix of this session's store keys.
-        staging_bytes: the executor's packing budget.
+        staging_bytes: the executor's packing budget (default: 256 MiB on the host, 1 GiB with
+            CUDA buffers).
         timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
         wait_timeout: seconds to wait for peers to join (or trainers to announce) a version.
         layout: the worker's layout as it probed it; refused if the plan's differs.
@@ -124,7 +125,7 @@ class Endpoint:
     """
 
     def __init__(self, part: RankPlan, buffers: Mapping[str, Any], *, role: Role, transport,
-                 store, name: str, staging_bytes: int, timeout: float, wait_timeout: float,
+                 store, name: str, staging_bytes: int | None, timeout: float, wait_timeout: float,
                  layout: Layout | None, admission: Admission | None = None,
                  stage_receives: bool = False, roster: Roster | None = None):
         self.layout = part.layout

@@ -27,7 +27,6 @@ from wb.runtime.endpoints.endpoint import Endpoint, Transferred, in_thread, take
 from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Handoff, InPlace, Recycled, Target, allocated
 from wb.runtime.engine.buffers import aligned_empty, as_array
-from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
 from wb.runtime.endpoints import asks, checks
 from wb.runtime.membership.joining import Admission, request_join
@@ -192,7 +191,7 @@ class Receiver:
 
     def __init__(self, plan: Plan | RankPlan | Mapping[int, RankPlan], rank: int,
                  buffers: Mapping[str, Any] | None, *, transport, store, staging: bool = True,
-                 name: str = "wb", staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 name: str = "wb", staging_bytes: int | None = None,
                  timeout: float = 60.0, wait_timeout: float = 600.0,
                  layout: Layout | None = None, handoff: bool = False,
                  allocate: Callable | None = None, recycle: bool = False):
@@ -202,8 +201,8 @@ class Receiver:
                     recycle=recycle, admission=None)
 
     def _start(self, plan, rank: int, buffers: Mapping[str, Any] | None, *, transport, store,
-               staging: bool, name: str, staging_bytes: int, timeout: float, wait_timeout: float,
-               layout: Layout | None, handoff: bool, allocate: Callable | None, recycle: bool,
+               staging: bool, name: str, staging_bytes: int | None, timeout: float,
+               wait_timeout: float, layout: Layout | None, handoff: bool, allocate: Callable | None, recycle: bool,
                admission: Admission | None) -> None:
         """The constructor's work, for a rollout of a job's start or (``admission``) one taken
         into a running job (:meth:`admitted`)."""
@@ -244,7 +243,7 @@ class Receiver:
     @classmethod
     def join(cls, store, layout: Layout, buffers: Mapping[str, Any] | None, *, transport,
              name: str = "wb", join_timeout: float = 600.0, staging: bool = True,
-             staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+             staging_bytes: int | None = None, timeout: float = 60.0,
              wait_timeout: float = 600.0, handoff: bool = False,
              allocate: Callable | None = None, recycle: bool = False) -> Receiver:
         """A rollout joining a running job (a new replica's worker, or a restarted one): asks
@@ -268,7 +267,7 @@ class Receiver:
     @classmethod
     def admitted(cls, admission: Admission, buffers: Mapping[str, Any] | None, *, transport,
                  store, name: str = "wb", layout: Layout | None = None, staging: bool = True,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+                 staging_bytes: int | None = None, timeout: float = 60.0,
                  wait_timeout: float = 600.0, handoff: bool = False,
                  allocate: Callable | None = None, recycle: bool = False) -> Receiver:
         """The Receiver of a rollout the running job has admitted (what :meth:`join` makes once

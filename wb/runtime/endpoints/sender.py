@@ -27,7 +27,6 @@ from wb.runtime.transport.stores import get_large, read_record, set_large
 from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
-from wb.runtime.engine.update import DEFAULT_STAGING_BYTES
 from wb.runtime.transport.keyed import keyed
 from wb.runtime.endpoints import asks, checks
 
@@ -139,7 +138,8 @@ class Sender:
         staging: sender staging (see :mod:`wb.runtime.endpoints.modes`): ``push`` returns after a local
             copy.
         name: keeps the store keys of concurrent sessions apart.
-        staging_bytes: the executor's packing budget.
+        staging_bytes: the executor's packing budget (default: 256 MiB on the host, 1 GiB with
+            CUDA buffers).
         timeout: seconds without progress during a transfer before :class:`wb.TransferError`.
         wait_timeout: seconds to wait for peers to join a version (rollouts reach ``apply`` only
             between generation steps).
@@ -177,7 +177,7 @@ class Sender:
     def __init__(self, plan: Plan | RankPlan | Mapping[int, RankPlan], rank: int,
                  buffers: Mapping[str, Any], *, transport, store, staging: bool = True,
                  name: str = "wb",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+                 staging_bytes: int | None = None, timeout: float = 60.0,
                  wait_timeout: float = 600.0, layout: Layout | None = None,
                  quantize: Quantized | BlockScaled | None = None, delta: bool = False):
         if isinstance(layout, Mapping):  # a group's ranks, each its own (the shims' groups)

@@ -36,7 +36,7 @@ from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.inflight import abort
 from wb.runtime.engine.program import Program
-from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats
+from wb.runtime.engine.update import ExecStats
 
 __all__ = ["connect", "execute"]
 
@@ -84,7 +84,7 @@ def connect(part: RankPlan, transport) -> list[int]:
 
 
 def execute(part: RankPlan, buffers: Mapping[str, Any], transport, *,
-            layout: Layout | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+            layout: Layout | None = None, staging_bytes: int | None = None,
             timeout: float = 60.0, tag_base: int = 0, trace: list | None = None) -> ExecStats:
     """Runs one rank's part of a plan once: connects, runs one update, closes the transport.
 
@@ -100,7 +100,8 @@ def execute(part: RankPlan, buffers: Mapping[str, Any], transport, *,
         transport: a connected-on-demand :class:`wb.Transport` for this rank;
             closed (with a barrier) when done, aborted on failure.
         layout: this worker's own layout (as it probed it); refused if the plan's differs.
-        staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
+        staging_bytes: bound on packing/unpacking memory in flight (split receive/send);
+            default: 256 MiB on the host, 1 GiB with CUDA buffers.
         timeout: seconds without any progress before raising :class:`wb.TransferError`.
         tag_base: added to every tag.
         trace: a list to append one :class:`~wb.runtime.engine.update.TraceEntry` ``(message, stage,

@@ -29,6 +29,11 @@ from wb.runtime.engine.frames import frames as frames_of
 from wb.runtime.engine.movers import Mover, mover_for, new_pool
 from wb.runtime.engine.update import DEFAULT_STAGING_BYTES, ExecStats, run_update
 
+#: The staging budget with CUDA buffers unless one is given: within a host a packed send's
+#: staging comes back a copy-and-acknowledge round trip (~1 ms) after it goes, and a GPU's
+#: links move gigabytes in that time.
+DEVICE_STAGING_BYTES = 1 << 30
+
 __all__ = ["Program", "Message", "Span"]
 
 
@@ -366,7 +371,7 @@ class Program:
         return flat, xp
 
     def run(self, buffers: Mapping[str, Any] | None, transport, *, tag_base: int = 0,
-            staging_bytes: int = DEFAULT_STAGING_BYTES, timeout: float = 60.0,
+            staging_bytes: int | None = None, timeout: float = 60.0,
             trace: list | None = None, layout: Layout | None = None,
             liveness=None, interrupt=None, mover: Mover | None = None,
             ready: Mapping[str, Any] | None = None, delta: DeltaPlan | None = None) -> ExecStats:
@@ -379,7 +384,9 @@ class Program:
             transport: this rank's transport, connected to its peers, which were checked to run
                 this same plan (:func:`wb.runtime.engine.executor.connect`); left open.
             tag_base: added to every tag (keeps updates of different versions apart).
-            staging_bytes: bound on packing/unpacking memory in flight (split receive/send).
+            staging_bytes: bound on packing/unpacking memory in flight (split receive/send);
+                default :data:`~wb.runtime.engine.update.DEFAULT_STAGING_BYTES` (256 MiB) on
+                the host, :data:`DEVICE_STAGING_BYTES` (1 GiB) with CUDA buffers.
             timeout: seconds without any progress before raising :class:`wb.TransferError`.
             trace: a list to append one :class:`~wb.runtime.engine.update.TraceEntry` per message of
                 this rank to (for finding where an update's time goes).
@@ -409,11 +416,13 @@ class Program:
                 failed or stalled transfer (naming the peer and plan step; the transport is
                 then aborted).
         """
-        kw = dict(tag_base=tag_base, staging_bytes=staging_bytes, timeout=timeout, trace=trace,
-                  liveness=liveness, interrupt=interrupt)
+        kw = dict(tag_base=tag_base, staging_bytes=staging_bytes or DEFAULT_STAGING_BYTES,
+                  timeout=timeout, trace=trace, liveness=liveness, interrupt=interrupt)
         if mover is not None:
             return run_update(self, mover, transport, **kw)
         flat, xp = self.check(buffers, layout=layout)
+        if staging_bytes is None and xp is not np:
+            kw["staging_bytes"] = DEVICE_STAGING_BYTES
         if delta is not None:
             return self._run_delta(delta, buffers, flat, xp, transport, ready, kw)
         if xp is not np and flat and not self._prepared:

@@ -29,6 +29,7 @@ moving it takes (staging, request, event, the tuples that queue it).
 from __future__ import annotations
 
 import heapq
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,15 +48,14 @@ __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
 DEFAULT_STAGING_BYTES = 256 << 20
 #: Packs between looks at the device work in a run of packed sends: those packed go while the
 POST_EVERY = 8  # rest are packed (a pack costs ~15 us to launch)
+#: Longest sleep of an idle loop (what a message arriving then waits): short on a GPU host's
+IDLE_MAX_S = 1e-3 if len(os.sched_getaffinity(0)) < 8 else 1e-4  # cores; few: ranks would starve
 
 
 #: Seconds without progress before a stalled update asks the liveness watch about its peers
-#: (then twice a second): a store lookup per peer waited for. Soon, since the watch places a
-#: peer's last beat by the peer's own clock: a peer that died before this update started is
-#: named at once, not a grace after the first question.
+#: (then twice a second; a store lookup per peer): a peer dead before the update is named at once.
 ASK_AFTER_S = 0.1
-#: Seconds without progress before (and between) asking ``interrupt`` (a store lookup).
-INTERRUPT_EVERY_S = 0.01
+INTERRUPT_EVERY_S = 0.01  # then asks ``interrupt`` (a store lookup), and as often after
 
 
 def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
@@ -131,7 +131,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                                     f"without progress: the version goes on without this "
                                     f"attempt; waiting for: " + u.waiting(), {})
             idle += 1
-            time.sleep(0 if idle < 20 else min(1e-3, 2e-5 * (idle - 19)))
+            time.sleep(0 if idle < 20 else min(IDLE_MAX_S, 2e-5 * (idle - 19)))
     except PeersLost:
         transport.cancel()  # the connection stays: the version goes on over it
         raise
