@@ -9,6 +9,7 @@ if _out:
     EV = []
     READS = []
     FLUSHES = []
+    LAUNCHES = []
     def timed(name, fn):
         @functools.wraps(fn)
         def w(*a, **k):
@@ -52,10 +53,16 @@ if _out:
         rd = ipc.Channel._read
         def _read(self, peer, buf):
             import numpy as np
-            n = int(np.frombuffer(buf, np.uint32, 1)[0]) if False else None
-            READS.append(time.time())
+            READS.append((time.time(), int(ipc.HEADER.unpack_from(buf)[0])))
             return rd(self, peer, buf)
         ipc.Channel._read = _read
+        la = ipc.Channel._launch
+        def _launch(self):
+            k = sum(len(v) for v in self._starting.values())
+            if k:
+                LAUNCHES.append((time.time(), k))
+            return la(self)
+        ipc.Channel._launch = _launch
         fl = ipc.Channel._flush
         def _flush(self):
             k = sum(len(v) for v in self._out.values())
@@ -94,9 +101,10 @@ if _out:
                 import cupy as cp
                 rec["copies"].append((round((t - st.start_s) * 1e3, 3), round(cp.cuda.get_elapsed_time(e0, e1), 3), k, nb))
             EV.clear()
-            rec["reads"] = [round((t - st.start_s) * 1e3, 3) for t in READS if t >= t0 - 0.01]
+            rec["reads"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in READS if t >= t0 - 0.01]
             rec["flushes"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in FLUSHES if t >= t0 - 0.01]
-            READS.clear(); FLUSHES.clear()
+            rec["launches"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in LAUNCHES if t >= t0 - 0.01]
+            READS.clear(); FLUSHES.clear(); LAUNCHES.clear()
             RUNS.append(rec)
             return st
         program.Program.run = run
