@@ -436,3 +436,51 @@ def _assert_rollouts_hold_the_checkpoint(plan, bufs):
         for k, a in buffers_for(plan, lay.worker.rank, fill=True).items():
             np.testing.assert_array_equal(bufs[lay.worker.rank][k].view(np.uint8),
                                           a.view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def long_strided_plan():
+    """As ``strided_plan``, 2048 x 2048 and in pieces too big to frame: 30 packed sends per
+    trainer, of three sizes."""
+    n = 2048
+    w = np.arange(n * n).reshape(n, n)
+
+    def buf(ids):
+        return {"w": wb.BufferSpec(wb.SourceMap.from_indices(np.ascontiguousarray(ids)),
+                                   "float32")}
+    h = n // 2
+    trainers = [wb.Layout(wb.Worker(r, "t0", "trainer", local_rank=r), buf(w[h * r:h * r + h]))
+                for r in range(2)]
+    rollouts = [wb.Layout(wb.Worker(2 + 2 * k + g, f"r{k}", "rollout", local_rank=g),
+                          buf(w[:, h * g:h * g + h].T)) for k in range(2) for g in range(2)]
+    p = wb.plan(trainers, rollouts, chunk_bytes=270_000)
+    p.verify()
+    return p
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("staging_bytes", [1, 1 << 20, 256 << 20])
+def test_packed_sends_go_in_runs_of_one_kind(long_strided_plan, monkeypatch, staging_bytes):
+    """A mover that packs several messages in one launch (as the CUDA one does) is given runs of
+    at most STAGES consecutive packed sends of one kind, each message once; whatever the budget,
+    every byte still arrives."""
+    strided_plan = long_strided_plan
+    from wb.runtime.engine.gather import STAGES
+    from wb.runtime.engine.movers import HostMover
+
+    runs = []
+
+    def pack_many(self, gs):
+        runs.append([(self.prog.rank, g.m, self.batches(g)) for g in gs])
+        return [self.pack(g) for g in gs]
+    monkeypatch.setattr(HostMover, "batches", lambda self, g: g.nbytes % 3, raising=False)
+    monkeypatch.setattr(HostMover, "pack_many", pack_many)
+    bufs, _ = _run_threads(strided_plan, staging_bytes)
+    _assert_rollouts_hold_the_checkpoint(strided_plan, bufs)
+    assert all(1 <= len(run) <= STAGES and len({k for *_, k in run}) == 1 for run in runs)
+    packed = [(r, m) for run in runs for r, m, _ in run]
+    sends = [(r, m) for r in strided_plan.ranks
+             for m, g in Program(RankPlan.of(strided_plan, r)).units.items() if g.out]
+    assert sorted(packed) == sorted(sends)  # every send of this plan is packed, once
+    if staging_bytes == 256 << 20:  # room for them all: runs of several
+        assert max(len(run) for run in runs) > 1

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from wb.runtime.engine.gather import FIELDS, TILE, kernel_source, table
+from wb.runtime.engine.gather import FIELDS, STAGES, TILE, kernel_source, stacked, table
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -27,10 +27,10 @@ static D3 threadIdx, blockIdx, gridDim, blockDim;
 """
 _RUN = r"""
 extern "C" void run(const unsigned long long* ptrs, const long long* tab, long long rows,
-                    ELEM* stage, int scatter) {
+                    ELEM** s, int scatter) {
     threadIdx.x = threadIdx.y = blockIdx.x = blockIdx.y = 0;
     gridDim.x = gridDim.y = blockDim.x = blockDim.y = 1;
-    wb_gather(ptrs, tab, rows, stage, scatter);
+    wb_gather(ptrs, tab, rows, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], scatter);
 }
 """
 
@@ -80,11 +80,17 @@ def _spans(draw):
 def _run(lib, bufs, spans, stage, *, scatter, piece):
     tab = table(spans, piece=piece)
     assert tab.shape == (len(FIELDS), tab.shape[1]) and tab.dtype == np.int64
-    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64)
-    lib.run(ptrs.ctypes.data_as(ctypes.c_void_p), tab.ctypes.data_as(ctypes.c_void_p),
-            ctypes.c_longlong(tab.shape[1]), stage.ctypes.data_as(ctypes.c_void_p),
-            ctypes.c_int(int(scatter)))
+    _launch(lib, bufs, tab, [stage], scatter=scatter)
     return tab
+
+
+def _launch(lib, bufs, tab, stages, *, scatter):
+    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64)
+    s = np.array([a.ctypes.data for a in stages] * STAGES, np.uint64)[:STAGES]
+    tab = np.ascontiguousarray(tab)
+    lib.run(ptrs.ctypes.data_as(ctypes.c_void_p), tab.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_longlong(tab.shape[1]), s.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_int(int(scatter)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -148,14 +154,51 @@ def test_transposed_regions_move_in_tiles_like_numpy(kernels, na, nb, pad, size,
     np.testing.assert_array_equal(got, ref)
 
 
+@settings(max_examples=60, deadline=None)
+@given(messages=st.lists(_spans(), min_size=1, max_size=STAGES), size=st.sampled_from([2, 4]),
+       piece=st.sampled_from([3, 64]))
+def test_stacked_tables_fill_each_message_s_own_staging(kernels, messages, size, piece):
+    """Up to STAGES messages in one launch (a stacked table): each message's staging holds what
+    its own table alone packs into it, and unpacking them all writes what unpacking each would
+    (messages over other buffers, as each message's regions are its own)."""
+    assume(all(messages))
+    dt = np.dtype(f"u{size}")
+    rng = np.random.default_rng(len(messages) * 7 + piece)
+    bufs = [[rng.integers(0, 1000, 200, dtype=dt) for _ in range(3)] for _ in messages]
+    flat = [b for per in bufs for b in per]  # message k's slot s is slot 3k + s
+    tabs = []
+    for k, spans in enumerate(messages):
+        t = table(spans, piece=piece)
+        t[0] += 3 * k
+        tabs.append(t)
+    want = [np.concatenate([_region(bufs[k][sp[0]], *sp[1:]).reshape(-1) for sp in spans])
+            for k, spans in enumerate(messages)]
+    stages = [np.zeros(w.size, dt) for w in want]
+    _launch(kernels[size], flat, stacked(tabs), stages, scatter=False)
+    for got, w in zip(stages, want):
+        np.testing.assert_array_equal(got, w)
+    fresh = [rng.integers(0, 1000, w.size, dtype=dt) for w in want]
+    ref = [[b.copy() for b in per] for per in bufs]
+    for k, spans in enumerate(messages):
+        at = 0
+        for s, f0, na, nb, fa, fb in spans:
+            _region(ref[k][s], f0, na, nb, fa, fb)[...] = fresh[k][at:at + na * nb].reshape(na, nb)
+            at += na * nb
+    _launch(kernels[size], flat, stacked(tabs), fresh, scatter=True)
+    for got, r in zip(flat, [b for per in ref for b in per]):
+        np.testing.assert_array_equal(got, r)
+    with pytest.raises(ValueError):
+        stacked(tabs * (STAGES + 1))
+
+
 def test_long_regions_are_cut_at_rows_or_within_a_row():
     """Rows are kept whole while they fit a piece; a longer row is cut into stretches; the
     pieces' message positions follow the region's order."""
     tab = table([(0, 10, 4, 3, 5, 1), (1, 0, 2, 10, 10, 1)], piece=7)
     rows = [tuple(int(x) for x in tab[:, k]) for k in range(tab.shape[1])]
-    assert rows == [(0, 10, 2, 3, 5, 1, 0), (0, 20, 2, 3, 5, 1, 6),
-                    (1, 0, 1, 7, 10, 1, 12), (1, 7, 1, 3, 10, 1, 19),
-                    (1, 10, 1, 7, 10, 1, 22), (1, 17, 1, 3, 10, 1, 29)]
+    assert rows == [(0, 10, 2, 3, 5, 1, 0, 0), (0, 20, 2, 3, 5, 1, 6, 0),
+                    (1, 0, 1, 7, 10, 1, 12, 0), (1, 7, 1, 3, 10, 1, 19, 0),
+                    (1, 10, 1, 7, 10, 1, 22, 0), (1, 17, 1, 3, 10, 1, 29, 0)]
     assert table([]).shape == (len(FIELDS), 0)
     # transposed (rows step 1, columns step 100): whole rows, TILE at a time, however small the
     # pieces asked

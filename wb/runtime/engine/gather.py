@@ -17,6 +17,9 @@ index is contiguous on each side. Element by element, every thread of a warp wou
 32-byte sector of the buffer: an 8 MiB bfloat16 message took ~110 us to unpack on an H100, 15x
 a straight copy. Such regions are cut into whole rows only, :data:`TILE` of them at least.
 
+Several messages packed at once share a launch (:func:`stacked`): a launch costs ~15-20 us of
+the caller's time, and a JAX trainer packs every message it sends.
+
 The kernel's source (:func:`kernel_source`) is also compiled for the host and checked against
 numpy in ``tests/test_gather_kernel_host.py``.
 """
@@ -29,13 +32,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["table", "copy", "kernel_source", "PIECE", "FIELDS", "TILE"]
+__all__ = ["table", "stacked", "copy", "kernel_source", "PIECE", "FIELDS", "TILE", "STAGES"]
 
 #: Most elements one row of a table copies (longer regions are cut at row or element bounds).
 PIECE = 1 << 16
 #: The table's rows, in order: buffer slot, first element, rows, columns, row step, column step
-#: (in elements of the buffer), and where the region's first element sits in the message.
-FIELDS = ("slot", "f0", "na", "nb", "fa", "fb", "at")
+#: (in elements of the buffer), where the region's first element sits in the message, and which
+#: of a launch's staging buffers holds that message.
+FIELDS = ("slot", "f0", "na", "nb", "fa", "fb", "at", "stage")
+#: Staging buffers one launch fills or empties at most (a table row's ``stage`` picks one).
+STAGES = 8
 #: Rows and columns of the tiles a transposed region moves in.
 TILE = 32
 _THREADS = 256
@@ -45,12 +51,16 @@ _BLOCKS, _MAX_BLOCKS_PER_ROW = 2048, 256  # blocks a launch has at least, as row
 _SOURCE = r"""
 #define TILE 32
 extern "C" __global__ void wb_gather(const unsigned long long* ptrs, const long long* tab,
-        long long rows, ELEM* stage, int scatter) {
+        long long rows, ELEM* s0, ELEM* s1, ELEM* s2, ELEM* s3, ELEM* s4, ELEM* s5, ELEM* s6,
+        ELEM* s7, int scatter) {
     __shared__ ELEM tile[TILE][TILE + 1];
     for (long long k = blockIdx.y; k < rows; k += gridDim.y) {
         long long f0 = tab[rows + k], na = tab[2 * rows + k], nb = tab[3 * rows + k];
         long long fa = tab[4 * rows + k], fb = tab[5 * rows + k], at = tab[6 * rows + k];
+        long long w = tab[7 * rows + k];
         ELEM* base = (ELEM*)ptrs[tab[k]];
+        ELEM* stage = w == 0 ? s0 : w == 1 ? s1 : w == 2 ? s2 : w == 3 ? s3 : w == 4 ? s4
+                    : w == 5 ? s5 : w == 6 ? s6 : s7;
         if (na > 1 && nb > 1 && fa == 1 && fb != 1) {
             /* transposed: element (i, j) at base[f0 + i + j * fb] and stage[at + i * nb + j];
                a tile is read along j from the staging and along i from the buffer */
@@ -113,34 +123,46 @@ def table(spans: Sequence, piece: int = PIECE) -> np.ndarray:
     for sp in spans:
         slot, f0, na, nb, fa, fb = (int(x) for x in sp[:6])
         if na * nb <= piece:
-            out.append((slot, f0, na, nb, fa, fb, at))
+            out.append((slot, f0, na, nb, fa, fb, at, 0))
         elif nb <= piece or (fa == 1 and fb != 1):  # groups of whole rows
             per = max(piece // nb, 1)
             if fa == 1 and fb != 1:  # transposed: whole tiles of rows
                 per = max(per // TILE, 1) * TILE
             for i in range(0, na, per):
-                out.append((slot, f0 + i * fa, min(per, na - i), nb, fa, fb, at + i * nb))
+                out.append((slot, f0 + i * fa, min(per, na - i), nb, fa, fb, at + i * nb, 0))
         else:  # stretches of each row
             for i in range(na):
                 for j in range(0, nb, piece):
                     out.append((slot, f0 + i * fa + j * fb, 1, min(piece, nb - j), fa, fb,
-                                at + i * nb + j))
+                                at + i * nb + j, 0))
         at += na * nb
     return np.ascontiguousarray(np.array(out, np.int64).reshape(-1, len(FIELDS)).T)
 
 
+def stacked(tables: Sequence[np.ndarray]) -> np.ndarray:
+    """One table of up to :data:`STAGES` messages' tables (:func:`table`), the ``k``-th's rows
+    filling or emptying the ``k``-th staging buffer given to :func:`copy`."""
+    if not 0 < len(tables) <= STAGES:
+        raise ValueError(f"{len(tables)} tables: one launch takes 1 to {STAGES}")
+    out = np.concatenate(tables, axis=1)
+    out[7] = np.repeat(np.arange(len(tables)), [t.shape[1] for t in tables])
+    return out
+
+
 def copy(ptrs: Any, tab: Any, stage: Any, itemsize: int, *, scatter: bool) -> None:
     """One launch on CuPy's current device and stream: the regions of device table ``tab``
-    (:func:`table`, as a CuPy array) in the buffers whose addresses ``ptrs`` gives by slot (a CuPy
-    ``uint64`` array) into ``stage`` (a CuPy array of the message's bytes), or back with
-    ``scatter``."""
+    (:func:`table` or :func:`stacked`, as a CuPy array) in the buffers whose addresses ``ptrs``
+    gives by slot (a CuPy ``uint64`` array) into ``stage`` (a CuPy array of the message's bytes;
+    for a stacked table, a list of one per message), or back with ``scatter``."""
     rows = tab.shape[1]
     if rows == 0:
         return
+    stages = list(stage) if isinstance(stage, list) else [stage]  # passed as their addresses
+    stages += [stages[0]] * (STAGES - len(stages))
     # a table of few rows (a long transposed region is one row) still fills the device
     grid = (max(_BLOCKS_PER_ROW, min(_MAX_BLOCKS_PER_ROW, _BLOCKS // rows)), min(rows, 65535))
-    _kernel(int(itemsize))(grid, (_THREADS,), (ptrs, tab, np.int64(rows),
-                                               stage.view(f"u{itemsize}"), np.int32(scatter)))
+    _kernel(int(itemsize))(grid, (_THREADS,), (ptrs, tab, np.int64(rows), *stages,
+                                               np.int32(scatter)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -169,6 +169,16 @@ class HostMover:
             self.pack_into(g, buf)
         return buf
 
+    def pack_many(self, gs) -> list:
+        """:meth:`pack` of each of ``gs`` (messages or frames that :meth:`batches` let go
+        together)."""
+        return [self.pack(g) for g in gs]
+
+    def batches(self, g) -> Any:
+        """What a message must share with those it is packed with in one :meth:`pack_many`
+        (``None``: it is packed alone)."""
+        return None
+
     def pack_into(self, g, buf) -> None:
         """Message ``g``'s source regions into ``buf`` (its bytes), in its travelling dtype."""
         if g.zc_src:  # one range of a buffer
@@ -264,6 +274,26 @@ class DeviceMover(HostMover):
         self._fused(g, buf, scatter=False)
         return buf
 
+    def batches(self, g) -> Any:
+        return None if g.conv else dtype_info(g.wire).itemsize  # one kernel per element width
+
+    def pack_many(self, gs) -> list:
+        """Up to :data:`~wb.runtime.engine.gather.STAGES` messages of one element width (see
+        :meth:`batches`) packed in one launch, each into staging of its own."""
+        if len(gs) == 1:
+            return [self.pack(gs[0])]
+        if self.ready:
+            for g in gs:
+                self._after_writers(g)
+        bufs = [self.staging(g.nbytes) for g in gs]
+        key = tuple(g.m for g in gs)
+        tab = self.prog.tables.get(key)
+        if tab is None:
+            tab = self.prog.tables[key] = self.xp.asarray(
+                gather.stacked([gather.table(self._spans(g)) for g in gs]))
+        gather.copy(self._ptrs(), tab, bufs, dtype_info(gs[0].wire).itemsize, scatter=False)
+        return bufs
+
     def copy_local(self, g) -> None:
         if self.ready:
             self._after_writers(g)
@@ -279,16 +309,24 @@ class DeviceMover(HostMover):
         """Packs ``g`` (a message or a frame) into ``buf`` (or, with ``scatter``, unpacks
         ``buf``) in one launch: a frame's members' regions lie one after another, as its
         members do."""
-        xp, prog = self.xp, self.prog
         if g.table is None:
-            spans = ([sp for member in g.members for sp in prog.spans(member)]
-                     if g.__class__ is Frame else prog.spans(g))
-            g.table = xp.asarray(gather.table(spans))
-        if self.ptrs is None:  # this rank's buffers by slot (another rank's slots: 0)
+            g.table = self.xp.asarray(gather.table(self._spans(g)))
+        gather.copy(self._ptrs(), g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+
+    def _spans(self, g) -> list:
+        """A message's spans, or a frame's members' one after another."""
+        prog = self.prog
+        return ([sp for member in g.members for sp in prog.spans(member)]
+                if g.__class__ is Frame else prog.spans(g))
+
+    def _ptrs(self):
+        """This rank's buffer addresses by slot, on the device (another rank's slots: 0)."""
+        if self.ptrs is None:
+            prog = self.prog
             ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
                     for b, r in zip(prog.slot_buf, prog.slot_rank)]
-            self.ptrs = xp.asarray(np.array(ptrs, np.uint64))
-        gather.copy(self.ptrs, g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+            self.ptrs = self.xp.asarray(np.array(ptrs, np.uint64))
+        return self.ptrs
 
 
 def mover_for(prog, flat: dict[str, Any], xp, ready: dict | None = None) -> HostMover:

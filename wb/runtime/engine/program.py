@@ -280,6 +280,8 @@ class Program:
         #: views of the buffers by message (:mod:`wb.runtime.engine.movers`), for as long as
         #: updates run on the same buffers: emptied when :meth:`check` is given others
         self.view_cache: dict = {}
+        #: device tables of messages packed in one launch, by their units (movers)
+        self.tables: dict = {}
         #: deltas (:mod:`wb.runtime.engine.deltas`): the version this program last completed
         #: with its bases kept (-1: none), the bytes each unit it sends last carried, a copy of
         #: what each unit it converts on receipt last carried, and the buffers that version was
@@ -302,7 +304,7 @@ class Program:
         """Lets go of the memory kept between updates: staging in the pool and views of the
         buffers (the worker is closing, or runs another program from now on)."""
         self.staging_pool = new_pool()
-        self.view_cache = {}
+        self.view_cache, self.tables = {}, {}
         self._checked = None
         self.forget_version()
 

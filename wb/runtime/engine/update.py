@@ -40,14 +40,17 @@ from wb.runtime.engine.deltas import DeltaPlan, alike, encode_send, take_complet
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
+from wb.runtime.engine.gather import STAGES
 from wb.runtime.engine.inflight import Inflight, abort
+from wb.runtime.engine.stalls import Stalls
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
 
 
 DEFAULT_STAGING_BYTES = 256 << 20
-#: Packs between looks at the device work in a run of packed sends: those packed go while the
-POST_EVERY = 8  # rest are packed (a pack costs ~15 us to launch)
+#: Packed sends in one launch (a launch costs ~15-20 us), and between looks at the device work
+#: in a run of them: those packed go while the rest are packed.
+POST_EVERY = STAGES
 #: Longest sleep of an idle loop (what a message arriving then waits): short on a GPU host's
 IDLE_MAX_S = 1e-3 if len(os.sched_getaffinity(0)) < 8 else 1e-4  # cores; few: ranks would starve
 
@@ -156,7 +159,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
     return stats
 
 
-class _Update:
+class _Update(Stalls):
     """One update's state: staging in use, requests in flight, the sends whose data is here,
     device work awaiting its event, counters and trace marks. Each method is one step of
     :func:`run_update`'s turn and says whether anything moved."""
@@ -257,7 +260,7 @@ class _Update:
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
         wait, sums, delta, stage = self.mover.wait, self.sums, self.delta, self.stage_send
-        packs = 0
+        batches, run, packs = getattr(self.mover, "batches", None), [], 0
         while ready:
             g = msgs[ready[0][1]]
             if g.zc_src and not g.local and delta is None and \
@@ -301,19 +304,37 @@ class _Update:
                     heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
                 if marks is not None:
                     self.mark(g.m, 1)
-            else:
-                buf = self.mover.pack(g)
-                if sums is not None:  # hashed in a later batch, behind the pack; the send does
-                    sums.sent(g, buf)  # not wait for it, the staging's reuse does (release)
+            else:  # packed: with the next ones of its kind, in one launch
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
-                self.after(self.fence(), g, buf)
+                kind = batches(g) if batches is not None else None
+                if run and kind != run[0][0]:
+                    self.pack_run(run)
+                    run = []
+                run.append((kind, g))
+                if kind is None or len(run) == POST_EVERY:
+                    self.pack_run(run)
+                    run = []
                 packs += 1
                 if packs % POST_EVERY == 0:  # the sends packed so far go (and their notes)
                     self.take_device_work()  # while the rest are packed
                     self.take_completions(full=False)
+        if run:
+            self.pack_run(run)
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
+
+    def pack_run(self, run: list) -> None:
+        """Packs ``run``'s messages (``(kind, unit)``, one kind) in one launch where the mover
+        can; each is sent once the pack has passed."""
+        gs = [g for _, g in run]
+        bufs = self.mover.pack_many(gs) if run[0][0] is not None else [self.mover.pack(gs[0])]
+        if self.sums is not None:  # hashed in a later batch, behind the pack; the sends do not
+            for g, buf in zip(gs, bufs):  # wait for it, the staging's reuse does (release)
+                self.sums.sent(g, buf)
+        ev = self.fence()
+        for g, buf in zip(gs, bufs):
+            self.after(ev, g, buf)
 
     def lowest_in_flight(self, item: tuple[float, int]) -> bool:
         """Whether unit ``item`` (``(schedule time, unit)``) comes before every packed send in
@@ -463,38 +484,3 @@ class _Update:
             out.append(TraceEntry(m, g.stage, g.peer, g.out, g.nbytes, r if r is not None else p,
                                   p, d))
         return out
-
-    def waiting_for(self) -> set[int]:
-        """The peers of the messages not done yet."""
-        me, done = self.prog.rank, self.done
-        out = {g.peer for m, g in self.msgs.items() if m not in done and g.peer != me}
-        return out | self.sums.peers() if self.sums is not None else out
-
-    def silent(self, silent: dict[int, float], stalled_s: float) -> str:
-        """The error for peers that stopped beating while this rank waits for them."""
-        who = ", ".join(f"{p} ({s:.1f} s)" for p, s in sorted(silent.items()))
-        return (f"rank {self.prog.rank}: {'peer' if len(silent) == 1 else 'peers'} {who} "
-                f"stopped beating (dead or hung: no heartbeat in the store for that long) while "
-                f"this update waited {stalled_s:.1f} s for it; Waiting for: " + self.waiting())
-
-    def stalled(self, timeout: float) -> str:
-        """The stall error: no progress for ``timeout``, naming peers and plan steps."""
-        peers = sorted({peer for (peer, _), q in self.inflight.queues.items() if q}
-                       | (self.sums.peers() if self.sums is not None else set()))
-        return (f"rank {self.prog.rank}: no progress for {timeout:.1f} s; peers {peers} are dead "
-                f"or hung? Waiting for: " + self.waiting())
-
-    def waiting(self) -> str:
-        """What the rank still waits for: requests in flight, staging, forwards."""
-        msgs, ready = self.msgs, self.ready
-        waiting = [f"{'sending' if g.out else 'receiving'} {g.label()}"
-                   for _, g, _ in self.inflight.first(4)]
-        if ready:
-            waiting.append(f"staging budget for {msgs[ready[0][1]].label()}")
-        forwards = [g for g in msgs.values()
-                    if g.out and g.parent >= 0 and g.parent not in self.done]
-        for g in forwards[:2]:
-            waiting.append(f"forwarding {g.label()} once message {g.parent} arrives")
-        if self.sums is not None:
-            waiting += self.sums.waiting()[:4]
-        return "; ".join(waiting)
