@@ -394,9 +394,11 @@ class _Update(Stalls):
             self.held = left
         if not self.fenced:
             return False
-        waiting, passed = [], False
+        waiting, passed, last, done = [], False, None, False
         for item in self.fenced:
-            if item[0].done:
+            if item[0] is not last:  # a run packed in one launch shares its event: asked once
+                last, done = item[0], item[0].done
+            if done:
                 passed = True
                 self.then(item[1], item[2])
             else:
