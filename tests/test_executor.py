@@ -484,3 +484,24 @@ def test_packed_sends_go_in_runs_of_one_kind(long_strided_plan, monkeypatch, sta
     assert sorted(packed) == sorted(sends)  # every send of this plan is packed, once
     if staging_bytes == 256 << 20:  # room for them all: runs of several
         assert max(len(run) for run in runs) > 1
+
+
+def test_device_runs_stay_in_fixed_groups_of_the_schedule(long_strided_plan):
+    """The CUDA mover's kinds (asked on the host: they need no device): a send's element width
+    and its group, STAGES of this rank's sends in schedule order a group, so a run and the table
+    made for it are one of a bounded few; converting sends go alone."""
+    from wb.runtime.engine.gather import STAGES
+    from wb.runtime.engine.movers import DeviceMover
+
+    prog = Program(RankPlan.of(long_strided_plan, 0))
+    mover = DeviceMover(prog, {}, np)
+    outs = sorted((prog.when[m], m) for m, g in prog.units.items() if g.out)
+    kinds = [mover.batches(prog.units[m]) for _, m in outs]
+    assert [k[1] for k in kinds] == [i // STAGES for i in range(len(outs))]
+    assert {k[0] for k in kinds} == {4}  # float32
+    g = prog.units[outs[0][1]]
+    g.conv, was = True, g.conv
+    try:
+        assert mover.batches(g) is None
+    finally:
+        g.conv = was

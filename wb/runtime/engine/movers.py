@@ -275,11 +275,23 @@ class DeviceMover(HostMover):
         return buf
 
     def batches(self, g) -> Any:
-        return None if g.conv else dtype_info(g.wire).itemsize  # one kernel per element width
+        """A message's element width (one kernel each) and its group: this rank's sends in
+        schedule order, :data:`~wb.runtime.engine.gather.STAGES` a group. Runs stay within a
+        group, so the tables of the runs an update may make (:meth:`pack_many`, kept on the
+        program) are a bounded few whatever the budget or the timing cut them into."""
+        if g.conv:
+            return None
+        groups = self.prog.tables.get("groups")
+        if groups is None:
+            prog = self.prog
+            outs = sorted((prog.when[m], m) for m, u in prog.units.items() if u.out)
+            groups = prog.tables["groups"] = {m: i // gather.STAGES
+                                              for i, (_, m) in enumerate(outs)}
+        return dtype_info(g.wire).itemsize, groups[g.m]
 
     def pack_many(self, gs) -> list:
-        """Up to :data:`~wb.runtime.engine.gather.STAGES` messages of one element width (see
-        :meth:`batches`) packed in one launch, each into staging of its own."""
+        """Up to :data:`~wb.runtime.engine.gather.STAGES` messages of one element width and
+        group (see :meth:`batches`) packed in one launch, each into staging of its own."""
         if len(gs) == 1:
             return [self.pack(gs[0])]
         if self.ready:

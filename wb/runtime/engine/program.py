@@ -280,7 +280,8 @@ class Program:
         #: views of the buffers by message (:mod:`wb.runtime.engine.movers`), for as long as
         #: updates run on the same buffers: emptied when :meth:`check` is given others
         self.view_cache: dict = {}
-        #: device tables of messages packed in one launch, by their units (movers)
+        #: device tables of messages packed in one launch, by their units, and the groups they
+        #: are packed in (:meth:`~wb.runtime.engine.movers.DeviceMover.batches`)
         self.tables: dict = {}
         #: deltas (:mod:`wb.runtime.engine.deltas`): the version this program last completed
         #: with its bases kept (-1: none), the bytes each unit it sends last carried, a copy of
