@@ -202,8 +202,8 @@ class Receiver:
 
     def _start(self, plan, rank: int, buffers: Mapping[str, Any] | None, *, transport, store,
                staging: bool, name: str, staging_bytes: int | None, timeout: float,
-               wait_timeout: float, layout: Layout | None, handoff: bool, allocate: Callable | None, recycle: bool,
-               admission: Admission | None) -> None:
+               wait_timeout: float, layout: Layout | None, handoff: bool,
+               allocate: Callable | None, recycle: bool, admission: Admission | None) -> None:
         """The constructor's work, for a rollout of a job's start or (``admission``) one taken
         into a running job (:meth:`admitted`)."""
         part, roster = take_part(plan, rank, Role.ROLLOUT)

@@ -419,13 +419,14 @@ class Program:
                 failed or stalled transfer (naming the peer and plan step; the transport is
                 then aborted).
         """
-        kw = dict(tag_base=tag_base, staging_bytes=staging_bytes or DEFAULT_STAGING_BYTES,
-                  timeout=timeout, trace=trace, liveness=liveness, interrupt=interrupt)
+        kw = dict(tag_base=tag_base, staging_bytes=staging_bytes, timeout=timeout, trace=trace,
+                  liveness=liveness, interrupt=interrupt)
         if mover is not None:
+            kw["staging_bytes"] = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
             return run_update(self, mover, transport, **kw)
         flat, xp = self.check(buffers, layout=layout)
-        if staging_bytes is None and xp is not np:
-            kw["staging_bytes"] = DEVICE_STAGING_BYTES
+        if staging_bytes is None:
+            kw["staging_bytes"] = DEFAULT_STAGING_BYTES if xp is np else DEVICE_STAGING_BYTES
         if delta is not None:
             return self._run_delta(delta, buffers, flat, xp, transport, ready, kw)
         if xp is not np and flat and not self._prepared:

@@ -52,24 +52,19 @@ if _out:
         memory.CudaMemory.copy_many = copy_many
         rd = ipc.Channel._read
         def _read(self, peer, buf):
-            import numpy as np
             READS.append((time.time(), int(ipc.HEADER.unpack_from(buf)[0])))
             return rd(self, peer, buf)
         ipc.Channel._read = _read
-        la = ipc.Channel._launch
-        def _launch(self):
-            k = sum(len(v) for v in self._starting.values())
-            if k:
-                LAUNCHES.append((time.time(), k))
-            return la(self)
-        ipc.Channel._launch = _launch
-        fl = ipc.Channel._flush
-        def _flush(self):
-            k = sum(len(v) for v in self._out.values())
-            if k:
-                FLUSHES.append((time.time(), k))
-            return fl(self)
-        ipc.Channel._flush = _flush
+        def counted(name, queue, into):  # times and sizes of a channel step's queued work
+            fn = getattr(ipc.Channel, name)
+            def w(self):
+                k = sum(len(v) for v in getattr(self, queue).values())
+                if k:
+                    into.append((time.time(), k))
+                return fn(self)
+            setattr(ipc.Channel, name, w)
+        counted("_launch", "_starting", LAUNCHES)
+        counted("_flush", "_out", FLUSHES)
         if os.environ.get("WB_FLUSH_ROWS"):
             ipc.FLUSH_ROWS = int(os.environ["WB_FLUSH_ROWS"])
         if os.environ.get("WB_STAGING_BYTES"):  # every update's staging budget, whatever asked
