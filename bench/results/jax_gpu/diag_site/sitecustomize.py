@@ -28,7 +28,7 @@ if _out:
             setattr(buffers, n, timed(f"buffers.{n}", getattr(buffers, n)))
         from wb.runtime.engine import movers, update
         from wb.runtime.transport import ucx
-        for cls, names in [(movers.DeviceMover, ["pack", "unpack", "_fused", "direct"]),
+        for cls, names in [(movers.DeviceMover, ["pack", "pack_many", "unpack", "_fused", "direct"]),
                            (update._Update, ["post_ready_sends", "take_completions", "take_device_work", "post_staged_receives", "post_zero_copy_receives"]),
                            (ucx.UcxTransport, ["send", "recv", "progress"]),
                            (memory.CudaMemory, ["export", "open", "new_round", "copy_many", "_describe"]),
