@@ -16,6 +16,7 @@ from wb.layouts import (DEPLOYMENTS, TINY, deployment, fsdp_trainer, jax_trainer
 from wb.data.correspondence import correspond
 from wb.data.layout import Role
 from wb.data.sourcemap import Blocks
+from harness.presets import real_deployment
 
 #: A tiny deepseek_v3 (MLA with q LoRA, one dense layer, one shared expert); vocab 90 pads
 #: everywhere (Megatron 128 * tp, vLLM 64, JAX tp = 4).
@@ -511,7 +512,7 @@ REAL = {  # trainer nodes, rollout nodes, replicas, gpus per replica, trainer (t
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_deployment_covers_every_id(name):
     assert name in DEPLOYMENTS
-    dep = deployment(name)
+    dep = real_deployment(name)
     t_nodes, r_nodes, replicas, G, (tp, pp, ep) = REAL[name]
     desc = dep.description
     json.dumps(desc)
@@ -612,7 +613,7 @@ def test_maps_store_blocks_not_elements(model, generator):
 
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_deployment_maps_are_tiny_next_to_the_weights(name):
-    dep = deployment(name)
+    dep = real_deployment(name)
     for side in (dep.trainers, dep.rollouts):
         blocks, nnz, _ = stored(side)
         # each tensor is cut into its distinct shards (TP ranks, expert shards): a few blocks per

@@ -7,14 +7,14 @@
 import pytest
 
 import wb
-from wb.layouts import deployment
+from harness.presets import real_deployment
 from wb.algorithms.planner import traffic_ratio
 from wb.algorithms.simulate import simulate, simulate_broadcast, simulate_p2p
 
 
 @pytest.mark.parametrize("preset", ["moonlight-16b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"])
 def test_preset_plans_at_the_bound(preset):
-    dep = deployment(preset)  # its config ships in the package (wb/layouts/models)
+    dep = real_deployment(preset)  # its config ships in the package (wb/layouts/models)
     p = wb.plan(dep.trainers, dep.rollouts)
     assert traffic_ratio(p) == 1.0
     sim = simulate(p, message_s=0)
