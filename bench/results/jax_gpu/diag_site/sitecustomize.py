@@ -10,6 +10,7 @@ if _out:
     READS = []
     FLUSHES = []
     LAUNCHES = []
+    GEV = []
     def timed(name, fn):
         @functools.wraps(fn)
         def w(*a, **k):
@@ -50,6 +51,18 @@ if _out:
             EV.append((t, e0, e1, len(items), sum(int(it[3]) for it in items)))
             return tok
         memory.CudaMemory.copy_many = copy_many
+        from wb.runtime.engine import gather
+        gcopy = gather.copy
+        def gather_copy(ptrs, tab, stage, itemsize, *, scatter):  # packs and unpacks, timed on the GPU
+            import cupy as cp
+            st = cp.cuda.get_current_stream()
+            e0 = cp.cuda.Event(); e0.record(st)
+            t = time.time()
+            gcopy(ptrs, tab, stage, itemsize, scatter=scatter)
+            e1 = cp.cuda.Event(); e1.record(st)
+            nb = sum(int(b.nbytes) for b in (stage if isinstance(stage, list) else [stage]))
+            GEV.append((t, e0, e1, "unpack" if scatter else "pack", nb))
+        gather.copy = gather_copy
         rd = ipc.Channel._read
         def _read(self, peer, buf):
             READS.append((time.time(), int(ipc.HEADER.unpack_from(buf)[0])))
@@ -96,6 +109,12 @@ if _out:
                 import cupy as cp
                 rec["copies"].append((round((t - st.start_s) * 1e3, 3), round(cp.cuda.get_elapsed_time(e0, e1), 3), k, nb))
             EV.clear()
+            rec["kernels"] = []  # (launched ms, GPU ms from the launch's start event, kind, bytes)
+            for (t, e0, e1, kind, nb) in GEV:
+                e1.synchronize()
+                import cupy as cp
+                rec["kernels"].append((round((t - st.start_s) * 1e3, 3), round(cp.cuda.get_elapsed_time(e0, e1), 3), kind, nb))
+            GEV.clear()
             rec["reads"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in READS if t >= t0 - 0.01]
             rec["flushes"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in FLUSHES if t >= t0 - 0.01]
             rec["launches"] = [(round((t - st.start_s) * 1e3, 3), k) for t, k in LAUNCHES if t >= t0 - 0.01]
