@@ -252,7 +252,8 @@ class Receiver:
         on, whole. The others are not disturbed. Other arguments as for :class:`Receiver`.
 
         Raises:
-            TransferError: not admitted within ``join_timeout`` seconds.
+            TransferError: not admitted within ``join_timeout`` seconds, or at once when the
+                session's trainers have closed (no version is left to join).
         """
         # the transport is started while the request waits (a UCX context and worker take
         # ~0.4 s): once admitted, the version this rank joins waits for it, the others with it

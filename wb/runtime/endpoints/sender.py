@@ -8,6 +8,7 @@ and the next ``push`` first waits for that send. The way is chosen once, at set-
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, wait
@@ -28,10 +29,12 @@ from wb.runtime.endpoints.stats import UpdateStats
 from wb.runtime.endpoints.targets import Live
 from wb.runtime.engine.inflight import abort
 from wb.runtime.transport.keyed import keyed
+from wb.runtime.membership.joining import mark_pushing
 from wb.runtime.endpoints import asks, checks
 
 __all__ = ["Sender"]
 
+log = logging.getLogger(__name__)
 
 
 class _SendPath(Protocol):
@@ -222,6 +225,9 @@ class Sender:
         self.version = 0
         self._closed = False
         self._desk: asks.Desk | None = None
+        self._leader = self._end.rank == self._end.finisher.leader
+        if self._leader:  # joiners are admitted again (a session's earlier Sender closed)
+            mark_pushing(store, name, None)
 
     @property
     def buffers(self) -> dict[str, Any]:
@@ -362,6 +368,12 @@ class Sender:
         finally:
             self._closed = True
             self._end.stop()
+            if self._leader:  # a rollout still asking to join is told, not left waiting
+                try:
+                    mark_pushing(self._end.store, self._end.name, self.version)
+                except TransferError as e:
+                    log.warning("rank %d: could not record the close in the store: %s",
+                                self.rank, e)
             if failed:
                 abort(self._end.transport)
             else:

@@ -21,7 +21,8 @@ from wb.runtime.membership.liveness import new_incarnation
 from wb.runtime.membership.records import fetch_part, publish_parts
 from wb.runtime.transport.stores import get_large, read_record, set_large, set_record
 
-__all__ = ["Admission", "request_join", "request_joins", "Admissions", "JOIN_RANGE"]
+__all__ = ["Admission", "request_join", "request_joins", "Admissions", "JOIN_RANGE",
+           "mark_pushing"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
         The rank's :class:`Admission`.
 
     Raises:
-        TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?).
+        TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?),
+            or at once once the session's trainers have closed (:func:`mark_pushing`).
     """
     return request_joins(store, [layout], name=name, timeout=timeout,
                          meanwhile=meanwhile)[layout.worker.rank]
@@ -101,6 +103,12 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
                                         f"into session `{name}`: {rec['refused']}")
                 recs[rank] = rec
                 break
+            closed = _closed(store, name)
+            if closed is not None:
+                raise TransferError(
+                    f"rank {rank}: the trainers of session `{name}` closed after version "
+                    f"{closed['version']} ({time.time() - closed['t']:.0f} s ago): no version "
+                    f"is left to join. A new Sender of the session takes joiners again")
             if time.monotonic() > deadline:
                 raise TransferError(f"rank {rank}: not admitted to session `{name}` within "
                                     f"{timeout:.0f} s; the trainers' leader admits joiners when "
@@ -109,6 +117,25 @@ def request_joins(store, layouts, *, name: str = "wb", timeout: float = 600.0,
     return {rank: Admission(fetch_part(store, rank, name=f"{name}/epoch/{rec['epoch']}",
                                        timeout=timeout), int(rec["version"]), int(rec["epoch"]),
                             token) for rank, rec in recs.items()}
+
+
+def mark_pushing(store, name: str, last: int | None) -> None:
+    """The trainers' leader says whether session ``name`` pushes versions: ``last=None`` when
+    its Sender starts, the last version pushed when it closes. A rollout waiting to be admitted
+    (:func:`request_joins`) is told at once that the trainers closed, instead of waiting out its
+    timeout for a push that never comes."""
+    set_record(store, f"{name}/closed", None if last is None else
+               {"version": int(last), "t": time.time()})
+
+
+def _closed(store, name: str) -> dict | None:
+    """The close :func:`mark_pushing` recorded, or ``None``: the session pushes (or its record
+    is missing or unreadable: the admission's timeout still stands)."""
+    try:
+        rec = read_record(store.get(f"{name}/closed", 0.0), f"{name}/closed")
+    except TransferError:
+        return None
+    return rec if isinstance(rec, dict) and "version" in rec and "t" in rec else None
 
 
 class Admissions:
