@@ -303,8 +303,7 @@ class UcxTransport:
                                             f"of the plan within {self.timeout:.1f} s") from e
                 all_done = True
         finally:
-            # Endpoints close through the progress thread (delayed submission): close them while
-            # it runs, then stop it; the other order can spin forever in the endpoints' destructor.
+            # endpoints close through the progress thread while it runs (else they can spin forever)
             closed = threading.Semaphore(0)
             eps = [*self._eps.values(), *self._stale]
             for ep in eps:
@@ -319,8 +318,9 @@ class UcxTransport:
                 if not closed.acquire(timeout=max(0.0, deadline - time.monotonic())):
                     log.warning("rank %d: UCX endpoints still closing after 2 s", self.rank)
                     break
-            self._eps.clear()
-            self._stale.clear()
+            for ep in eps:  # an endpoint failing later would call back into freed memory
+                ep.remove_close_callback()  # (the callback's data goes with the Python object)
+            self._eps, self._stale = {}, []
             if all_done:
                 self._closed_barrier()
             self._worker.stop_progress_thread()
