@@ -54,7 +54,7 @@ def request_join(store, layout: Layout, *, name: str = "wb", timeout: float = 60
 
     Raises:
         TransferError: not admitted within ``timeout`` seconds (is the job pushing versions?),
-            or at once once the session's trainers have closed (:func:`mark_pushing`).
+            or as soon as the session's trainers have closed (:func:`mark_pushing`).
     """
     return request_joins(store, [layout], name=name, timeout=timeout,
                          meanwhile=meanwhile)[layout.worker.rank]
