@@ -54,8 +54,18 @@ def leaves(params: Any) -> dict[str, Any]:
         >>> list(leaves({"a": {"b": 1}}))
         ["['a']['b']"]
     """
-    return {jax.tree_util.keystr(path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat, treedef = jax.tree_util.tree_flatten(params)
+    keys = _KEYS.get(treedef)
+    if keys is None:  # names once per structure: a trainer's pytree is new every step
+        if len(_KEYS) >= 64:
+            _KEYS.clear()
+        keys = _KEYS[treedef] = [jax.tree_util.keystr(path) for path, _
+                                 in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return dict(zip(keys, flat))
+
+
+#: Leaf names by pytree structure (:func:`leaves`): ``keystr`` costs microseconds a leaf.
+_KEYS: dict[Any, list[str]] = {}
 
 
 def to_numpy(x: jax.Array) -> np.ndarray:
@@ -369,8 +379,7 @@ class _Arrays:
                 for r, b in buffers(params, self.ranks).items()}
 
     def settle(self, params: Any) -> None:
-        for leaf in leaves(params).values():
-            leaf.block_until_ready()
+        jax.block_until_ready(jax.tree_util.tree_leaves(params))  # one batched wait
 
     def _device(self, rank: int):
         """The device of ``rank`` in this process (None: not one of its ranks)."""
