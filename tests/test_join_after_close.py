@@ -118,3 +118,31 @@ def test_the_close_record_names_the_last_version(last):
     mark_pushing(store, "wb", None)  # pushing again: the join waits for its admission
     err, took = _ask(store, lay, timeout=1.0)
     assert "not admitted" in str(err) and took >= 1.0
+
+
+def test_a_join_request_is_planned_before_the_next_push_and_admitted_at_it():
+    """The leader looks for join requests between pushes: the joiner's plan is made while the
+    trainers train, and the next push admits it (a 1T job's plan takes seconds, longer than a
+    push waits for one)."""
+    from wb.runtime.transport.stores import get_large
+
+    plan, store = _plan(), MemoryStore()
+    weights, tx, rxs = _job(plan, store)
+    tx.push()
+    for rx in rxs:
+        rx.apply()
+    got: list = []
+
+    def ask():
+        got.append(request_join(store, plan.layout_of(2), timeout=30))
+    t = threading.Thread(target=ask)
+    t.start()
+    # no push meanwhile: the parts of the plan with rank 2 fed apart appear all the same
+    part = wb.RankPlan.from_bytes(get_large(store, "wb/epoch/1/part/2", 5.0))
+    assert part.rank == 2
+    assert t.is_alive()  # admitted only by a push
+    tx.push()
+    t.join(10)
+    assert got and got[0].first == 2 and got[0].epoch == 1, got
+    for w in (tx, *rxs):
+        w.close()

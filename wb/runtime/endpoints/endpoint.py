@@ -305,6 +305,9 @@ class Endpoint:
         grace) and its watch's following."""
         self.heartbeat.stop()
         self.watch.stop()
+        finisher = getattr(self, "finisher", None)  # halted before it was made: none
+        if finisher is not None:
+            finisher.admissions.stop()
         program = getattr(self, "program", None)  # halted before it was made: nothing kept
         if program is not None:
             program.release()

@@ -41,6 +41,7 @@ version finishes for all, then :meth:`Finisher.run` raises it to that rollout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import NamedTuple
 
@@ -134,8 +135,11 @@ class Finisher:
         self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
         self.apart: set[int] = set()  # this epoch's rollouts fed apart (its joiners)
         self._top_epoch = epoch  # the highest epoch the leader has handed out
+        self._epochs = threading.Lock()  # handed out by the pushing thread and the joins' one
         if end.rank == self.leader:  # it calls the dead: its watch times silences all along
             end.watch.follow(lambda: [r for r in (*self.trainers, *self.rollouts) if r != end.rank])
+            if self.can_plan:  # and it plans joiners as soon as they ask
+                self.admissions.follow()
 
     def _read_roster(self) -> Roster | None:
         """The roster of a job set up by :func:`wb.agree_parts` (under this session's name):
@@ -403,11 +407,17 @@ class Finisher:
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))
         set_record(self.end.store, self._key(v, "final"), rec)
 
+    def members(self) -> tuple[int, tuple[int, ...]]:
+        """``(epoch, rollouts)`` of now (the leader takes a version's final record up as soon as
+        it has written it: between versions, the members the next one runs)."""
+        return self.epoch, tuple(self.rollouts)
+
     def new_epoch(self) -> int:
         """A membership epoch never used before (the leader's: epochs it planned and dropped
         are skipped, so no two plans are published under one name)."""
-        self._top_epoch = max(self._top_epoch, self.epoch) + 1
-        return self._top_epoch
+        with self._epochs:
+            self._top_epoch = max(self._top_epoch, self.epoch) + 1
+            return self._top_epoch
 
     def admit(self, v: int) -> None:
         """The leader, pushing version ``v`` before it announces it, admits the rollouts that

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 JOIN_RANGE = 16
 #: Seconds a push waits for the joiners' plan before it goes on without admitting them.
 PLAN_WAIT_S = 0.25
+#: How often the leader looks for join requests between pushes (:meth:`Admissions.follow`).
+LOOK_S = 0.05
+#: Between pushes, requests left waiting (a process's other ranks) are read again this often.
+RESCAN_S = 0.5
 
 
 class Admission(NamedTuple):
@@ -142,11 +146,12 @@ class Admissions:
     """The trainers' leader's side of joining: the join requests in the store, and their
     admission into a version it pushes.
 
-    The plan for the new membership is made on a thread (a 1T job's takes seconds): a push
-    waits for it at most :data:`PLAN_WAIT_S`, and one not ready by then admits the joiners at
-    a later push (the trainers' pushes are never held up by a joiner). A plan that the
-    membership changed under meanwhile (a death called) is dropped and made again at the next
-    push; joiners whose layouts cannot be planned are refused.
+    The plan for the new membership is made on a thread (a 1T job's takes seconds), started
+    as soon as the request is seen (:meth:`follow` looks between pushes, and every push looks):
+    a push waits for it at most :data:`PLAN_WAIT_S`, and one not ready by then admits the
+    joiners at a later push (the trainers' pushes are never held up by a joiner). A plan that
+    the membership changed under meanwhile (a death called) is dropped and made again; joiners
+    whose layouts cannot be planned are refused.
 
     Args:
         fin: the leader's :class:`wb.runtime.membership.finish.Finisher` (its layouts, members, epoch,
@@ -160,6 +165,53 @@ class Admissions:
         self._asked: bytes | None = None  # the join marker last read
         self._rescan = False  # requests were left waiting: read them again at the next push
         self._planning: _Planning | None = None
+        self._lock = threading.Lock()  # the pushing thread and the looking one (follow)
+        self._stop: threading.Event | None = None
+        self._scanned = 0.0  # when the requests were last read (monotonic)
+
+    def follow(self, every: float = LOOK_S) -> None:
+        """Looks for join requests every ``every`` seconds from a daemon thread, until
+        :meth:`stop`, and starts planning them as soon as they come: the push after a request
+        then usually finds its plan made, where a plan started at that push may take longer
+        than it waits (:data:`PLAN_WAIT_S`) and admit the joiner a version later."""
+        if self._stop is not None:
+            return
+        stop = self._stop = threading.Event()
+
+        def run():
+            while not stop.wait(every):
+                try:
+                    with self._lock:
+                        self._start(looking=True)
+                except Exception:  # noqa: BLE001 - a store hiccup: the next look, or the push
+                    log.debug("joins: a look failed", exc_info=True)
+        threading.Thread(target=run, name="wb-joins", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stops looking between pushes (:meth:`follow`)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    def _start(self, *, looking: bool = False) -> _Planning | None:
+        """The plan being made for the rollouts that asked to join, started now if they asked
+        since the last look (one key read when nobody did); None if nobody waits. Requests
+        left waiting are read again at every push, and between pushes (``looking``) at most
+        every :data:`RESCAN_S` (a read per rollout rank)."""
+        job = self._planning
+        if job is not None and job.members != self.fin.members():
+            self._planning, self._rescan = None, True  # made for members that changed since
+        if self._planning is None:
+            asked = self.peek(self.fin.end.key("joins"))
+            if asked is None or (asked == self._asked and not self._rescan):
+                return None
+            if looking and asked == self._asked and time.monotonic() - self._scanned < RESCAN_S:
+                return None
+            self._asked, self._scanned = asked, time.monotonic()
+            joiners = self.requests(set())
+            if not joiners:
+                return None
+            self._planning = _Planning(self.fin, joiners)
+        return self._planning
 
     def admit(self, v: int) -> None:
         """Admits the rollouts that asked to join (all ranks of a process or none) into version
@@ -167,26 +219,25 @@ class Admissions:
         (:func:`wb.plan`'s ``apart``) under a new epoch, whose parts and *start* record are in
         the store before ``v`` is announced. Reads one key when nobody asked since the last
         look."""
-        fin, end = self.fin, self.fin.end
-        if self._planning is None:
-            asked = self.peek(end.key("joins"))
-            if asked is None or (asked == self._asked and not self._rescan):
-                return
-            self._asked = asked
-            joiners = self.requests(set())
-            if not joiners:
-                return
-            self._planning = _Planning(fin, joiners)
-        job = self._planning
+        with self._lock:
+            job = self._start()
+        if job is None:
+            return
         if not job.wait(PLAN_WAIT_S):
             log.info("version %d: the plan for joiners %s is not made yet; they are admitted "
                      "at a later push", v, sorted(job.joiners))
             return
+        with self._lock:
+            self._take(v, job)
+
+    def _take(self, v: int, job: _Planning) -> None:
+        """Admits ``job``'s joiners into ``v`` if its plan still holds (else plans again)."""
+        fin, end = self.fin, self.fin.end
         self._planning = None
         # made for another membership (a death was called meanwhile), or a rank asked again
         # under another token (a missed peek reads None: the request stands): plan again at the
         # next push
-        if job.members != (fin.epoch, tuple(fin.rollouts)) or any(
+        if job.members != fin.members() or any(
                 (raw := self.peek(end.key("joinreq", r))) is not None and raw.decode(errors="replace") != token
                 for r, token in job.joiners.items()):
             self._rescan = True
@@ -274,13 +325,13 @@ class Admissions:
 
 class _Planning:
     """The plan of the trainers and the members with ``joiners`` fed apart, made on a thread
-    from the membership of now (``members``: the epoch and rollouts it was made for) and its
-    parts published under a new epoch (skipped, should the plan be dropped)."""
+    from the membership the next version runs (``members``: the epoch and rollouts it was made
+    for) and its parts published under a new epoch (skipped, should the plan be dropped)."""
 
     def __init__(self, fin, joiners: dict[int, str]):
         self.joiners = dict(joiners)
-        self.members = (fin.epoch, tuple(fin.rollouts))
-        self.rollouts = sorted(set(fin.rollouts) | set(joiners))
+        self.members = fin.members()
+        self.rollouts = sorted(set(self.members[1]) | set(joiners))
         self.epoch = fin.new_epoch()
         self.error: BaseException | None = None
         self.planned_s = 0.0
