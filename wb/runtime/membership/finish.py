@@ -408,8 +408,7 @@ class Finisher:
         set_record(self.end.store, self._key(v, "final"), rec)
 
     def members(self) -> tuple[int, tuple[int, ...]]:
-        """``(epoch, rollouts)`` of now (the leader takes a version's final record up as soon as
-        it has written it: between versions, the members the next one runs)."""
+        """``(epoch, rollouts)`` of now: between versions, the leader's are the next one's."""
         return self.epoch, tuple(self.rollouts)
 
     def new_epoch(self) -> int:
