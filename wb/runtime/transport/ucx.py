@@ -43,7 +43,6 @@ import glob
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -58,6 +57,7 @@ from wb.runtime.transport.memory import CudaMemory, HostMemory, cma_usable, host
 from wb.runtime.transport.challenge import Gate, challenge
 from wb.runtime.transport.keyed import KeyedStore, keyed, tag_secret
 from wb.runtime.transport.stores import Store
+from wb.runtime.transport import ucx_env
 
 __all__ = ["UcxTransport", "default_tls", "cma_usable"]
 
@@ -217,12 +217,7 @@ class UcxTransport:
                 for p in sorted(set(int(p) for p in peers) - {self.rank})}
 
     def _start(self) -> None:
-        # ucxx sets UCX variables this UCX no longer reads (UCX_MEMTYPE_CACHE), so every process
-        # would print two warnings about unused variables. UCX reads UCX_WARN_UNUSED_ENV_VARS
-        # once, when ucxx first loads it: turn the warning off before that (and only then: set
-        # later, the variable is itself reported unused), unless the user set it.
-        if "ucxx" not in sys.modules:
-            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        ucx_env.prepare(self.tls)  # what UCX reads when ucxx first loads it
         try:
             import ucxx._lib.libucxx as ucx_api
         except ImportError as e:
