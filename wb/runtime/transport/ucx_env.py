@@ -4,12 +4,15 @@ never over the user's own setting).
 - ``UCX_WARN_UNUSED_ENV_VARS=n``: ucxx sets variables this UCX no longer reads
   (``UCX_MEMTYPE_CACHE``), so every process would print two warnings about unused variables (set
   later, the variable is itself reported unused).
-- ``UCX_MEM_MMAP_HOOK_MODE=reloc``, where every transport is a host one (TCP, shared memory,
-  CMA): by default UCX's memory hooks patch ``mmap`` and its kin in place, which takes 0.4 s of
-  ``sched_yield`` at the start of every process on a 2-core machine (``libucs``'s constructor,
-  ``ucm_bistro_apply_patch_atomic``), against 2 ms through the relocation tables. The hooks keep
-  registration caches of RDMA and GPU memory right, which these transports do not have; with
-  any other transport (``rc``, ``cuda_ipc``, ``UCX_TLS=all``...) UCX's default stays.
+- ``UCX_MEM_MMAP_HOOK_MODE=none``, where every transport copies through the host without
+  registering memory (TCP, CMA, POSIX or SysV shared memory): by default UCX's memory hooks
+  patch ``mmap`` and its kin in place when ``libucs`` loads, 0.4 s of ``sched_yield`` at the
+  start of every process on a 2-core machine (``ucm_bistro_apply_patch_atomic``). The hooks only
+  keep registration caches right (RDMA, GPU, xpmem/knem), which these transports do not have.
+  Hooking through the relocation tables instead (``reloc``) is as quick but corrupts the heap
+  of a process that also runs JAX (``munmap_chunk(): invalid pointer`` at exit); ``none``
+  installs no hook. With any other transport (``rc``, ``cuda_ipc``, ``sm``, ``UCX_TLS=all``...)
+  UCX's default stays.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import sys
 
 __all__ = ["prepare", "HOST_TLS"]
 
-#: UCX transports that register no memory with a device (no registration cache to keep right).
-HOST_TLS = frozenset({"tcp", "cma", "self", "sm", "shm", "posix", "sysv", "xpmem", "knem"})
+#: UCX transports that register no memory (no registration cache for the hooks to keep right).
+HOST_TLS = frozenset({"tcp", "cma", "self", "posix", "sysv"})
 
 
 def prepare(tls: str) -> None:
@@ -29,4 +32,4 @@ def prepare(tls: str) -> None:
         return  # UCX has read its environment already
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if {t.strip() for t in tls.split(",") if t.strip()} <= HOST_TLS:
-        os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "reloc")
+        os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
