@@ -38,6 +38,15 @@ def _job(plan, store):
         return weights, tx.result(), [f.result() for f in rxs]
 
 
+def _one_version(plan, store):
+    """:func:`_job`, version 1 pushed and applied by both rollouts."""
+    weights, tx, rxs = _job(plan, store)
+    tx.push()
+    for rx in rxs:
+        rx.apply()
+    return weights, tx, rxs
+
+
 def _ask(store, layout, timeout: float) -> tuple[BaseException | None, float]:
     """``request_join`` in a thread: what it raised, and after how many seconds."""
     out: list = [None, 0.0]
@@ -87,10 +96,7 @@ def test_a_join_after_the_trainers_closed_fails_at_once_and_a_new_sender_takes_j
 def test_a_rollout_waiting_to_join_is_told_when_the_trainers_close():
     """Asked while the job ran, never admitted (no push came), then the trainers closed."""
     plan, store = _plan(), MemoryStore()
-    weights, tx, rxs = _job(plan, store)
-    tx.push()
-    for rx in rxs:
-        rx.apply()
+    weights, tx, rxs = _one_version(plan, store)
     got: list = []
     t = threading.Thread(target=lambda: got.append(_ask(store, plan.layout_of(2), timeout=60)))
     t.start()
@@ -127,10 +133,7 @@ def test_a_join_request_is_planned_before_the_next_push_and_admitted_at_it():
     from wb.runtime.transport.stores import get_large
 
     plan, store = _plan(), MemoryStore()
-    weights, tx, rxs = _job(plan, store)
-    tx.push()
-    for rx in rxs:
-        rx.apply()
+    weights, tx, rxs = _one_version(plan, store)
     got: list = []
 
     def ask():

@@ -17,7 +17,7 @@ from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import RankPlan
 from wb.errors import PlanError, SpecError, TransferError
 from wb.runtime.transport.keyed import keyed
-from wb.runtime.membership.liveness import new_incarnation
+from wb.runtime.membership.liveness import new_incarnation, repeat
 from wb.runtime.membership.records import fetch_part, publish_parts
 from wb.runtime.transport.stores import get_large, read_record, set_large, set_record
 
@@ -174,18 +174,12 @@ class Admissions:
         :meth:`stop`, and starts planning them as soon as they come: the push after a request
         then usually finds its plan made, where a plan started at that push may take longer
         than it waits (:data:`PLAN_WAIT_S`) and admit the joiner a version later."""
-        if self._stop is not None:
-            return
-        stop = self._stop = threading.Event()
+        if self._stop is None:
+            self._stop = repeat(every, self._look, "wb-joins")
 
-        def run():
-            while not stop.wait(every):
-                try:
-                    with self._lock:
-                        self._start(looking=True)
-                except Exception:  # noqa: BLE001 - a store hiccup: the next look, or the push
-                    log.debug("joins: a look failed", exc_info=True)
-        threading.Thread(target=run, name="wb-joins", daemon=True).start()
+    def _look(self) -> None:
+        with self._lock:
+            self._start(looking=True)
 
     def stop(self) -> None:
         """Stops looking between pushes (:meth:`follow`)."""

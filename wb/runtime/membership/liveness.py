@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 
 from wb.errors import TransferError
 
-__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S", "FOLLOW_S", "new_incarnation"]
+__all__ = ["Heartbeat", "Watch", "BEAT_S", "GRACE_S", "FOLLOW_S", "new_incarnation", "repeat"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,21 @@ BEAT_S = 0.5
 GRACE_S = 3.0
 #: Seconds between two looks of a following watch (:meth:`Watch.follow`) at each peer.
 FOLLOW_S = BEAT_S / 2
+
+
+def repeat(seconds: float, look: Callable[[], object], name: str) -> threading.Event:
+    """Calls ``look()`` every ``seconds`` from a daemon thread ``name`` until the returned event
+    is set; a call that raises (a store hiccup) is logged and the next one comes as usual."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(seconds):
+            try:
+                look()
+            except Exception:  # noqa: BLE001 - the next look, or the owner, asks again
+                log.debug("%s: a look failed", name, exc_info=True)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return stop
 
 
 def new_incarnation() -> str:
@@ -120,17 +135,8 @@ class Watch:
         :meth:`stop`: between the owner's own questions too, so a peer's silence is timed on
         this clock from within ``every`` of its last beat. Costs one store read per peer per
         look (the trainers' leader follows its members)."""
-        if self._following is not None:
-            return
-        stop = self._following = threading.Event()
-
-        def run():
-            while not stop.wait(every):
-                try:
-                    self.silent(list(peers()))
-                except Exception:  # noqa: BLE001 - a store hiccup: the owner asks again
-                    log.debug("watch: a look failed", exc_info=True)
-        threading.Thread(target=run, name="wb-watch", daemon=True).start()
+        if self._following is None:
+            self._following = repeat(every, lambda: self.silent(list(peers())), "wb-watch")
 
     def stop(self) -> None:
         """Stops following (:meth:`follow`)."""
