@@ -52,6 +52,10 @@ class Mover(Protocol):
     def unpack(self, g, buf: Any) -> None:
         """``g``'s staging ``buf`` into its destination regions, in their dtype."""
 
+    def unpack_all(self, items: list) -> list:
+        """:meth:`unpack` of each ``(g, buf)``; returns ``(event, g, buf)`` for each (the
+        event as :meth:`fence` gives, once its unpacking is queued)."""
+
     def copy_local(self, g) -> None:
         """A local copy's source regions into its destination regions."""
 
@@ -200,6 +204,13 @@ class HostMover:
         else:
             self.unpack_from(g, buf)
 
+    def unpack_all(self, items: list) -> list:
+        out = []
+        for g, buf in items:
+            self.unpack(g, buf)
+            out.append((self.fence(), g, buf))
+        return out
+
     def unpack_from(self, g, buf) -> None:
         """Message ``g``'s bytes ``buf`` into its destination regions, in their dtype."""
         if g.zc_dst:  # one range of a buffer
@@ -317,6 +328,41 @@ class DeviceMover(HostMover):
         else:
             self._fused(g, buf, scatter=True)
 
+    def unpack_all(self, items: list) -> list:
+        """Receives of one element width unpacked up to
+        :data:`~wb.runtime.engine.gather.STAGES` a launch (a launch costs ~15-20 us of the
+        caller's time, a JAX rollout unpacks every message), one event each launch; the tables
+        of the sets that came together are kept, a bounded few (:data:`UNPACK_TABLES`)."""
+        out, runs = [], {}
+        for g, buf in items:
+            if g.conv:  # converted as it is unpacked: on its own
+                self.unpack(g, buf)
+                out.append((self.fence(), g, buf))
+                continue
+            run = runs.setdefault(dtype_info(g.wire).itemsize, [])
+            run.append((g, buf))
+            if len(run) == gather.STAGES:
+                out += self._unpack_run(run)
+                run.clear()
+        for run in runs.values():
+            if run:
+                out += self._unpack_run(run)
+        return out
+
+    def _unpack_run(self, run: list) -> list:
+        tables = self.prog.tables.setdefault("unpacks", {})
+        key = tuple(g.m for g, _ in run)
+        tab = tables.get(key)
+        if tab is None and len(run) > 1 and len(tables) < UNPACK_TABLES:
+            tab = tables[key] = self.xp.asarray(
+                gather.stacked([gather.table(self._spans(g)) for g, _ in run]))
+        if tab is None:  # one message, or too many sets seen: one launch each
+            return HostMover.unpack_all(self, run)
+        gather.copy(self._ptrs(), tab, [buf for _, buf in run],
+                    dtype_info(run[0][0].wire).itemsize, scatter=True)
+        ev = self.fence()
+        return [(ev, g, buf) for g, buf in run]
+
     def _fused(self, g, buf, *, scatter: bool) -> None:
         """Packs ``g`` (a message or a frame) into ``buf`` (or, with ``scatter``, unpacks
         ``buf``) in one launch: a frame's members' regions lie one after another, as its
@@ -339,6 +385,11 @@ class DeviceMover(HostMover):
                     for b, r in zip(prog.slot_buf, prog.slot_rank)]
             self.ptrs = self.xp.asarray(np.array(ptrs, np.uint64))
         return self.ptrs
+
+
+#: Stacked unpack tables a program keeps (:meth:`DeviceMover.unpack_all`): the sets of receives
+#: that completed together, which repeat from one update to the next.
+UNPACK_TABLES = 256
 
 
 def mover_for(prog, flat: dict[str, Any], xp, ready: dict | None = None) -> HostMover:

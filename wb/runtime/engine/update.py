@@ -358,16 +358,19 @@ class _Update(Stalls):
             for _, g, buf in got:
                 if not g.out:
                     sums.landed(g, buf if buf is not None else self.mover.target(g))
+        unpacks = []  # unpacked together where the mover can (one launch for several)
         for req, g, buf in got:
             if g.out:
                 self.sent(g, g.nbytes, staged=buf is not None)
                 if buf is not None:
                     self.release(buf)
             elif buf is not None:
-                self.mover.unpack(g, buf)
-                self.after(self.fence(), g, buf)
+                unpacks.append((g, buf))
             else:
                 self.landed(g, None)
+        if unpacks:
+            for ev, g, buf in self.mover.unpack_all(unpacks):
+                self.after(ev, g, buf)
         return bool(got)
 
     def sent(self, g, nbytes: int, *, staged: bool) -> None:
