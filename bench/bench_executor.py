@@ -79,6 +79,9 @@ class NullMover:
     def unpack(self, g, buf) -> None:
         pass
 
+    def unpack_all(self, items: list) -> list:
+        return [(None, g, buf) for g, buf in items]
+
     def copy_local(self, g) -> None:
         pass
 
