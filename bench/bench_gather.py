@@ -5,7 +5,8 @@ regions, through shared-memory tiles), one message a launch and
 :data:`~wb.runtime.engine.gather.STAGES` a launch, and contiguous regions for reference. TB/s of
 payload (each byte read once and written once), best of ``--repeat`` by CUDA events.
 
-    python bench/bench_gather.py [--rows 2048 --cols 2048] [--messages 8] [--repeat 20] [--json]
+    python bench/bench_gather.py [--rows 2048 --cols 2048] [--messages 8] [--repeat 20]
+        [--kernel-from FILE] [--json]
 """
 
 from __future__ import annotations
@@ -22,11 +23,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cols", type=int, default=2048, help="its columns")
     ap.add_argument("--messages", type=int, default=8, help="weights, one message each")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--kernel-from", metavar="FILE",
+                    help="time the gather module of this file instead (another version of it)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     import cupy
 
     from wb.runtime.engine import gather
+
+    if a.kernel_from:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gather_from_file", a.kernel_from)
+        gather = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gather)
 
     R, C, M = a.rows, a.cols, min(a.messages, gather.STAGES)
     n = R * C

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from wb.runtime.engine.gather import FIELDS, STAGES, TILE, kernel_source, stacked, table
+from wb.runtime.engine.gather import FIELDS, PAIRED, STAGES, TILE, kernel_source, stacked, table
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -154,6 +154,31 @@ def test_transposed_regions_move_in_tiles_like_numpy(kernels, na, nb, pad, size,
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.parametrize("na, nb, pad, f0", [(65, 66, 0, 2), (130, 64, 2, 0), (64, 130, 4, 4),
+                                          (3, 2, 0, 2), (127, 2, 2, 0), (2, 200, 6, 2),
+                                          (65, 66, 1, 2), (64, 64, 0, 1)])
+@pytest.mark.parametrize("piece", [1, 1 << 16])
+def test_transposed_bfloat16_regions_move_two_elements_a_thread(kernels, na, nb, pad, f0, piece):
+    """Two-byte elements whose pairs are word-aligned on both sides (``f0``, the column step and
+    ``nb`` even) go through the wider tiles, a word a thread: edges of odd and partial tiles
+    included; the others (an odd column step or start) through the narrow ones. Packed and
+    unpacked like numpy's view either way."""
+    rng = np.random.default_rng(na * 7 + nb + pad + f0)
+    fb = na + pad
+    buf = rng.integers(0, 1 << 16, f0 + fb * nb, dtype=np.uint16)
+    spans = [(0, f0, na, nb, 1, fb)]
+    want = _region(buf, f0, na, nb, 1, fb).reshape(-1).copy()
+    stage = np.zeros(na * nb, np.uint16)
+    tab = _run(kernels[2], [buf], spans, stage, scatter=False, piece=piece)
+    np.testing.assert_array_equal(stage, want)
+    assert (tab[2][:-1] % PAIRED == 0).all() and tab[2].sum() == na  # whole tiles of rows
+    fresh = rng.integers(0, 1 << 16, na * nb, dtype=np.uint16)
+    ref, got = buf.copy(), buf.copy()
+    _region(ref, f0, na, nb, 1, fb)[...] = fresh.reshape(na, nb)
+    _run(kernels[2], [got], spans, fresh, scatter=True, piece=piece)
+    np.testing.assert_array_equal(got, ref)
+
+
 @settings(max_examples=60, deadline=None)
 @given(messages=st.lists(_spans(), min_size=1, max_size=STAGES), size=st.sampled_from([2, 4]),
        piece=st.sampled_from([3, 64]))
@@ -200,8 +225,9 @@ def test_long_regions_are_cut_at_rows_or_within_a_row():
                     (1, 0, 1, 7, 10, 1, 12, 0), (1, 7, 1, 3, 10, 1, 19, 0),
                     (1, 10, 1, 7, 10, 1, 22, 0), (1, 17, 1, 3, 10, 1, 29, 0)]
     assert table([]).shape == (len(FIELDS), 0)
-    # transposed (rows step 1, columns step 100): whole rows, TILE at a time, however small the
-    # pieces asked
-    tab = table([(0, 0, 70, 100, 1, 100)], piece=7)
-    assert tab[2].tolist() == [TILE, TILE, 70 - 2 * TILE] and tab[1].tolist() == [0, TILE, 2 * TILE]
-    assert tab[6].tolist() == [0, TILE * 100, 2 * TILE * 100]
+    # transposed (rows step 1, columns step 100): whole rows, PAIRED at a time, however small
+    # the pieces asked
+    tab = table([(0, 0, 150, 100, 1, 100)], piece=7)
+    assert tab[2].tolist() == [PAIRED, PAIRED, 150 - 2 * PAIRED]
+    assert tab[1].tolist() == [0, PAIRED, 2 * PAIRED]
+    assert tab[6].tolist() == [0, PAIRED * 100, 2 * PAIRED * 100]
