@@ -23,6 +23,7 @@ _HOST = r"""
 #define __shared__
 #define __syncthreads()
 struct D3 { long long x, y; };
+struct uint4 { unsigned int x, y, z, w; };
 static D3 threadIdx, blockIdx, gridDim, blockDim;
 """
 _RUN = r"""
@@ -176,6 +177,29 @@ def test_transposed_bfloat16_regions_move_two_elements_a_thread(kernels, na, nb,
     ref, got = buf.copy(), buf.copy()
     _region(ref, f0, na, nb, 1, fb)[...] = fresh.reshape(na, nb)
     _run(kernels[2], [got], spans, fresh, scatter=True, piece=piece)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+@pytest.mark.parametrize("f0, at, n", [(8, 0, 64), (16, 8, 40), (3, 0, 64), (8, 1, 63), (0, 0, 16)])
+def test_contiguous_stretches_move_in_16_byte_words_where_aligned(kernels, size, f0, at, n):
+    """A stretch contiguous on both sides, 16-byte aligned there and a multiple of 16 bytes long,
+    moves in 16-byte words; any other one element by element. Both like numpy's slices."""
+    dt = np.dtype(f"u{size}")
+    rng = np.random.default_rng(f0 * 100 + at * 10 + n + size)
+    buf = rng.integers(0, np.iinfo(dt).max, 256, dtype=dt, endpoint=True)
+    # rows of n // 2 elements back to back (one run), at message position ``at``
+    spans = [(0, f0, 2, n // 2, n // 2, 1)] if n % 2 == 0 else [(0, f0, 1, n, 1, 1)]
+    stage = np.zeros(at + n, dt)
+    tab = table(spans)
+    tab[6] += at
+    _launch(kernels[size], [buf], tab, [stage], scatter=False)
+    np.testing.assert_array_equal(stage[at:], buf[f0:f0 + n])
+    assert not stage[:at].any()
+    fresh = rng.integers(0, np.iinfo(dt).max, at + n, dtype=dt, endpoint=True)
+    ref, got = buf.copy(), buf.copy()
+    ref[f0:f0 + n] = fresh[at:]
+    _launch(kernels[size], [got], tab, [fresh], scatter=True)
     np.testing.assert_array_equal(got, ref)
 
 

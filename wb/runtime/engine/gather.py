@@ -153,12 +153,27 @@ extern "C" __global__ void wb_gather(const unsigned long long* ptrs, const long 
         }
         long long n = na * nb;
         bool run = (nb == 1 || fb == 1) && (na == 1 || fa == nb);
+        const long long S = sizeof(ELEM);
+        if (run && (((f0 * S) | (at * S) | (n * S)) & 15) == 0
+                && (((unsigned long long)base | (unsigned long long)stage) & 15) == 0) {
+            /* one contiguous stretch on both sides, 16-byte aligned: 16-byte words */
+            uint4* b4 = (uint4*)(base + f0);
+            uint4* s4 = (uint4*)(stage + at);
+            for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n * S / 16;
+                 e += (long long)gridDim.x * blockDim.x) {
+                if (scatter) b4[e] = s4[e]; else s4[e] = b4[e];
+            }
+            continue;
+        }
         for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
              e += (long long)gridDim.x * blockDim.x) {
             long long p;
             if (run) p = f0 + e;
             else if (nb == 1) p = f0 + e * fa;
-            else { long long i = e / nb; p = f0 + i * fa + (e - i * nb) * fb; }
+            else if (n < 2147483648LL) {  /* a 32-bit division: a 64-bit one costs far more */
+                long long i = (unsigned int)e / (unsigned int)nb;
+                p = f0 + i * fa + (e - i * nb) * fb;
+            } else { long long i = e / nb; p = f0 + i * fa + (e - i * nb) * fb; }
             if (scatter) base[p] = stage[at + e]; else stage[at + e] = base[p];
         }
     }
