@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ comp
 _HOST = r"""
 #define __global__
 #define __shared__
+#define __align__(n) alignas(n)
 #define __syncthreads()
 struct D3 { long long x, y; };
 struct uint4 { unsigned int x, y, z, w; };

@@ -74,7 +74,7 @@ extern "C" __global__ void wb_gather(const unsigned long long* ptrs, const long 
             /* transposed, 2-byte elements, every pair of them word-aligned on both sides:
                tiles of PAIRED x PAIRED, moved two elements (one 4-byte word) a thread on each
                side: along i in the buffer, along j in the staging */
-            __shared__ unsigned short pt[PAIRED][PAIRED + 2];
+            __shared__ __align__(16) unsigned short pt[PAIRED][PAIRED + 2];  /* word access */
             long long tj = (nb + PAIRED - 1) / PAIRED, tiles = (na + PAIRED - 1) / PAIRED * tj;
             for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
                 long long i0 = t / tj * PAIRED, j0 = t % tj * PAIRED;
