@@ -230,3 +230,72 @@ def _batch(rows, handles):
     arr = np.array(rows, ROW)
     return np.frombuffer(HEADER.pack(len(rows), len(handles)) + arr.tobytes() + b"".join(handles),
                          np.uint8)
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_its_caller_can_unpack_is_unpacked_from_the_senders_memory(tmp_path,
+                                                                             monkeypatch):
+    """A receive posted with ``unpack=(unpacker, key)`` is handed to the unpacker with the
+    sender's bytes where they lie (here: host memory given an ``unpack_many`` that reads them
+    with ``process_vm_readv``, as CUDA's runs the unpacking kernel on the opened memory): its
+    buffer stays untouched, the request says ``unpacked``, the sender's send completes with the
+    ack. Where the memory cannot (``None``), the message is copied into the buffer as any."""
+    import threading
+    import time
+
+    from wb.runtime.transport import memory
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    refuse = {3}  # the memory fails a group holding this key: copied instead
+
+    def unpack_many(self, items, peer):
+        if any(key in refuse for (_, key), *_ in items):
+            return None
+        for (unpacker, key), pid, address, nbytes in items:
+            got = np.empty(nbytes, np.uint8)
+            assert self.copy(got, pid, address, nbytes, peer)
+            unpacker.unpack_many([(key, got)])
+        return True
+
+    class Unpacker:
+        def __init__(self):
+            self.into = {}
+
+        def unpack_many(self, items):
+            for key, data in items:
+                self.into[key] = data[::-1].copy()  # another layout than the message's
+
+    monkeypatch.setattr(memory.HostMemory, "unpack_many", unpack_many, raising=False)
+    rng = np.random.default_rng(7)
+    msgs = [rng.integers(0, 256, 1000 + 37 * k, dtype=np.uint8) for k in range(8)]
+    store = DirectoryStore(str(tmp_path))
+    t = [UcxTransport(r, store, session="up", timeout=20, ipc="host") for r in (0, 1)]
+    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    try:
+        assert not t[1].unpacks_from(0)  # the transport offers it for CUDA memory only
+        into = Unpacker()
+        bufs = [np.zeros_like(m) for m in msgs]
+        recvs, sends = {}, {}
+        for keys in ([3], [0, 1, 2, 4, 5, 6, 7]):  # 3 alone: its memory refuses it
+            for k in keys:
+                recvs[k] = t[1].recv(0, bufs[k], 100 + k, unpack=(into, k) if k % 2 else None)
+                sends[k] = t[0].send(1, msgs[k], 100 + k)
+            reqs = [recvs[k] for k in keys] + [sends[k] for k in keys]
+            end = time.monotonic() + 20
+            while not all([q.done() for q in reqs]) and time.monotonic() < end:
+                time.sleep(1e-4)
+            assert all(q.done() for q in reqs)
+        for k in range(8):
+            unpacked = k % 2 == 1 and k not in refuse
+            assert recvs[k].unpacked is unpacked, k
+            if unpacked:
+                assert not bufs[k].any() and np.array_equal(into.into[k], msgs[k][::-1])
+            else:
+                assert np.array_equal(bufs[k], msgs[k]) and k not in into.into
+    finally:
+        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
+        [th.start() for th in ths]
+        [th.join() for th in ths]

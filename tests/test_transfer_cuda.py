@@ -47,3 +47,25 @@ def test_torch_sender_receiver_on_cuda_tensors(tmp_path, staging):
     res = run_pair(cuda_sender_receiver_child, tmp_path, {"staging": staging, "versions": 3})
     assert all(r["ok"] for r in res), [(r.get("error"), r.get("trace", "")[-2000:]) for r in res]
     assert res[1]["checks"] == [True] * 3 and res[1]["same_ptr"] == [True] * 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checksums", [True, False])
+def test_receives_are_unpacked_from_the_senders_memory(tmp_path, monkeypatch, checksums):
+    """One-sided CUDA messages whose regions lie apart in the receiver's buffers are unpacked by
+    its kernel straight from the sender's memory (no copy into staging first), with their CRCs
+    taken there when checksums are on: every rollout buffer bit-identical."""
+    monkeypatch.setenv("WB_IPC", "cuda")
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_plan import deployment
+
+    trainers, rollouts = deployment()
+    p = wb.plan(trainers, rollouts, chunk_bytes=256)
+    p.save(tmp_path / "plan.npz")
+    ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
+    run = run_ranks(str(tmp_path / "plan.npz"), ranks, str(tmp_path),
+                    options={"timeout": 60, "cuda_device": 0, "checksums": checksums})
+    assert all(run.results[r] and run.results[r]["ok"] for r in ranks), run.results
+    assert all(run.results[lay.worker.rank]["bit_identical"] for lay in rollouts)
+    assert sum(run.results[r]["unpacked"] for r in ranks) > 0

@@ -149,6 +149,12 @@ class _HostSums:
     def take(self, buf, slot: int) -> None:
         self.values[slot] = crc.host(buf)
 
+    def take_now(self, rows: list) -> None:
+        """Hashes ``(pointer, bytes, slot)`` rows now, on the current stream (behind the
+        zeroing of the update's CRCs)."""
+        self.xp.cuda.get_current_stream().wait_event(self.cleared)
+        self.launcher.launch(rows, self.values)
+
     def flush(self, *, idle: bool = True) -> None:
         pass
 
@@ -188,6 +194,7 @@ class _DeviceSums:
         """A new update (the last one's fetches are done)."""
         with self.stream:
             self.values.fill(0)
+        self.cleared = recorded(self.xp, self.stream)  # what takes CRCs elsewhere waits for it
         self.pending, self.pending_bytes = [], 0
         self.batches: list = []  # an event after each launched batch
         self.launcher.reset()
@@ -196,6 +203,12 @@ class _DeviceSums:
         """Queues ``buf`` (a CuPy array or a :class:`~wb.runtime.engine.inflight.DeviceBytes`)."""
         self.pending.append((buf.data.ptr, int(buf.nbytes), slot))
         self.pending_bytes += int(buf.nbytes)
+
+    def take_now(self, rows: list) -> None:
+        """Hashes ``(pointer, bytes, slot)`` rows now, on the current stream (behind the
+        zeroing of the update's CRCs)."""
+        self.xp.cuda.get_current_stream().wait_event(self.cleared)
+        self.launcher.launch(rows, self.values)
 
     def flush(self, *, idle: bool = True) -> None:
         """Launches the batch taken so far (unless it is short of :data:`FLUSH_BYTES` and not
@@ -268,9 +281,16 @@ class Digests:
         self.to_hash_out[(g.peer, self.r.hop_of[g.m])] -= 1
 
     def landed(self, g, buf) -> None:
-        """Unit ``g`` landed in ``buf`` (before it is unpacked)."""
-        self.sums.take(buf, self.r.slot[g.m])
+        """Unit ``g`` landed in ``buf`` (before it is unpacked; ``None``: hashed where it was
+        read, :meth:`hash_at`)."""
+        if buf is not None:
+            self.sums.take(buf, self.r.slot[g.m])
         self.to_land[(g.peer, self.r.hop_of[g.m])] -= 1
+
+    def hash_at(self, items: list) -> None:
+        """Units ``(g, address)`` unpacked straight from their senders' memory, hashed there
+        now, on the current stream (the sender may reuse that memory once it has passed)."""
+        self.sums.take_now([(int(at), g.nbytes, self.r.slot[g.m]) for g, at in items])
 
     def guard(self):
         """A token to pass (:meth:`passed`) before staging taken so far may be written again

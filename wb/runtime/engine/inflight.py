@@ -1,17 +1,20 @@
 """What an update keeps in flight: requests per peer (:class:`Inflight`), byte ranges of CUDA
 buffers handed to a transport (:class:`DeviceBytes`), strided views of flat buffers
-(:func:`region`), the events that say device work is done (:func:`fencer`), and how a failed
-update lets go of its transport (:func:`abort`)."""
+(:func:`region`), the events that say device work is done (:func:`fencer`), the receives a
+transport may unpack from their senders' memory (:func:`in_place`), and how a failed update lets
+go of its transport (:func:`abort`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "recorded", "abort"]
+__all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "recorded", "abort",
+           "in_place", "InPlace"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,34 @@ def region(xp, flat, f0, na, nb, fa, fb):
     # a length-1 axis has no step (the line zone's row step is 2**62: meaningless, and too big)
     strides = (int(fa) * item if na > 1 else 0, int(fb) * item if nb > 1 else 0)
     return xp.lib.stride_tricks.as_strided(flat[f0:], shape=(int(na), int(nb)), strides=strides)
+
+
+class InPlace:
+    """What a transport calls to unpack received messages straight from their senders' memory
+    (``unpack_many([(message, address), ...])``, on the stream it reads them on): with checksums
+    their CRCs are taken there first, then the mover's kernels unpack them."""
+
+    __slots__ = ("mover", "sums")
+
+    def __init__(self, mover, sums):
+        self.mover, self.sums = mover, sums
+
+    def unpack_many(self, items: list) -> None:
+        if self.sums is not None:
+            self.sums.hash_at(items)
+        self.mover.unpack_many(items)
+
+
+def in_place(transport, mover, sums, delta, peers) -> dict:
+    """``{peer: InPlace}`` for the ``peers`` whose messages ``transport`` may unpack from their
+    memory (its ``unpacks_from``; a mover with ``unpack_many``, no deltas), else ``{}`` (also
+    with ``WB_UNPACK_IN_PLACE=0`` in the environment: copied into staging, unpacked after)."""
+    can = getattr(transport, "unpacks_from", None)
+    if can is None or delta is not None or not hasattr(mover, "unpack_many") or \
+            os.environ.get("WB_UNPACK_IN_PLACE", "1") == "0":
+        return {}
+    into = InPlace(mover, sums)
+    return {p: into for p in peers if can(p)}
 
 
 def abort(transport) -> None:

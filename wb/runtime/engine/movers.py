@@ -349,19 +349,39 @@ class DeviceMover(HostMover):
                 out += self._unpack_run(run)
         return out
 
+    def unpack_many(self, items: list) -> None:
+        """Messages unpacked from another process's memory, ``(g, address)`` each (a transport
+        that reads its peers' memory in place: :mod:`wb.runtime.transport.ipc`), on the current
+        stream, :data:`~wb.runtime.engine.gather.STAGES` a launch as :meth:`unpack_all`."""
+        runs: dict[int, list] = {}
+        for g, address in items:  # the kernel takes an address as a pointer
+            runs.setdefault(dtype_info(g.wire).itemsize, []).append((g, np.uint64(address)))
+        for run in runs.values():
+            for k in range(0, len(run), gather.STAGES):
+                part = run[k:k + gather.STAGES]
+                if not self._stacked(part):
+                    for g, at in part:
+                        self._fused(g, at, scatter=True)
+
     def _unpack_run(self, run: list) -> list:
+        if not self._stacked(run):  # one message, or too many sets seen: one launch each
+            return HostMover.unpack_all(self, run)
+        ev = self.fence()
+        return [(ev, g, buf) for g, buf in run]
+
+    def _stacked(self, run: list) -> bool:
+        """Unpacks ``run`` (``(g, staging)`` each) in one launch, if its table is or can be kept."""
         tables = self.prog.tables.setdefault("unpacks", {})
         key = tuple(g.m for g, _ in run)
         tab = tables.get(key)
         if tab is None and len(run) > 1 and len(tables) < UNPACK_TABLES:
             tab = tables[key] = self.xp.asarray(
                 gather.stacked([gather.table(self._spans(g)) for g, _ in run]))
-        if tab is None:  # one message, or too many sets seen: one launch each
-            return HostMover.unpack_all(self, run)
+        if tab is None:
+            return False
         gather.copy(self._ptrs(), tab, [buf for _, buf in run],
                     dtype_info(run[0][0].wire).itemsize, scatter=True)
-        ev = self.fence()
-        return [(ev, g, buf) for g, buf in run]
+        return True
 
     def _fused(self, g, buf, *, scatter: bool) -> None:
         """Packs ``g`` (a message or a frame) into ``buf`` (or, with ``scatter``, unpacks

@@ -9,7 +9,8 @@ The state of one update is :class:`_Update`; :func:`run_update` is its loop. Eve
    no staging and go as soon as they are ready);
 3. takes the completions of requests in flight (the completed head of each peer's FIFO, a
    look at the rest now and then: :class:`~wb.runtime.engine.inflight.Inflight`), unpacking
-   landed receives and releasing the forwards they feed, which are posted at once;
+   landed receives (unless their transport did, from the sender's memory: :class:`~wb.runtime.
+   engine.inflight.InPlace`) and releasing the forwards they feed, which are posted at once;
 4. takes device work whose event has passed (CUDA: see
    :func:`~wb.runtime.engine.inflight.fencer`);
 5. stops when every message is done; else, when nothing moved, yields, then backs off.
@@ -41,7 +42,7 @@ from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.gather import STAGES
-from wb.runtime.engine.inflight import Inflight, abort
+from wb.runtime.engine.inflight import Inflight, abort, in_place
 from wb.runtime.engine.stalls import Stalls
 
 __all__ = ["DEFAULT_STAGING_BYTES", "ExecStats", "TraceEntry", "run_update"]
@@ -169,7 +170,7 @@ class _Update(Stalls):
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
                  "sums", "held", "delta", "zc_in", "staged_in", "came", "cut", "pooled",
-                 "stage_send")
+                 "stage_send", "unpacks")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool, delta: DeltaPlan | None = None):
@@ -217,6 +218,9 @@ class _Update(Stalls):
         self.sums = (Digests(prog.routes, prog, mover, transport, tag_base)
                      if prog.routes is not None else None)
         self.held: list[tuple[Any, Any]] = []  # (token, staging) still read by hashing
+        # peers whose messages the transport may unpack from their memory: InPlace by peer
+        self.unpacks = in_place(transport, mover, self.sums, delta,
+                                {prog.units[m].peer for m in self.staged_in})
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -243,6 +247,10 @@ class _Update(Stalls):
             if g.peer in frm:  # a delta: as long as it may be, and as long as it is
                 buf = self.mover.staging(max_bytes(g.nbytes))
                 req = self.transport.recv(g.peer, buf, self.tag_base + g.m, upto=True)
+            elif g.peer in self.unpacks and not g.conv:  # unpacked from the peer's memory
+                buf = self.mover.staging(g.nbytes)  # if it cannot be: the message lands here
+                req = self.transport.recv(g.peer, buf, self.tag_base + g.m,
+                                          unpack=(self.unpacks[g.peer], g))
             else:
                 buf = self.mover.staging(g.nbytes)
                 req = self.transport.recv(g.peer, buf, self.tag_base + g.m)
@@ -355,19 +363,20 @@ class _Update(Stalls):
         if delta is not None:
             return take_completions(self, got)
         if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
-            for _, g, buf in got:
+            for req, g, buf in got:  # (one unpacked from its sender's memory: hashed there)
                 if not g.out:
-                    sums.landed(g, buf if buf is not None else self.mover.target(g))
+                    sums.landed(g, None if getattr(req, "unpacked", False) else
+                                buf if buf is not None else self.mover.target(g))
         unpacks = []  # unpacked together where the mover can (one launch for several)
         for req, g, buf in got:
             if g.out:
                 self.sent(g, g.nbytes, staged=buf is not None)
                 if buf is not None:
                     self.release(buf)
-            elif buf is not None:
+            elif buf is not None and not getattr(req, "unpacked", False):
                 unpacks.append((g, buf))
-            else:
-                self.landed(g, None)
+            else:  # zero-copy, or unpacked from the sender's memory by the transport
+                self.landed(g, buf)
         if unpacks:
             for ev, g, buf in self.mover.unpack_all(unpacks):
                 self.after(ev, g, buf)

@@ -18,6 +18,8 @@ bytes take to move. :class:`Channel` carries the same messages with the same tag
   go together, a group of up to :data:`GROUP_BYTES` as one call and one event (CUDA: one launch
   of a copy kernel over the group's rows; hosts: one ``process_vm_readv``), one by one where the
   memory cannot batch them; a receive completes when its group has;
+- a receive its caller can unpack (``unpack``) is unpacked by its kernel from the sender's memory
+  on that stream, not copied into its buffer to be unpacked after: one pass, no wait between;
 - the receiver's acknowledgements go back in batches too; a send completes with its ack, so the
   sender never reuses memory a peer may still read.
 
@@ -35,7 +37,6 @@ transport (tags XORed with the job key's secret), and the handles travel only in
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import struct
 import threading
@@ -45,6 +46,7 @@ from collections import deque
 import numpy as np
 
 from wb.errors import TransferError
+from wb.runtime.transport import ucx_env
 from wb.runtime.transport.memory import HANDLE_BYTES
 
 __all__ = ["Channel", "CTRL_TAG"]
@@ -75,24 +77,17 @@ HEADER = struct.Struct("<II")  # rows, handles
 NOTE_IPC, NOTE_UCX, ACK_OK, ACK_NACK, ACK_SIZE = 1, 2, 3, 4, 5
 
 
-def _rndv_thresh() -> int:
-    """UCX's rendezvous threshold as the environment sets it (bytes; ``k``/``m`` suffixes), or
-    :data:`EAGER_BYTES` plus a margin where unset or ``auto``."""
-    v = os.environ.get("UCX_RNDV_THRESH", "").strip().lower().rstrip("b")
-    mult = {"k": 1 << 10, "m": 1 << 20}.get(v[-1:], 1)
-    digits = v[:-1] if mult > 1 else v
-    return int(digits) * mult if digits.isdigit() else EAGER_BYTES + 64
-
-
 class _Req:
     """A send or receive through a :class:`Channel`: pending, done, failed, or handed to UCX."""
 
-    __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "upto",
-                 "__weakref__")
+    __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "upto", "unpack",
+                 "unpacked", "__weakref__")
 
-    def __init__(self, chan, peer: int, tag: int, what: str, buf, upto: bool = False):
+    def __init__(self, chan, peer: int, tag: int, what: str, buf, upto: bool = False,
+                 unpack=None):
         self.chan, self.peer, self.tag, self.what, self.buf = chan, peer, tag, what, buf
         self.ok, self.error, self.ucx, self.upto = False, None, None, upto
+        self.unpack, self.unpacked = unpack, False
 
     def done(self) -> bool:
         if self.ucx is not None:
@@ -139,11 +134,12 @@ class Channel:
         # takes a dead one's rank starts elsewhere, so the receives its peers still have posted
         # for the dead one (UCX cannot withdraw them) never take its messages.
         self.seq0 = secrets.randbits(32)
-        self.eager = min(EAGER_BYTES, _rndv_thresh() - 64)
+        self.eager = min(EAGER_BYTES, ucx_env.rndv_thresh(EAGER_BYTES + 64) - 64)
         self._met: dict[int, int] = {}  # peer -> the seq0 it was met with
         # messages this side sent or received one-sided, over UCX (not exportable, or as a nack
         # asked) and refused by a nack (this side could not open the sender's memory)
         self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0, "batched": 0}
+        self.unpacked = 0  # of the one-sided receives: unpacked from the sender's memory
 
     # --- the caller's side ---------------------------------------------------------------------
     def meet(self, peer: int, seq0: int) -> None:
@@ -186,11 +182,12 @@ class Channel:
         with self._lock:
             return self.mem.unexportable(buf)
 
-    def recv(self, peer: int, buf, tag: int, *, upto: bool = False) -> _Req:
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None) -> _Req:
         """``upto``: the message may be shorter than ``buf`` (see :class:`~wb.runtime.transport.
-        Transport`)."""
+        Transport`). ``unpack``: ``(unpacker, key)``, where the memory can run it
+        (``unpack_many``) the message is unpacked from the sender's memory instead of copied."""
         with self._lock:
-            req = _Req(self, peer, tag, "recv", buf, upto)
+            req = _Req(self, peer, tag, "recv", buf, upto, unpack)
             note = self._notes.pop((peer, tag), None)
             if note is None:
                 self._recvs[peer, tag] = req
@@ -260,7 +257,8 @@ class Channel:
             self._kept.clear()
 
     def describe(self) -> dict:
-        return {"memory": self.mem.name, "peers": sorted(self._ctrl), **self.counts}
+        return {"memory": self.mem.name, "peers": sorted(self._ctrl), **self.counts,
+                "unpacked": self.unpacked}
 
     # --- inside --------------------------------------------------------------------------------
     def _post_ctrl(self, peer: int, seq: int | None = None) -> None:
@@ -383,16 +381,25 @@ class Channel:
         group completes as one), else one by one."""
         if not self._starting:
             return
-        mem = self.mem
+        mem, can = self.mem, hasattr(self.mem, "unpack_many")
         for peer, items in self._starting.items():
             q = self._copies.setdefault(peer, deque())
+            if can:  # unpacks in place first, then the copies
+                items.sort(key=lambda item: item[0].unpack is None)
             at = 0
             while at < len(items):
                 end, size = at, 0
-                while end < len(items) and (end == at or size + items[end][3] <= GROUP_BYTES):
+                kind = items[at][0].unpack is None  # unpacks and copies go in groups apart
+                while end < len(items) and (end == at or size + items[end][3] <= GROUP_BYTES
+                                            and (items[end][0].unpack is None) == kind):
                     size += items[end][3]
                     end += 1
                 group = items[at:end]
+                token = self._unpack(group, peer) if can and group[0][0].unpack else None
+                if token is not None:
+                    q.append(([r for r, *_ in group], token))
+                    at = end
+                    continue
                 token = mem.copy_many([(r.buf, o, off, n) for r, o, off, n in group], peer) \
                     if len(group) > 1 else None
                 if token is not None:
@@ -409,6 +416,16 @@ class Channel:
                             q.append(((r,), token))
                 at = end
         self._starting.clear()
+
+    def _unpack(self, group: list, peer: int):
+        """A token for ``group``'s receives unpacked from ``peer``'s memory, or ``None``."""
+        token = self.mem.unpack_many([(r.unpack, o, off, n) for r, o, off, n in group], peer)
+        if token is not None:
+            for r, *_ in group:
+                r.unpacked = True
+            self.counts["one_sided"] += len(group)
+            self.unpacked += len(group)
+        return token
 
     def _to_ucx(self, req: _Req) -> None:
         """``req`` as a UCX tag message (its error, naming the peer, if it cannot be posted)."""

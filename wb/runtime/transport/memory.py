@@ -7,7 +7,8 @@ passed.
 
 - :class:`CudaMemory`: legacy CUDA IPC handles of the allocations holding the bytes (the driver
   gives an allocation's range and buffer id), copied on a stream per sending peer by one launch
-  of a kernel per group (:mod:`~wb.runtime.transport.copy_kernel`).
+  of a kernel per group (:mod:`~wb.runtime.transport.copy_kernel`); or, for receives their
+  caller can unpack, their unpacking kernels run on the opened memory instead (``unpack_many``).
 - :class:`HostMemory`: a process id and an address, read with ``process_vm_readv`` (UCX's
   ``cma``): for hosts without GPUs, and for testing the protocol where there are none.
 """
@@ -279,6 +280,30 @@ class CudaMemory:
                 return event
         except Exception as e:  # noqa: BLE001 - the caller nacks: the messages go over UCX
             log.info("CUDA IPC copies from peer %d failed (%s)", peer, e)
+            return None
+
+    def unpack_many(self, items, peer: int):
+        """Messages unpacked by their receivers' kernels straight from ``peer``'s memory, on its
+        stream: ``((unpacker, key), opened, offset, nbytes)`` each, an unpacker's keys handed to
+        its ``unpack_many([(key, address), ...])`` at once: a token (an event), or ``None`` where
+        it failed (the caller copies them instead; the unpacks may run twice, to the same
+        bytes)."""
+        by: dict[int, tuple] = {}
+        for (unpacker, key), opened, offset, _ in items:
+            by.setdefault(id(unpacker), (unpacker, []))[1].append((key, opened + offset))
+        cp = self.cp
+        try:
+            with cp.cuda.Device(self.device):
+                stream = self._stream(peer)
+                with stream:
+                    for unpacker, keyed in by.values():
+                        unpacker.unpack_many(keyed)
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(stream)
+                return event
+        except Exception as e:  # noqa: BLE001 - the caller copies them instead
+            log.warning("unpacking messages from peer %d in place failed (%s): copied instead",
+                        peer, e)
             return None
 
     def _copier(self):

@@ -427,18 +427,23 @@ class UcxTransport:
             return self._gate.hold(peer, tag, lambda: self._send(peer, buf, tag))
         return self._send(peer, buf, tag)
 
-    def recv(self, peer: int, buf, tag: int, *, upto: bool = False):
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None):
         if self._gate is not None and peer not in self._gate.trusted:
             return self._gate.hold(peer, tag, lambda: self._recv(peer, buf, tag, upto=upto))
-        return self._recv(peer, buf, tag, upto=upto)
+        return self._recv(peer, buf, tag, upto=upto, unpack=unpack)
+
+    def unpacks_from(self, peer: int) -> bool:
+        """Whether a receive from ``peer`` may take ``unpack=(unpacker, key)``: unpacked straight
+        from the sender's memory where the one-sided channel reaches it (:mod:`~wb.runtime.
+        transport.ipc`), ``buf`` untouched and the request's ``unpacked`` true."""
+        return self.ipc_mode == "cuda" and self._ipc is not None and (
+            self._gate is None or peer in self._gate.trusted) and self._one_sided(peer)
 
     def stage_send(self, peer: int, buf) -> bool | None:
-        """Whether a message to ``peer`` should leave from staging rather than from ``buf``
-        itself: ``buf`` is CUDA memory the one-sided channel cannot export (JAX's, for one), so
-        a send from it would take UCX's far slower path for such memory, where a device copy
-        into staging (CUDA IPC capable) costs microseconds. ``None`` for a peer not trusted yet
-        (the job key's challenge still running): whether messages with it go one-sided is not
-        settled until then."""
+        """Whether a message to ``peer`` should leave from staging, not ``buf``: CUDA memory the
+        one-sided channel cannot export (JAX's, for one) would take UCX's far slower path, where
+        a device copy into staging costs microseconds. ``None`` while ``peer`` is not trusted
+        yet (the job key's challenge still running): one-sided or not is not settled."""
         if self._ipc is None:
             return False
         if self._gate is not None and peer not in self._gate.trusted:
@@ -450,9 +455,9 @@ class UcxTransport:
             return self._ipc.send(peer, buf, tag)
         return self._post("send", peer, buf, tag)
 
-    def _recv(self, peer: int, buf, tag: int, *, upto: bool = False):
+    def _recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None):
         if self._ipc is not None and self._one_sided(peer):
-            return self._ipc.recv(peer, buf, tag, upto=upto)
+            return self._ipc.recv(peer, buf, tag, upto=upto, unpack=unpack)
         return self._post("recv", peer, buf, tag)  # UCX takes a shorter message as it is
 
     def _one_sided(self, peer: int) -> bool:

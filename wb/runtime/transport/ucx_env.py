@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "rndv_thresh"]
 
 
 def prepare() -> None:
@@ -27,3 +27,12 @@ def prepare() -> None:
     if "ucxx" in sys.modules:
         return  # UCX has read its environment already
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def rndv_thresh(default: int) -> int:
+    """UCX's rendezvous threshold as the environment sets it (bytes; ``k``/``m`` suffixes), or
+    ``default`` where unset or ``auto``."""
+    v = os.environ.get("UCX_RNDV_THRESH", "").strip().lower().rstrip("b")
+    mult = {"k": 1 << 10, "m": 1 << 20}.get(v[-1:], 1)
+    digits = v[:-1] if mult > 1 else v
+    return int(digits) * mult if digits.isdigit() else default

@@ -1,0 +1,21 @@
+# Receives unpacked from the sender's memory (WB_UNPACK_IN_PLACE, default on) on a GPU: the GPU
+# tests of transfers, checksums, one-sided messages and JAX, then the framework pairings with it
+# (traced) and PyTorch -> JAX without it, in one call.
+source bench/gpu_common.sh
+timeout 230 python3 -m pytest -q -x -p no:cacheprovider tests/test_transfer_cuda.py \
+  tests/test_checksums_cuda.py tests/test_ipc_cuda.py tests/test_jax_cuda.py 2>&1 | tail -4 | tee $OUT/tests.txt
+FW="python3 bench/bench_frameworks.py --cuda --hidden 2048 --layers 2 --experts 16 --steps 8 --modes sync"
+PYTHONPATH=$PWD/bench/results/jax_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/on_trace.jsonl timeout 260 \
+  $FW --pairs torch:torch torch:jax jax:torch jax:jax --out $OUT/on.json 2> $OUT/on.err
+WB_UNPACK_IN_PLACE=0 timeout 100 $FW --pairs torch:torch torch:jax --out $OUT/off.json 2> $OUT/off.err
+python3 - <<'PY'
+import json, os
+for f in ("on", "off"):
+    try:
+        d = json.load(open(os.environ["OUT"] + f"/{f}.json"))
+    except Exception as e:
+        print(f, "missing", e); continue
+    for k, v in d["pairs"].items():
+        m = v["modes"].get("sync", {})
+        print(f, k, v.get("verified"), m.get("ewtt_s"), m.get("ewtt_per_version_s"), v.get("ewtt_over_torch"), v.get("errors"))
+PY
