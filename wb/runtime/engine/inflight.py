@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from wb.errors import TransferError
+
 __all__ = ["Inflight", "DeviceBytes", "DevicePtr", "region", "fencer", "recorded", "abort",
            "in_place", "InPlace"]
 
@@ -150,8 +152,14 @@ def in_place(transport, mover, sums, delta, peers) -> dict:
     if can is None or delta is not None or not hasattr(mover, "unpack_many") or \
             os.environ.get("WB_UNPACK_IN_PLACE", "1") == "0":
         return {}
-    into = InPlace(mover, sums)
-    return {p: into for p in peers if can(p)}
+    into, out = InPlace(mover, sums), {}
+    for p in peers:
+        try:
+            if can(p):
+                out[p] = into
+        except TransferError:  # a peer gone: its receive fails in the loop, as any would
+            pass
+    return out
 
 
 def abort(transport) -> None:

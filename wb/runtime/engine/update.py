@@ -178,10 +178,10 @@ class _Update(Stalls):
         self.transport, self.tag_base = transport, tag_base
         # sends the transport would rather take from staging (memory it cannot read one-sided)
         self.stage_send = getattr(transport, "stage_send", None)
-        # UCX reads and writes device memory outside our CUDA stream, so device work must finish
-        # before a send is posted or a message counts as landed: see `fencer`
+        # device work finishes before a send is posted or a receive lands (UCX: `fencer`)
         self.fence = mover.fence
-        self.recv_budget = self.send_budget = max(staging_bytes // 2, 1)
+        # staging halved between receives and packed sends (a rank that sends nothing: all)
+        self.recv_budget = self.send_budget = max(staging_bytes // (2 if prog.n_out else 1), 1)
         self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
         self.inflight = Inflight()
         # deltas (wb.runtime.engine.deltas): every send keeps its base; receives of deltas go
