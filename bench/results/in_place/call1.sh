@@ -1,4 +1,4 @@
-# Receives unpacked from the sender's memory (WB_UNPACK_IN_PLACE, default on) on a GPU: the GPU
+# Call 1. Receives unpacked from the sender's memory (WB_UNPACK_IN_PLACE, default on) on a GPU: the GPU
 # tests of transfers, checksums, one-sided messages and JAX, then the framework pairings with it
 # (traced) and PyTorch -> JAX without it, in one call.
 source bench/gpu_common.sh
