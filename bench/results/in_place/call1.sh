@@ -5,7 +5,7 @@ source bench/gpu_common.sh
 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_transfer_cuda.py \
   tests/test_jax_cuda.py 2>&1 | tail -4 | tee $OUT/tests.txt
 FW="python3 bench/bench_frameworks.py --cuda --hidden 2048 --layers 2 --experts 16 --steps 8 --modes sync"
-PYTHONPATH=$PWD/bench/results/jax_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/on_trace.jsonl timeout 200 \
+PYTHONPATH=$PWD/bench/results/jax_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/on_trace.jsonl timeout 240 \
   $FW --pairs torch:torch torch:jax jax:torch jax:jax --out $OUT/on.json 2> $OUT/on.err
 WB_UNPACK_IN_PLACE=0 timeout 100 $FW --pairs torch:torch torch:jax --out $OUT/off.json 2> $OUT/off.err
 python3 - <<'PY'
