@@ -56,6 +56,7 @@ def test_receives_are_unpacked_from_the_senders_memory(tmp_path, monkeypatch, ch
     its kernel straight from the sender's memory (no copy into staging first), with their CRCs
     taken there when checksums are on: every rollout buffer bit-identical."""
     monkeypatch.setenv("WB_IPC", "cuda")
+    monkeypatch.setenv("WB_UNPACK_IN_PLACE", "1")
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_plan import deployment

@@ -146,11 +146,12 @@ class InPlace:
 
 def in_place(transport, mover, sums, delta, peers) -> dict:
     """``{peer: InPlace}`` for the ``peers`` whose messages ``transport`` may unpack from their
-    memory (its ``unpacks_from``; a mover with ``unpack_many``, no deltas), else ``{}`` (also
-    with ``WB_UNPACK_IN_PLACE=0`` in the environment: copied into staging, unpacked after)."""
+    memory (its ``unpacks_from``; a mover with ``unpack_many``, no deltas), with
+    ``WB_UNPACK_IN_PLACE=1`` in the environment (off by default until it has run on a GPU):
+    else ``{}``, every message copied into staging and unpacked after."""
     can = getattr(transport, "unpacks_from", None)
     if can is None or delta is not None or not hasattr(mover, "unpack_many") or \
-            os.environ.get("WB_UNPACK_IN_PLACE", "1") == "0":
+            os.environ.get("WB_UNPACK_IN_PLACE", "0") != "1":
         return {}
     into, out = InPlace(mover, sums), {}
     for p in peers:
