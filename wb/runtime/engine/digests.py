@@ -149,12 +149,6 @@ class _HostSums:
     def take(self, buf, slot: int) -> None:
         self.values[slot] = crc.host(buf)
 
-    def take_now(self, rows: list) -> None:
-        """Hashes ``(pointer, bytes, slot)`` rows now, on the current stream (behind the
-        zeroing of the update's CRCs)."""
-        self.xp.cuda.get_current_stream().wait_event(self.cleared)
-        self.launcher.launch(rows, self.values)
-
     def flush(self, *, idle: bool = True) -> None:
         pass
 
