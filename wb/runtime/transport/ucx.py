@@ -217,7 +217,7 @@ class UcxTransport:
                 for p in sorted(set(int(p) for p in peers) - {self.rank})}
 
     def _start(self) -> None:
-        ucx_env.prepare()  # what UCX reads when ucxx first loads it
+        ucx_env.prepare(self.tls)  # what UCX reads when ucxx first loads it
         try:
             import ucxx._lib.libucxx as ucx_api
         except ImportError as e:

@@ -4,14 +4,16 @@ never over the user's own setting).
 - ``UCX_WARN_UNUSED_ENV_VARS=n``: ucxx sets variables this UCX no longer reads
   (``UCX_MEMTYPE_CACHE``), so every process would print two warnings about unused variables (set
   later, the variable is itself reported unused).
-
-UCX's memory hooks are left as UCX sets them, although installing them is most of UCX's start on
-a 2-core machine (0.4 s of ``sched_yield`` in ``libucs``'s constructor, which patches ``mmap`` in
-place: ``ucm_bistro_apply_patch_atomic``). Both ways around it were tried and dropped:
-``UCX_MEM_MMAP_HOOK_MODE=reloc`` corrupts the heap of a process that also runs JAX
-(``munmap_chunk(): invalid pointer`` at its exit), and with ``none`` a surviving rollout of
-``bench/chaos.py`` aborted inside UCX (``cma_ep.c``: ``process_vm_readv`` of a killed peer,
-"No such process"), which no run with the hooks did.
+- ``UCX_MEM_MMAP_HOOK_MODE=none``, where every transport copies through the host without
+  registering memory (TCP, CMA, POSIX or SysV shared memory): by default UCX's memory hooks
+  patch ``mmap`` and its kin in place when ``libucs`` loads, 0.4 s of ``sched_yield`` at the
+  start of every process on a 2-core machine (``ucm_bistro_apply_patch_atomic``). The hooks only
+  keep registration caches right (RDMA, GPU, xpmem/knem), which these transports do not have.
+  Hooking through the relocation tables instead (``reloc``) is as quick but corrupts the heap
+  of a process that also runs JAX (``munmap_chunk(): invalid pointer`` at exit); ``none``
+  installs no hook. With any other transport (``rc``, ``cuda_ipc``, ``sm``, ``UCX_TLS=all``...)
+  UCX's default stays. (A survivor reading a killed peer through ``cma`` can abort inside UCX,
+  ``cma_ep.c``, with the hooks as without: endpoints run without UCX's error handling.)
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["prepare", "rndv_thresh"]
+__all__ = ["prepare", "HOST_TLS", "rndv_thresh"]
+
+#: UCX transports that register no memory (no registration cache for the hooks to keep right).
+HOST_TLS = frozenset({"tcp", "cma", "self", "posix", "sysv"})
 
 
-def prepare() -> None:
-    """Sets UCX's environment (see the module doc) unless UCX is loaded."""
+def prepare(tls: str) -> None:
+    """Sets UCX's environment for transports ``tls`` (``UCX_TLS`` syntax) unless UCX is loaded."""
     if "ucxx" in sys.modules:
         return  # UCX has read its environment already
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if {t.strip() for t in tls.split(",") if t.strip()} <= HOST_TLS:
+        os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
 
 
 def rndv_thresh(default: int) -> int:
