@@ -147,7 +147,7 @@ class InPlace:
 def in_place(transport, mover, sums, delta, peers) -> dict:
     """``{peer: InPlace}`` for the ``peers`` whose messages ``transport`` may unpack from their
     memory (its ``unpacks_from``; a mover with ``unpack_many``, no deltas), with
-    ``WB_UNPACK_IN_PLACE=1`` in the environment (off by default until it has run on a GPU):
+    ``WB_UNPACK_IN_PLACE=1`` in the environment (off by default until its speed is measured):
     else ``{}``, every message copied into staging and unpacked after."""
     can = getattr(transport, "unpacks_from", None)
     if can is None or delta is not None or not hasattr(mover, "unpack_many") or \
