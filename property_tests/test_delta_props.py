@@ -2,7 +2,8 @@
 any new bytes of any element width give a delta that turns the base into the new bytes bit for
 bit, in the smallest of the three encodings (sizes counted element by element); a delta applied
 to a message of another size, or cut short, or with its positions corrupted, is refused with
-nothing of the target written."""
+nothing of the target written. Messages of several blocks of changes, with changes at the blocks'
+edges, against numpy."""
 
 import numpy as np
 import pytest
@@ -16,20 +17,12 @@ from wb.errors import TransferError
 _H = 32  # a delta's header: kind, element bytes, its bytes, elements, changed elements
 
 
-def _varint_bytes(v: int) -> int:
-    n = 1
-    while v >= 128:
-        v >>= 7
-        n += 1
-    return n
-
-
 def _oracle_sizes(base: np.ndarray, new: np.ndarray, w: int) -> dict[str, int]:
     n = base.size // w
     pos = [i for i in range(n) if bytes(base[i * w:(i + 1) * w]) != bytes(new[i * w:(i + 1) * w])]
-    gaps = [p - (pos[j - 1] if j else -1) - 1 for j, p in enumerate(pos)]
-    return {"dense": _H + n * w, "mask": _H + len(pos) * w + (n + 7) // 8,
-            "gaps": _H + len(pos) * w + sum(_varint_bytes(g) for g in gaps)}
+    k = len(pos)
+    return {"dense": _H + n * w, "mask": _H + k * w + (n + 7) // 8,
+            "blocks": _H + k * w + (-(_H + k * w)) % 4 + 4 * -(-n // 65536) + 2 * k}
 
 
 @st.composite
@@ -91,7 +84,7 @@ def test_a_malformed_delta_is_refused_and_writes_nothing(density):
     with pytest.raises(TransferError, match="for a message of"):
         delta.apply(np.zeros(1000, np.uint8), d)
     tail = d.copy()
-    tail[-1] |= 0x80  # the last varint made to go on past the end, or the mask's last bit set
+    tail[-1] |= 0x80  # the last change's place made to lie past the end, or the mask's last bit set
     out = base.copy()
     if tail.tobytes() == d.tobytes():  # that bit was set already: the same delta
         delta.apply(out, tail)
@@ -100,6 +93,33 @@ def test_a_malformed_delta_is_refused_and_writes_nothing(density):
         with pytest.raises(TransferError):
             delta.apply(out, tail)
         assert out.tobytes() == base.tobytes()
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_changes_of_several_blocks_keep_their_places(w):
+    """Changes at both edges of each block and scattered, in a message of three blocks and a
+    part: applied bit for bit; counts that say another block for a change are refused."""
+    n = 3 * delta.BLOCK + 1234
+    rng = np.random.default_rng(w)
+    base = rng.integers(0, 256, n * w, dtype=np.uint8)
+    new = base.copy()
+    edges = [0, delta.BLOCK - 1, delta.BLOCK, 2 * delta.BLOCK - 1, 3 * delta.BLOCK, n - 1]
+    hit = np.union1d(edges, np.flatnonzero(rng.random(n) < 0.01))
+    new.reshape(n, w)[hit, 0] ^= 0x5A
+    d = delta.encode(base, new, itemsize=w)
+    assert delta.kind_of(d) == "blocks"
+    out = base.copy()
+    pos, _ = delta.apply(out, d)
+    assert out.tobytes() == new.tobytes()
+    assert np.array_equal(pos, hit)
+    bad = d.copy()  # the first block's last change counted in the second block
+    counts = bad[d.nbytes - 2 * hit.size - 16:d.nbytes - 2 * hit.size].view("<u4")
+    counts[0] -= 1
+    counts[1] += 1
+    out = base.copy()
+    with pytest.raises(TransferError, match="not ascending"):
+        delta.apply(out, bad)
+    assert out.tobytes() == base.tobytes()
 
 
 @settings(max_examples=40, deadline=None)
