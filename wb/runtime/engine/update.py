@@ -30,7 +30,6 @@ moving it takes (staging, request, event, the tuples that queue it).
 from __future__ import annotations
 
 import heapq
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +41,7 @@ from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.gather import STAGES
+from wb.runtime.engine.idle import Idle
 from wb.runtime.engine.inflight import Inflight, abort, in_place
 from wb.runtime.engine.stalls import Stalls
 
@@ -52,8 +52,6 @@ DEFAULT_STAGING_BYTES = 256 << 20
 #: Packed sends in one launch (a launch costs ~15-20 us), and between looks at the device work
 #: in a run of them: those packed go while the rest are packed.
 POST_EVERY = STAGES
-#: Longest sleep of an idle loop (what a message arriving then waits): short on a GPU host's
-IDLE_MAX_S = 1e-3 if len(os.sched_getaffinity(0)) < 8 else 1e-4  # cores; few: ranks would starve
 
 
 #: Seconds without progress before a stalled update asks the liveness watch about its peers
@@ -92,7 +90,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                 traced=trace is not None, delta=delta)
     last = polled = time.monotonic()
     asked = last - 1.0  # the first question comes ASK_AFTER_S into a stall, the next 0.5 s later
-    idle = 0  # turns without progress: yield at first, then back off (2-core hosts, many ranks)
+    idle = Idle()  # spins, then sleeps longer each turn without progress
     turns = 0
     can_cancel = hasattr(transport, "cancel")
     # a transport progressed by its caller (wb.UcxTransport(progress="caller")): once a turn
@@ -106,7 +104,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
             if tick is not None:
                 tick()
             turns += 1
-            progressed |= u.take_completions(full=turns % 16 == 0 or idle % 8 == 1)
+            progressed |= u.take_completions(full=turns % 16 == 0 or idle.turns % 8 == 1)
             if u.ready:  # forwards that just became ready go before this turn's device work
                 u.post_ready_sends()
             progressed |= u.take_device_work()
@@ -116,7 +114,8 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                 break
             now = time.monotonic()
             if progressed:
-                last, idle = now, 0
+                last = now
+                idle.reset()
                 continue
             if now - last > timeout:
                 raise TransferError(u.stalled(timeout))
@@ -134,8 +133,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
                     raise PeersLost(f"rank {program.rank}: interrupted after {now - last:.1f} s "
                                     f"without progress: the version goes on without this "
                                     f"attempt; waiting for: " + u.waiting(), {})
-            idle += 1
-            time.sleep(0 if idle < 20 else min(IDLE_MAX_S, 2e-5 * (idle - 19)))
+            idle.wait()
     except PeersLost:
         transport.cancel()  # the connection stays: the version goes on over it
         raise
