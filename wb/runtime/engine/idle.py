@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["Idle", "IDLE_MAX_S", "IDLE_CROWDED_S", "CROWDED_LATE_S", "SPIN_TURNS"]
+__all__ = ["Idle", "IDLE_MAX_S", "IDLE_CROWDED_S", "CROWDED_LATE_S", "SPIN_TURNS",
+           "SPIN_TURNS_CROWDED"]
 
 #: Longest sleep of an idle turn: short on a GPU host's cores; few: ranks would starve.
 IDLE_MAX_S = 1e-3 if len(os.sched_getaffinity(0)) < 8 else 1e-4
