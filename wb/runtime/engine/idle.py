@@ -6,7 +6,9 @@ cores are few and ranks would starve. On a crowded host (more ranks want the cor
 are, as 41 processes on 2 cores), a sleep comes back late: there each turn of an idle rank is
 CPU that a rank with work waits for, so the wait spins less and sleeps longer. Measured there
 (4 rollout replicas, 41 processes): a delta update took 0.23-0.30x of the dense one's time with
-the longer sleeps, 0.38-0.49x without (``python -m wb bench --replicas 4 --delta 1e-6``).
+the longer sleeps, 0.38-0.49x without (``python -m wb bench --replicas 4 --delta 1e-6``). Only
+hosts of few cores wait so: on a GPU host, a rank also waits for its device's work, which a
+longer sleep would notice late (not measured there).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 __all__ = ["Idle", "IDLE_MAX_S", "IDLE_CROWDED_S", "CROWDED_LATE_S", "SPIN_TURNS",
            "SPIN_TURNS_CROWDED"]
 
+_FEW_CORES = len(os.sched_getaffinity(0)) < 8
 #: Longest sleep of an idle turn: short on a GPU host's cores; few: ranks would starve.
-IDLE_MAX_S = 1e-3 if len(os.sched_getaffinity(0)) < 8 else 1e-4
+IDLE_MAX_S = 1e-3 if _FEW_CORES else 1e-4
 #: A sleep that comes back this much later than asked says the host is crowded; the longest
 #: sleep then.
 CROWDED_LATE_S, IDLE_CROWDED_S = 1e-3, 5e-3
@@ -29,12 +32,14 @@ _FIRST_S = 1e-5  # the first sleep; each next one twice as long
 
 class Idle:
     """The waiting of one update's loop: :meth:`wait` after a turn without progress,
-    :meth:`reset` after one with; :attr:`turns` counts the turns since progress."""
+    :meth:`reset` after one with; :attr:`turns` counts the turns since progress. ``crowdable``:
+    whether late sleeps make it wait as on a crowded host (default: on a host of few cores)."""
 
-    __slots__ = ("turns", "spin", "most")
+    __slots__ = ("turns", "spin", "most", "crowdable")
 
-    def __init__(self):
+    def __init__(self, *, crowdable: bool = _FEW_CORES):
         self.turns, self.spin, self.most = 0, SPIN_TURNS, IDLE_MAX_S
+        self.crowdable = crowdable
 
     def reset(self) -> None:
         self.turns = 0
@@ -47,7 +52,7 @@ class Idle:
         nap = min(self.most, _FIRST_S * 2.0 ** min(self.turns - self.spin, 12))
         t = time.monotonic()
         time.sleep(nap)
-        if nap >= 1e-4:  # a shorter one may be late by a time slice alone
+        if self.crowdable and nap >= 1e-4:  # a shorter one may be late by a time slice alone
             crowded = time.monotonic() - t - nap > CROWDED_LATE_S
             self.spin, self.most = ((SPIN_TURNS_CROWDED, IDLE_CROWDED_S) if crowded
                                     else (SPIN_TURNS, IDLE_MAX_S))
