@@ -127,3 +127,19 @@ def test_a_session_with_deltas_serves_the_trainers_weights_and_moves_less(tiny_p
                            and x.role == "rollout"))
     # the first version is dense (nobody holds one), the others a few percent of it
     assert max(got[1:]) < 0.1 * got[0], got
+
+
+def test_a_job_that_sends_deltas_plans_larger_pieces(tiny_plan):
+    """``agree_parts(delta=True)`` plans pieces of ``DELTA_CHUNK_BYTES`` (a message carries only
+    what changed of it); a ``chunk_bytes`` given wins, and without ``delta`` the default stays."""
+    from wb.algorithms.planner import DEFAULT_CHUNK_BYTES, DELTA_CHUNK_BYTES
+
+    layouts = list(tiny_plan.trainers) + list(tiny_plan.rollouts)
+    world = len(layouts)
+    for kwargs, chunk in (({"delta": True}, DELTA_CHUNK_BYTES), ({}, DEFAULT_CHUNK_BYTES),
+                          ({"delta": True, "chunk_bytes": 4096}, 4096)):
+        planned = []
+        mine = wb.agree_parts(wb.MemoryStore(), layouts, world=world, planned=planned, **kwargs)
+        assert sorted(mine) == list(range(world)) and planned[0].chunk_bytes == chunk
+        planned[0].verify()
+    assert DELTA_CHUNK_BYTES > DEFAULT_CHUNK_BYTES

@@ -121,3 +121,24 @@ def test_plan_cli_json_and_plot(tmp_path):
     assert rep["traffic_ratio"] == 1.0 and rep["verified"]
     assert set(rep["baselines"]) == {"broadcast", "p2p"}
     assert png.stat().st_size > 10_000
+
+
+def test_plan_cli_simulates_deltas_on_the_plan_a_delta_job_makes():
+    """``--delta-density``: the deltas are simulated on the plan ``agree_parts(delta=True)``
+    makes (pieces of ``DELTA_CHUNK_BYTES``), beside that plan's dense versions and the deltas
+    on the default plan, each equal to the simulation run here by hand."""
+    from wb.algorithms.planner import DELTA_CHUNK_BYTES
+    from wb.cli.plan import run_plan
+    from wb.layouts.deployments import deployment
+
+    rep = run_plan("tiny", quiet=True, verify=False, delta_density=0.03)
+    dep = deployment("tiny")
+    dense_plan = wb.plan(dep.trainers, dep.rollouts)
+    delta_plan = wb.plan(dep.trainers, dep.rollouts, chunk_bytes=DELTA_CHUNK_BYTES)
+    assert rep["delta_chunk_bytes"] == DELTA_CHUNK_BYTES
+    assert rep["delta_messages"] == delta_plan.summary()["messages"] <= rep["messages"]
+    assert rep["delta_ewtt_s"] == pytest.approx(simulate(delta_plan, delta_density=0.03).ewtt_s)
+    assert rep["delta_plan_dense_ewtt_s"] == pytest.approx(simulate(delta_plan).ewtt_s)
+    assert rep["delta_default_chunk_ewtt_s"] == pytest.approx(
+        simulate(dense_plan, delta_density=0.03).ewtt_s)
+    assert rep["delta_ewtt_over_dense"] == pytest.approx(rep["delta_ewtt_s"] / rep["ewtt_s"])

@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--delta-density", type=float, metavar="D",
                     help="also simulate every message as a delta with a fraction D of its "
                          "elements changed (e.g. what `bench/bench_delta.py` measures per "
-                         "version): reports delta_ewtt_s and delta_link_ratio (the busiest "
-                         "link's bytes as deltas over dense)")
+                         "version), on the plan a job that sends deltas makes (larger pieces: "
+                         "agree_parts(delta=True)): reports delta_ewtt_s, delta_link_ratio (the "
+                         "busiest link's bytes as deltas over dense) and that plan's dense EWTT")
     pl.add_argument("--sample", type=int, default=8,
                     help="with --setup: how many ranks' parts to load, largest first (default 8)")
     be = sub.add_parser("bench", help="wb vs broadcast vs naive P2P vs the ideal, measured side by "

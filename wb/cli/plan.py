@@ -39,8 +39,13 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
     with console.status("simulating the plan and the baselines..."):
         ratio = planner.traffic_ratio(p)
         sim, bc, p2p = simulate(p), simulate_broadcast(p), simulate_p2p(p)
-        delta = (simulate(p, delta_density=delta_density) if delta_density is not None
-                 else None)
+    delta = None
+    if delta_density is not None:  # as a job that sends deltas plans it: agree_parts(delta=True)
+        with console.status("planning and simulating it as deltas..."):
+            pd = planner.plan(dep.trainers, dep.rollouts, cluster,
+                              chunk_bytes=planner.DELTA_CHUNK_BYTES)
+            delta, delta_dense = simulate(pd, delta_density=delta_density), simulate(pd)
+            delta_here = simulate(p, delta_density=delta_density)
     verify_s = None
     if verify:
         with console.status("verifying the plan against the layouts..."):
@@ -66,12 +71,18 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         "messages": summary["messages"], "bytes_by_stage": summary["bytes_by_stage"],
     }
     if delta is not None:
-        report.update({
-            "delta_density": delta_density, "delta_ewtt_s": delta.ewtt_s,
-            "delta_busiest": delta.busiest, "delta_ewtt_free_messages_s": delta.free_messages_s,
+        report.update({  # the delta job's plan (larger pieces) and, after it, this plan's
+            "delta_density": delta_density, "delta_chunk_bytes": pd.chunk_bytes,
+            "delta_messages": pd.summary()["messages"], "delta_ewtt_s": delta.ewtt_s,
+            "delta_busiest": delta.busiest, "delta_control_s": delta.control_s,
+            "delta_ewtt_free_messages_s": delta.free_messages_s,
             "delta_link_ratio": ((delta.free_messages_s - delta.pipeline_s)
                                  / (sim.free_messages_s - sim.pipeline_s)),
-            "delta_ewtt_over_dense": delta.ewtt_s / sim.ewtt_s})
+            "delta_ewtt_over_dense": delta.ewtt_s / sim.ewtt_s,
+            "delta_plan_dense_ewtt_s": delta_dense.ewtt_s,
+            "delta_plan_dense_over_ideal": delta_dense.ewtt_s / delta_dense.ideal_s,
+            "delta_default_chunk_ewtt_s": delta_here.ewtt_s,
+            "delta_default_chunk_busiest": delta_here.busiest})
     t = Table(title=f"plan for {preset}", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
@@ -92,9 +103,13 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
         ("EWTT with free messages / ratio", f"{sim.free_messages_s:.3f} s / "
                                             f"{sim.free_messages_s / sim.ideal_s:.3f}x"),
         *([] if delta is None else [
-            (f"as deltas, {delta_density:.2%} changed", f"{delta.ewtt_s:.3f} s ({delta.busiest}; "
-                                                       f"{delta.free_messages_s:.3f} s with free "
-                                                       f"messages)")]),
+            (f"as deltas, {delta_density:.2%} changed ({pd.chunk_bytes >> 20} MiB pieces)",
+             f"{delta.ewtt_s:.3f} s ({delta.busiest}; {delta.free_messages_s:.3f} s with free "
+             f"messages)"),
+            ("  its dense versions (first, joiners)", f"{delta_dense.ewtt_s:.3f} s "
+                                                       f"({delta_dense.ewtt_s / sim.ideal_s:.3f}x)"),
+            (f"  as deltas with {p.chunk_bytes >> 20} MiB pieces", f"{delta_here.ewtt_s:.3f} s "
+                                                                  f"({delta_here.busiest})")]),
         ("broadcast baseline EWTT", f"{bc.ewtt_s:.2f} s ({bc.ewtt_s / sim.ewtt_s:.1f}x slower)"),
         ("naive P2P baseline EWTT", f"{p2p.ewtt_s:.2f} s ({p2p.ewtt_s / sim.ewtt_s:.1f}x slower)"),
         ("verified", "yes" if verify_s is not None else "skipped"),

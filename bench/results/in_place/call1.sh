@@ -4,7 +4,7 @@
 source bench/gpu_common.sh
 [ -z "$SKIP_TESTS" ] && timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_transfer_cuda.py \
   tests/test_jax_cuda.py 2>&1 | tail -4 | tee $OUT/tests.txt
-FW="python3 bench/bench_frameworks.py --cuda --hidden 2048 --layers 2 --experts 16 --steps 8 --modes sync"
+FW="python3 bench/bench_frameworks.py --cuda --hidden 2048 --layers 2 --experts 16 --steps ${STEPS:-8} --modes sync"
 PYTHONPATH=$PWD/bench/results/jax_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/on_trace.jsonl WB_UNPACK_IN_PLACE=1 \
   timeout ${FW_TIMEOUT:-130} $FW --pairs ${PAIRS:-torch:torch torch:jax} --out $OUT/on.json 2> $OUT/on.err
 [ -n "$WITH_OFF" ] && WB_UNPACK_IN_PLACE=0 timeout ${FW_TIMEOUT:-100} $FW --pairs ${PAIRS:-torch:torch torch:jax} --out $OUT/off.json 2> $OUT/off.err

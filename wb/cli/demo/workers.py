@@ -155,7 +155,8 @@ def _jax_trainer(job, store, spec, ckpt, result):
     world = _trainers_key(store, len(layouts)) + job["rollout_workers"]
     planned = []  # the whole plan, in the process that makes it (this one: it holds rank 0)
     q = _quantize(job, spec)
-    plan = agree_parts(store, layouts, world=world, name="demo/plan", planned=planned, **q)
+    plan = agree_parts(store, layouts, world=world, name="demo/plan", planned=planned,
+                       delta=bool(job.get("delta")), **q)
     if job.get("plan_path") and planned:
         planned[0].save(job["plan_path"])
     if q:  # each rank rebuilds what it quantises from its own layout
@@ -216,7 +217,7 @@ def _torch_trainer(job, store, spec, ckpt, result):
     planned = []  # the whole plan, in the process that makes it (rank 0's)
     q = _quantize(job, spec)
     plan = agree_parts(store, [lay], world=tp + job["rollout_workers"], name="demo/plan",
-                       planned=planned, **q)
+                       planned=planned, delta=bool(job.get("delta")), **q)
     if planned and job.get("plan_path"):
         planned[0].save(job["plan_path"])
     steps = [0]

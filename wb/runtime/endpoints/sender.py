@@ -157,7 +157,8 @@ class Sender:
             worker's own.
         delta: send each version as what changed since the version each rollout holds
             (:mod:`wb.runtime.engine.deltas`; one trainer's choice is the job's: give it to
-            every trainer, rollouts follow). Every worker then keeps a copy of the bytes it
+            every trainer, rollouts follow; plan with ``agree_parts(..., delta=True)``, whose
+            larger messages suit deltas). Every worker then keeps a copy of the bytes it
             sends (a trainer: its part of the weights, in their travelling dtype; a forwarding
             rollout: what it forwards) and a rollout one of what it converts on receipt. A
             rollout gets dense bytes until it holds a whole version (its first, one after a

@@ -38,8 +38,8 @@ def _plan_here(store, layouts: list, *, world: int, name: str, timeout: float,
 
 def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float = 600.0,
                 planned: list | None = None, quantize: BlockScaled | None = None,
-                cluster: Cluster | None = None, chunk_bytes: int = planner.DEFAULT_CHUNK_BYTES
-                ) -> dict[int, RankPlan]:
+                cluster: Cluster | None = None, chunk_bytes: int | None = None,
+                delta: bool = False) -> dict[int, RankPlan]:
     """Every process publishes its workers' layouts; the one holding rank 0 plans and publishes
     each rank's part under its own key; every process fetches only its own workers' parts.
 
@@ -62,7 +62,12 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
             (:func:`wb.algorithms.fp8.tasks.quantize_layouts`); pass the same to each trainer's
             :class:`wb.Sender` with its own ``layout=``.
         cluster: link rates to balance for, as :func:`wb.plan`.
-        chunk_bytes: the largest piece, as :func:`wb.plan`.
+        chunk_bytes: the largest piece, as :func:`wb.plan` (default
+            :data:`~wb.algorithms.planner.DEFAULT_CHUNK_BYTES`, or
+            :data:`~wb.algorithms.planner.DELTA_CHUNK_BYTES` with ``delta``).
+        delta: the trainers will send deltas (``wb.Sender(..., delta=True)``): plan larger
+            pieces, since each message then carries only what changed of it. The job runs
+            either way; this is the message size only.
 
     Returns:
         ``{rank: RankPlan}`` of this process's workers: what :class:`wb.Sender`,
@@ -89,6 +94,8 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
     bad = [type(lay).__name__ for lay in layouts if not isinstance(lay, Layout)]
     if bad:
         raise TransferError(f"agree_parts: layouts must be wb.Layout values, got {bad[0]}")
+    if chunk_bytes is None:
+        chunk_bytes = planner.DELTA_CHUNK_BYTES if delta else planner.DEFAULT_CHUNK_BYTES
     p = _plan_here(store, layouts, world=world, name=name, timeout=timeout, quantize=quantize,
                    cluster=cluster, chunk_bytes=chunk_bytes)
     if p is not None:
