@@ -38,8 +38,9 @@ import numpy as np
 
 from wb.errors import TransferError
 
-__all__ = ["DENSE", "MASK", "BLOCKS", "BLOCK", "HEADER", "encode", "of_changes", "dense", "apply", "changed",
-           "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes"]
+__all__ = ["DENSE", "MASK", "BLOCKS", "BLOCK", "HEADER", "encode", "of_changes", "dense", "apply",
+           "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes", "choose",
+           "values_pad", "header"]
 
 DENSE, MASK, BLOCKS = 0, 1, 3
 _NAMES = {DENSE: "dense", MASK: "mask", BLOCKS: "blocks"}
@@ -88,7 +89,7 @@ def changed(base: np.ndarray, new: np.ndarray, *, itemsize: int) -> np.ndarray:
     return np.concatenate([pos, np.flatnonzero(b[whole:] != n[whole:]) + whole])
 
 
-def _pad(k: int, itemsize: int) -> int:
+def values_pad(k: int, itemsize: int) -> int:
     """Zeros after ``k`` values in :data:`BLOCKS`, so that the counts start 4-byte aligned."""
     return -(HEADER.size + k * itemsize) % 4
 
@@ -101,8 +102,16 @@ def sizes(n: int, pos: np.ndarray, *, itemsize: int) -> dict[str, int]:
 def _sizes(n: int, k: int, itemsize: int) -> dict[str, int]:
     return {"dense": HEADER.size + n * itemsize,
             "mask": HEADER.size + k * itemsize + -(-n // 8),
-            "blocks": HEADER.size + k * itemsize + _pad(k, itemsize) + 4 * -(-n // BLOCK)
+            "blocks": HEADER.size + k * itemsize + values_pad(k, itemsize) + 4 * -(-n // BLOCK)
             + 2 * k}
+
+
+def choose(n: int, k: int, itemsize: int) -> tuple[int, int]:
+    """``(kind, bytes)`` of the smallest encoding of a delta of ``n`` elements, ``k`` of them
+    changed (ties: dense, then blocks, then mask)."""
+    size = _sizes(n, k, itemsize)
+    kind = min((DENSE, BLOCKS, MASK), key=lambda x: size[_NAMES[x]])
+    return kind, size[_NAMES[kind]]
 
 
 def expected_bytes(nbytes, itemsize, density: float) -> np.ndarray:
@@ -151,11 +160,10 @@ def of_changes(n: int, pos: np.ndarray, values: np.ndarray, *, itemsize: int,
     :func:`encode` makes from two versions, and a forwarder from the part of a delta that came
     (:func:`apply` returns what it decoded)."""
     k = int(pos.size)
-    size = _sizes(n, k, itemsize)
-    kind = min((DENSE, BLOCKS, MASK), key=lambda x: size[_NAMES[x]])
+    kind, nbytes = choose(n, k, itemsize)
     if kind == DENSE:
         return dense(whole(), itemsize=itemsize)
-    out = np.empty(size[_NAMES[kind]], np.uint8)
+    out = np.empty(nbytes, np.uint8)
     HEADER.pack_into(out, 0, kind, itemsize, out.nbytes, n, k)
     at = HEADER.size
     out[at:at + k * itemsize] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
@@ -165,7 +173,7 @@ def of_changes(n: int, pos: np.ndarray, values: np.ndarray, *, itemsize: int,
         bits[pos] = 1
         out[at:] = np.packbits(bits, bitorder="little")
         return out
-    pad, nb = _pad(k, itemsize), -(-n // BLOCK)
+    pad, nb = values_pad(k, itemsize), -(-n // BLOCK)
     out[at:at + pad] = 0
     at += pad
     out[at:at + 4 * nb].view("<u4")[:] = np.bincount(pos >> 16, minlength=nb)
@@ -183,7 +191,12 @@ def dense(new: np.ndarray, *, itemsize: int) -> np.ndarray:
     return out
 
 
-def _header(delta: np.ndarray) -> tuple[int, int, int, int, int]:
+def header(delta: np.ndarray) -> tuple[int, int, int, int, int]:
+    """``(kind, element bytes, the delta's bytes, elements, changed elements)`` of the delta at
+    the start of ``delta`` (host bytes), checked.
+
+    Raises:
+        TransferError: shorter than :data:`HEADER` or malformed."""
     if delta.nbytes < HEADER.size:
         raise TransferError(f"delta of {delta.nbytes} bytes: shorter than its "
                             f"{HEADER.size}-byte header")
@@ -196,7 +209,7 @@ def _header(delta: np.ndarray) -> tuple[int, int, int, int, int]:
 
 def kind_of(delta: np.ndarray) -> str:
     """The encoding of ``delta``: ``"dense"``, ``"mask"`` or ``"blocks"``."""
-    return _NAMES[_header(np.asarray(delta).reshape(-1).view(np.uint8))[0]]
+    return _NAMES[header(np.asarray(delta).reshape(-1).view(np.uint8))[0]]
 
 
 def size_of(buf: np.ndarray) -> int:
@@ -206,7 +219,7 @@ def size_of(buf: np.ndarray) -> int:
         TransferError: its header is malformed or says more bytes than ``buf`` holds.
     """
     b = np.asarray(buf).reshape(-1).view(np.uint8)
-    size = _header(b)[2]
+    size = header(b)[2]
     if size > b.nbytes:
         raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
     return size
@@ -225,7 +238,7 @@ def _positions(kind: int, tail: np.ndarray, n: int, k: int, itemsize: int) -> np
         if set_bits != k:
             raise TransferError(f"delta mask sets {set_bits} elements, its header says {k}")
         return np.flatnonzero(bits)  # then a fancy index: numpy's boolean one is 6x slower
-    pad, nb = _pad(k, itemsize), -(-n // BLOCK)
+    pad, nb = values_pad(k, itemsize), -(-n // BLOCK)
     if tail.nbytes != pad + 4 * nb + 2 * k:
         raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
                             f"elements")
@@ -254,7 +267,7 @@ def apply(target: np.ndarray, delta: np.ndarray):
             width (nothing of ``target`` is written then).
     """
     d = np.asarray(delta).reshape(-1).view(np.uint8)
-    kind, itemsize, size, n, k = _header(d)
+    kind, itemsize, size, n, k = header(d)
     if size != d.nbytes:
         raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
     t = target.reshape(-1).view(np.uint8)

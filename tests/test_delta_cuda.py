@@ -1,0 +1,57 @@
+"""The delta codec on CUDA memory (wb.runtime.engine.delta_device with CuPy): for messages of
+several blocks, every element width and densities from none to all, the device makes the host
+codec's bytes exactly and applies them bit for bit; corrupted deltas are refused with nothing
+written. Skips cleanly without a GPU."""
+
+import numpy as np
+import pytest
+
+from harness.cuda import cupy_or_skip
+
+cupy = cupy_or_skip()
+
+from wb.algorithms import delta as codec  # noqa: E402
+from wb.errors import TransferError  # noqa: E402
+from wb.runtime.engine import delta_device as dev  # noqa: E402
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.03, 0.3, 0.97, 1.0])
+def test_the_device_makes_and_applies_the_host_codec_s_bytes(w, density):
+    n = 3 * codec.BLOCK + 777
+    rng = np.random.default_rng(int(density * 1000) + w)
+    base = rng.integers(0, 256, n * w, dtype=np.uint8)
+    new = base.copy()
+    new.reshape(n, w)[rng.random(n) < density, -1] ^= 0x21
+    new.reshape(n, w)[[0, codec.BLOCK - 1, codec.BLOCK, n - 1], 0] ^= 0x40  # the blocks' edges
+    want = codec.encode(base, new, itemsize=w)
+    d = dev.encode(cupy.asarray(base), cupy.asarray(new), itemsize=w, xp=cupy)
+    assert isinstance(d, cupy.ndarray) and cupy.asnumpy(d).tobytes() == want.tobytes()
+    out = cupy.asarray(base)
+    pos, vals = dev.apply(out, d, xp=cupy)
+    assert cupy.asnumpy(out).tobytes() == new.tobytes()
+    want_pos, _ = codec.apply(base.copy(), want)
+    assert (pos is None) == (want_pos is None)
+    if pos is not None:
+        assert np.array_equal(cupy.asnumpy(pos), want_pos)
+
+
+def test_corrupted_deltas_are_refused_on_the_device():
+    n = 2 * codec.BLOCK + 5
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+    new = base.copy()
+    new[::97] ^= 1
+    d = codec.encode(base, new, itemsize=2)
+    assert codec.kind_of(d) == "blocks"
+    k = codec.header(d)[4]
+    counts_at = d.nbytes - 2 * k - 12
+    extra = d.copy()
+    extra[counts_at:counts_at + 4].view("<u4")[0] += 1
+    late = d.copy()
+    late[-2:].view("<u2")[0] = 0xFFFF
+    for bad, why in [(extra, "count"), (late, "not ascending"), (d[:-1], "bytes")]:
+        out = cupy.asarray(base)
+        with pytest.raises(TransferError, match=why):
+            dev.apply(out, cupy.asarray(bad), xp=cupy)
+        assert cupy.asnumpy(out).tobytes() == base.tobytes()

@@ -1,0 +1,159 @@
+"""The delta codec on a device: :mod:`wb.algorithms.delta`'s bytes, made and applied where the
+buffers are (CuPy's array operations on CUDA memory), bit for bit what the host codec makes.
+
+Both ends work in a few passes over the message and its changes, none per element in Python:
+
+- encode: the elements that differ (a compare and CuPy's ``flatnonzero``: a scan and a
+  compaction, in order), their values gathered; for :data:`~wb.algorithms.delta.BLOCKS` each
+  block's count from where its first change lies among the ascending positions (one binary
+  search per block, no atomics), each change's place in its block its low 16 bits;
+- apply: each change's block from where it lies among the counts' running sums (one binary
+  search per change), then one scatter of the values.
+
+The host learns a delta's size once per message (the count of changes, to choose the encoding)
+and reads a header of 32 bytes to apply one. Every function takes the array module of its
+arrays (``xp``: ``cupy``, or ``numpy``, which runs the same operations on the host: the tests
+check both against the host codec).
+
+Examples:
+    >>> import numpy as np
+    >>> from wb.algorithms import delta as codec
+    >>> base = np.zeros(1000, np.uint16).view(np.uint8)
+    >>> new = base.copy(); new.view(np.uint16)[[3, 500]] = 7
+    >>> d = encode(base, new, itemsize=2, xp=np)
+    >>> bool((d == codec.encode(base, new, itemsize=2)).all())
+    True
+    >>> out = base.copy(); _ = apply(out, d, xp=np); bool((out == new).all())
+    True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wb.algorithms import delta as codec
+from wb.errors import TransferError
+
+__all__ = ["encode", "apply", "changed"]
+
+_WIDTHS = (1, 2, 4, 8)
+
+
+def _elements(a, itemsize: int, xp):
+    if itemsize not in _WIDTHS:
+        raise ValueError(f"delta: itemsize={itemsize} must be one of {_WIDTHS}")
+    a = xp.ascontiguousarray(a).reshape(-1).view(xp.uint8)
+    if a.nbytes % itemsize:
+        raise ValueError(f"delta: {a.nbytes:,} bytes are not a multiple of itemsize={itemsize}")
+    return a.view(f"<u{itemsize}")
+
+
+def changed(base, new, *, itemsize: int, xp):
+    """Positions (ascending ``int64``) where ``new``'s elements' bits differ from ``base``'s."""
+    b, n = _elements(base, itemsize, xp), _elements(new, itemsize, xp)
+    if b.size != n.size:
+        raise ValueError(f"delta: base holds {b.nbytes:,} bytes, new {n.nbytes:,}: they must "
+                         f"be one size")
+    return xp.flatnonzero(b != n).astype(xp.int64, copy=False)
+
+
+def _header(xp, out, kind: int, itemsize: int, n: int, k: int) -> None:
+    h = np.empty(codec.HEADER.size, np.uint8)
+    codec.HEADER.pack_into(h, 0, kind, itemsize, out.nbytes, n, k)
+    out[:codec.HEADER.size] = xp.asarray(h)
+
+
+def encode(base, new, *, itemsize: int, xp):
+    """The delta that turns ``base`` into ``new`` (byte arrays of one size, on the device of
+    ``xp``), in its smallest encoding: the bytes :func:`wb.algorithms.delta.encode` makes."""
+    pos = changed(base, new, itemsize=itemsize, xp=xp)
+    vals = _elements(new, itemsize, xp)
+    n, k = int(vals.size), int(pos.size)
+    kind, nbytes = codec.choose(n, k, itemsize)
+    out = xp.empty(nbytes, xp.uint8)
+    at = codec.HEADER.size
+    if kind == codec.DENSE:
+        _header(xp, out, kind, itemsize, n, n)
+        out[at:] = vals.view(xp.uint8)
+        return out
+    _header(xp, out, kind, itemsize, n, k)
+    out[at:at + k * itemsize] = vals[pos].view(xp.uint8)
+    at += k * itemsize
+    if kind == codec.MASK:
+        bits = xp.zeros(n, xp.uint8)
+        bits[pos] = 1
+        out[at:] = xp.packbits(bits, bitorder="little")
+        return out
+    pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
+    out[at:at + pad] = 0
+    at += pad
+    edges = xp.searchsorted(pos, xp.arange(nb + 1, dtype=xp.int64) * codec.BLOCK)
+    out[at:at + 4 * nb].view("<u4")[:] = xp.diff(edges).astype(xp.uint32)
+    out[at + 4 * nb:].view("<u2")[:] = (pos & (codec.BLOCK - 1)).astype(xp.uint16)
+    return out
+
+
+def apply(target, delta, *, xp):
+    """Turns ``target`` (a writable byte array on the device, holding the delta's base) into the
+    new bytes, in place: :func:`wb.algorithms.delta.apply` where the buffers are.
+
+    Returns:
+        ``(positions, values)`` it wrote (device arrays), or ``(None, values)`` for a delta of
+        the dense kind.
+
+    Raises:
+        TransferError: ``delta`` is malformed or made for a message of another size or element
+            width (nothing of ``target`` is written then).
+    """
+    d = delta.reshape(-1).view(xp.uint8)
+    head = d[:codec.HEADER.size]
+    kind, itemsize, size, n, k = codec.header(head if xp is np else head.get())
+    if size != d.nbytes:
+        raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
+    t = target.reshape(-1).view(xp.uint8)
+    if t.nbytes != n * itemsize:
+        raise TransferError(f"delta of {n:,} elements of {itemsize} bytes for a message of "
+                            f"{t.nbytes:,} bytes")
+    at = codec.HEADER.size
+    if kind == codec.DENSE:
+        if d.nbytes != at + n * itemsize:
+            raise TransferError(f"dense delta of {d.nbytes:,} bytes for {n:,} elements")
+        t[:] = d[at:]
+        return None, d[at:].view(f"<u{itemsize}")
+    if d.nbytes < at + k * itemsize:
+        raise TransferError(f"delta of {d.nbytes:,} bytes: too short for {k:,} values")
+    vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
+    pos = _positions(xp, kind, d[at + k * itemsize:], n, k, itemsize)
+    t.view(f"<u{itemsize}")[pos] = vals
+    return pos, vals
+
+
+def _positions(xp, kind: int, tail, n: int, k: int, itemsize: int):
+    """The changed positions a MASK or BLOCKS tail holds, checked as the host codec checks them
+    (one read of two numbers by the host)."""
+    if kind == codec.MASK:
+        if tail.nbytes != -(-n // 8):
+            raise TransferError(f"delta mask of {tail.nbytes} bytes for {n} elements")
+        bits = xp.unpackbits(tail, bitorder="little")
+        pos = xp.flatnonzero(bits[:n])
+        if int(pos.size) != k or bool(bits[n:].any()):
+            raise TransferError(f"delta mask sets {int(xp.count_nonzero(bits))} elements, its "
+                                f"header says {k} of {n}")
+        return pos.astype(xp.int64, copy=False)
+    pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
+    if tail.nbytes != pad + 4 * nb + 2 * k:
+        raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
+                            f"elements")
+    ends = xp.cumsum(tail[pad:pad + 4 * nb].view("<u4"), dtype=xp.int64)
+    block = xp.searchsorted(ends, xp.arange(k, dtype=xp.int64), side="right")
+    pos = block * codec.BLOCK + tail[pad + 4 * nb:].view("<u2")
+    # one read: the counts' total, the last position, and how often the positions descend
+    none = xp.zeros(1, xp.int64)
+    total, last, disorder = (int(x) for x in xp.concatenate([
+        ends[-1:] if nb else none, pos[-1:] if k else none - 1,
+        (pos[1:] <= pos[:-1]).sum(dtype=xp.int64).reshape(1) if k > 1 else none]).tolist())
+    if total != k:
+        raise TransferError(f"delta blocks count {total} changes, its header says {k}")
+    if disorder or last >= n:
+        raise TransferError("delta positions malformed: not ascending within the message")
+    return pos
