@@ -70,3 +70,34 @@ def test_receives_are_unpacked_from_the_senders_memory(tmp_path, monkeypatch, ch
     assert all(run.results[r] and run.results[r]["ok"] for r in ranks), run.results
     assert all(run.results[lay.worker.rank]["bit_identical"] for lay in rollouts)
     assert sum(run.results[r]["unpacked"] for r in ranks) > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,ipc", [("both", "cuda"), ("sync", "off")])
+def test_versions_as_deltas_on_cuda_buffers(tmp_path, monkeypatch, mode, ipc):
+    """Trainers with ``delta=True`` on CUDA buffers: every version after the first comes as what
+    changed (about 2% of the elements a version), encoded and applied on the GPU
+    (:mod:`wb.runtime.engine.delta_device`); every rollout bit-identical to the trainers'
+    weights, every version. One-sided between the processes and over UCX tags."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from harness.multiproc import coord_child_main
+    from test_plan import deployment
+
+    monkeypatch.setenv("WB_IPC", ipc)
+    trainers, rollouts = deployment()
+    p = wb.plan(trainers, rollouts, chunk_bytes=4096)
+    p.save(tmp_path / "plan.npz")
+    ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]
+    send, recv = wb.MODES[mode]
+    run = run_ranks(str(tmp_path / "plan.npz"), ranks, str(tmp_path), target=coord_child_main,
+                    options={"versions": 4, "sender_staging": send, "receiver_staging": recv,
+                             "timeout": 60, "delta": True, "density": 0.02, "cuda_device": 0},
+                    join_timeout=240)
+    for lay in rollouts:
+        res = run.results[lay.worker.rank]
+        assert res is not None and res["ok"], res
+        assert res["applied"] == [1, 2, 3, 4] and res["checks"] == [True] * 4, res
+        first, *later = res["received"]
+        assert max(later) < 0.25 * first, res["received"]
+    assert all(run.results[lay.worker.rank]["ok"] for lay in trainers), run.results

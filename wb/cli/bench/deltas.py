@@ -44,7 +44,7 @@ def run_deltas(c, barrier_start, result: dict) -> None:
     from wb.runtime.engine.program import Program
     from wb.testing.versions import AdamById
 
-    job = c.job
+    job, xp = c.job, c.xp
     part = c.plans["wb"]
     lay = part.layout if part is not None else None
     role = lay.worker.role.value if lay is not None else None
@@ -55,10 +55,10 @@ def run_deltas(c, barrier_start, result: dict) -> None:
     kept = {}
     for method in METHODS:  # each with its own transports, program and rollout buffers
         t = c.transport(f"delta/{method}", part, checksums=True)
-        bufs = ({k: g.weights().reshape(lay.buffers[k].shape) for k, g in gens.items()}
+        bufs = ({k: _here(xp, g.weights()).reshape(lay.buffers[k].shape) for k, g in gens.items()}
                 if role == "trainer" else
-                {k: np.zeros(b.shape, dtype_info(b.dtype).numpy) for k, b in lay.buffers.items()}
-                if role == "rollout" else {})
+                {k: _here(xp, np.zeros(b.shape, dtype_info(b.dtype).numpy))
+                 for k, b in lay.buffers.items()} if role == "rollout" else {})
         kept[method] = (t, None if t is None else Program(part, checksums=True), bufs)
     dense = kept["wb"][2]
     records = result.setdefault("delta", [])
@@ -69,8 +69,10 @@ def run_deltas(c, barrier_start, result: dict) -> None:
         if role == "trainer":
             for _, _, bufs in kept.values():
                 for k, g in gens.items():
-                    bufs[k].reshape(-1)[...] = g.weights()
-        before = {k: a.copy() for k, a in dense.items()} if role == "rollout" else {}
+                    bufs[k].reshape(-1)[...] = _here(xp, g.weights())
+            if xp is not np:
+                xp.cuda.get_current_stream().synchronize()
+        before = {k: _host(a) for k, a in dense.items()} if role == "rollout" else {}
         times = {}
         for method in METHODS[v % 2:] + METHODS[:v % 2]:
             t, program, bufs = kept[method]
@@ -85,14 +87,15 @@ def run_deltas(c, barrier_start, result: dict) -> None:
         ok = {m: None for m in METHODS}
         diff = {}
         if role == "rollout":
+            now = {k: _host(a) for k, a in dense.items()}
             ok["wb"] = all(np.array_equal(
-                np.ascontiguousarray(dense[k].reshape(-1)[::SAMPLE]).view(np.uint8),
+                np.ascontiguousarray(now[k].reshape(-1)[::SAMPLE]).view(np.uint8),
                 g.weights().view(np.uint8)) for k, g in gens.items())
-            ok["wb-delta"] = all(np.array_equal(kept["wb-delta"][2][k].view(np.uint8),
-                                                a.view(np.uint8)) for k, a in dense.items())
+            ok["wb-delta"] = all(np.array_equal(_host(kept["wb-delta"][2][k]).view(np.uint8),
+                                                a.view(np.uint8)) for k, a in now.items())
             diff = {k: int(np.count_nonzero(before[k].view(f"u{a.itemsize}")
                                             != a.view(f"u{a.itemsize}")))
-                    for k, a in dense.items()}
+                    for k, a in now.items()}
         changed = sum(n * dense[k].itemsize for k, n in diff.items())
         for method, (t0, end, got) in times.items():
             records.append({"version": v, "method": method, "t0": t0, "end": end,
@@ -104,6 +107,16 @@ def run_deltas(c, barrier_start, result: dict) -> None:
         if t is not None:
             t.close()
             program.release()
+
+
+def _here(xp, a: np.ndarray):
+    """Host array ``a`` where the worker's buffers are (a device keeps bfloat16 as raw bits)."""
+    return a if xp is np else xp.asarray(a.view(f"u{a.itemsize}"))
+
+
+def _host(a) -> np.ndarray:
+    """A copy of ``a`` on the host, as raw bits where it is a device's."""
+    return a.copy() if isinstance(a, np.ndarray) else a.get()
 
 
 def summarize_deltas(res: dict) -> dict:

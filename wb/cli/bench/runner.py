@@ -136,10 +136,9 @@ def run_bench(*, profile: str = "cpu", replicas=(1, 2, 4), cuda: int | None = No
     prof = dict(PROFILES[profile], **overrides)
     if checksums not in ("on", "compare"):
         raise wb.SpecError(f"checksums must be on or compare, got {checksums!r}")
-    if delta_lr is not None and (cuda is not None or not delta_lr > 0 or delta_versions < 2):
-        raise wb.SpecError(f"delta: a positive learning rate, at least 2 versions and host "
-                           f"buffers (deltas on devices are not built yet); got lr {delta_lr}, "
-                           f"{delta_versions} versions, cuda {cuda}")
+    if delta_lr is not None and (not delta_lr > 0 or delta_versions < 2):
+        raise wb.SpecError(f"delta: a positive learning rate and at least 2 versions; got lr "
+                           f"{delta_lr}, {delta_versions} versions")
     prof["delta"] = (delta_lr, delta_versions) if delta_lr is not None else None
     if checksums == "compare":
         prof["methods"] = (*prof.get("methods", ("wb", "p2p", "broadcast")), "wb-unchecked")

@@ -34,7 +34,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 
-__all__ = ["encode", "apply", "changed"]
+__all__ = ["encode", "of_changes", "dense", "apply", "changed", "size_of"]
 
 _WIDTHS = (1, 2, 4, 8)
 
@@ -68,16 +68,22 @@ def encode(base, new, *, itemsize: int, xp):
     ``xp``), in its smallest encoding: the bytes :func:`wb.algorithms.delta.encode` makes."""
     pos = changed(base, new, itemsize=itemsize, xp=xp)
     vals = _elements(new, itemsize, xp)
-    n, k = int(vals.size), int(pos.size)
+    return of_changes(int(vals.size), pos, vals[pos], itemsize=itemsize, whole=lambda: vals,
+                      xp=xp)
+
+
+def of_changes(n: int, pos, values, *, itemsize: int, whole, xp):
+    """:func:`wb.algorithms.delta.of_changes` where the arrays are: the delta of a message of
+    ``n`` elements whose elements at ``pos`` (ascending) changed to ``values``; ``whole()``
+    gives all ``n`` new elements, asked for only when the dense form is the smallest."""
+    k = int(pos.size)
     kind, nbytes = codec.choose(n, k, itemsize)
-    out = xp.empty(nbytes, xp.uint8)
-    at = codec.HEADER.size
     if kind == codec.DENSE:
-        _header(xp, out, kind, itemsize, n, n)
-        out[at:] = vals.view(xp.uint8)
-        return out
+        return dense(whole(), itemsize=itemsize, xp=xp)
+    out = xp.empty(nbytes, xp.uint8)
     _header(xp, out, kind, itemsize, n, k)
-    out[at:at + k * itemsize] = vals[pos].view(xp.uint8)
+    at = codec.HEADER.size
+    out[at:at + k * itemsize] = xp.ascontiguousarray(values).reshape(-1).view(xp.uint8)
     at += k * itemsize
     if kind == codec.MASK:
         bits = xp.zeros(n, xp.uint8)
@@ -93,6 +99,30 @@ def encode(base, new, *, itemsize: int, xp):
     return out
 
 
+def dense(new, *, itemsize: int, xp):
+    """:func:`wb.algorithms.delta.dense` where ``new`` is: its bytes as a delta of the dense
+    kind."""
+    vals = _elements(new, itemsize, xp)
+    out = xp.empty(codec.HEADER.size + vals.nbytes, xp.uint8)
+    _header(xp, out, codec.DENSE, itemsize, int(vals.size), int(vals.size))
+    out[codec.HEADER.size:] = vals.view(xp.uint8)
+    return out
+
+
+def size_of(buf, *, xp) -> int:
+    """:func:`wb.algorithms.delta.size_of` of a buffer where the arrays are (its header read by
+    the host)."""
+    b = buf.reshape(-1).view(xp.uint8)
+    size = codec.header(_host(b[:codec.HEADER.size], xp))[2]
+    if size > b.nbytes:
+        raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
+    return size
+
+
+def _host(a, xp) -> np.ndarray:
+    return a if xp is np else a.get()
+
+
 def apply(target, delta, *, xp):
     """Turns ``target`` (a writable byte array on the device, holding the delta's base) into the
     new bytes, in place: :func:`wb.algorithms.delta.apply` where the buffers are.
@@ -106,8 +136,7 @@ def apply(target, delta, *, xp):
             width (nothing of ``target`` is written then).
     """
     d = delta.reshape(-1).view(xp.uint8)
-    head = d[:codec.HEADER.size]
-    kind, itemsize, size, n, k = codec.header(head if xp is np else head.get())
+    kind, itemsize, size, n, k = codec.header(_host(d[:codec.HEADER.size], xp))
     if size != d.nbytes:
         raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
     t = target.reshape(-1).view(xp.uint8)

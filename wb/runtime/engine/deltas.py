@@ -22,8 +22,10 @@ delta was made against, so the delta applies there alike; where the parent came 
 sends the new bytes as a delta of the dense kind. Other forwards are encoded against the
 forwarder's own bases.
 
-Host buffers only so far (numpy on both ends); a rank on a device holds ``-1``: its peers send
-it dense bytes.
+On a device the same steps run where the buffers are (:mod:`wb.runtime.engine.delta_device`, the
+host codec's bytes made by CuPy's array operations on the update's stream); a payload is written
+before the transport reads it, and a unit applied before it counts as landed (the host waits for
+the stream: a delta job's messages are large, :data:`~wb.algorithms.planner.DELTA_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
+from wb.runtime.engine import delta_device as dev
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["DeltaPlan", "width", "encode_send", "land", "take_completions", "alike"]
@@ -59,6 +62,26 @@ def width(g) -> int:
     return dtype_info(g.wire).itemsize if g.wire else 1
 
 
+def _encode(xp, old, new, w: int):
+    return codec.encode(old, new, itemsize=w) if xp is np else dev.encode(old, new, itemsize=w,
+                                                                          xp=xp)
+
+
+def _dense(xp, new, w: int):
+    return codec.dense(new, itemsize=w) if xp is np else dev.dense(new, itemsize=w, xp=xp)
+
+
+def _apply(xp, target, delta):
+    return codec.apply(target, delta) if xp is np else dev.apply(target, delta, xp=xp)
+
+
+def _settle(mover) -> None:
+    """The host waits for the device work queued so far (nothing on the host)."""
+    ev = mover.fence()
+    if ev is not None:
+        ev.synchronize()
+
+
 def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     """Unit ``g``'s payload for this update, and its base updated to the new bytes.
 
@@ -76,6 +99,16 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
         is memory of this update's (counted in the send budget) and whether that memory is a
         pool buffer (given back once sent).
     """
+    ev = mover.wait(g) if g.zc_src else None  # (a packed one's pack waits on the device)
+    if ev is not None:  # device work still writes its source (a quantiser)
+        ev.synchronize()
+    out = _encode_send(prog, mover, g, as_delta=as_delta, came=came, cut=cut)
+    _settle(mover)  # device buffers: the payload is written before the transport reads it
+    return out
+
+
+def _encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
+    xp = mover.xp
     at = prog.sliced.get(g.m)
     if at is not None or g.m in prog.relays:
         if not as_delta:
@@ -92,24 +125,25 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
             w = width(g)
             e0, e1 = at[1] // w, (at[1] + g.nbytes) // w
             if pos is None:  # the frame came dense: these are the member's new values
-                return codec.dense(vals[e0:e1], itemsize=w), True, False
-            i0, i1 = np.searchsorted(pos, (e0, e1))
-            return codec.of_changes(e1 - e0, pos[i0:i1] - e0, vals[i0:i1], itemsize=w,
-                                    whole=lambda: _whole(mover, g)), True, False
-        return codec.dense(_whole(mover, g), itemsize=width(g)), True, False
+                return _dense(xp, vals[e0:e1], w), True, False
+            i0, i1 = (int(i) for i in xp.searchsorted(pos, xp.asarray([e0, e1])).tolist())
+            whole = lambda: _whole(mover, g)  # noqa: E731
+            return (codec.of_changes(e1 - e0, pos[i0:i1] - e0, vals[i0:i1], itemsize=w,
+                                     whole=whole) if xp is np else
+                    dev.of_changes(e1 - e0, pos[i0:i1] - e0, vals[i0:i1], itemsize=w,
+                                   whole=whole, xp=xp)), True, False
+        return _dense(xp, _whole(mover, g), width(g)), True, False
     bases = prog.bases
     old = bases.get(g.m)
     if g.zc_src:
-        new = mover.source(g)
-        payload = (codec.encode(old, new, itemsize=width(g))
-                   if as_delta and old is not None else new)
+        new = mover.array(g, src=True)
+        payload = _encode(xp, old, new, width(g)) if as_delta and old is not None else new
         if old is None:
-            old = bases[g.m] = np.empty(g.nbytes, np.uint8)
-        np.copyto(old, new)
+            old = bases[g.m] = xp.empty(g.nbytes, xp.uint8)
+        xp.copyto(old, new)
         return payload, payload is not new, False
     new = mover.pack(g)
-    payload = (codec.encode(old, new, itemsize=width(g))
-               if as_delta and old is not None else new)
+    payload = _encode(xp, old, new, width(g)) if as_delta and old is not None else new
     bases[g.m] = new  # the packed bytes are the next base
     if old is not None:
         mover.release(old)
@@ -119,7 +153,7 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
 def _whole(mover, g) -> np.ndarray:
     """Unit ``g``'s new bytes, as a copy of this update's own (the pool's staging goes back)."""
     if g.zc_src:
-        return mover.source(g)
+        return mover.array(g, src=True)
     packed = mover.pack(g)
     try:
         return packed.copy()
@@ -135,41 +169,44 @@ def land(prog, mover, g, buf, *, as_delta: bool):
         ``(came, decoded)``: the bytes that came (what its checksum covers), and a delta's
         ``(positions, values)`` as :func:`~wb.algorithms.delta.apply` returns them (``None``
         for dense bytes)."""
-    got = buf[:codec.size_of(buf)] if as_delta else buf
+    xp = mover.xp
+    got = buf[:(codec.size_of(buf) if xp is np else dev.size_of(buf, xp=xp))] if as_delta else buf
     if g.conv:  # its base is a copy of the travelling bytes
         base = prog.recv_bases.get(g.m)
         if as_delta:
             if base is None:
                 raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this "
                                     f"rank holds no base of it")
-            decoded = codec.apply(base, got)
+            decoded = _apply(xp, base, got)
             mover.unpack(g, base)
             return got, decoded
         if base is None:
-            base = prog.recv_bases[g.m] = np.empty(g.nbytes, np.uint8)
-        np.copyto(base, buf)
+            base = prog.recv_bases[g.m] = xp.empty(g.nbytes, xp.uint8)
+        xp.copyto(base, buf)
         mover.unpack(g, buf)
         return got, None
     if not as_delta:
         mover.unpack(g, buf)
         return got, None
     if g.zc_dst:
-        return got, codec.apply(mover.target(g), got)
+        return got, _apply(xp, mover.array(g, src=False), got)
     base = mover.gather(g)
     try:
-        decoded = codec.apply(base, got)
+        decoded = _apply(xp, base, got)
         mover.unpack(g, base)
     finally:
+        _settle(mover)  # the base's staging goes back to the pool: read first
         mover.release(base)
     return got, decoded
 
 
 def take_completions(u, got) -> bool:
     """An update's completed requests (``u``: its :class:`~wb.runtime.engine.update._Update`) in
-    a job that sends deltas (host buffers: nothing waits for a device): bytes are counted as
-    they travelled; a send's memory is its base or its own (nothing goes back to the pool); a
-    receive is applied or unpacked, its base kept."""
+    a job that sends deltas: bytes are counted as they travelled; a send's memory is its base
+    or its own (nothing goes back to the pool); a receive is applied or unpacked, its base kept,
+    and it lands once the device work on it is done (the host waits for it)."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
+    landing = []
     for req, g, buf in got:
         if g.out:
             u.sent(g, buf.nbytes if buf is not None else g.nbytes, staged=buf is not None)
@@ -189,7 +226,11 @@ def take_completions(u, got) -> bool:
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-        u.landed(g, buf)
+        landing.append((g, buf))
+    if landing:
+        _settle(mover)
+        for g, buf in landing:
+            u.landed(g, buf)
     return bool(got)
 
 

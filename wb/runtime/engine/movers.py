@@ -139,6 +139,14 @@ class HostMover:
             v = self.cache[(g.m, 1)] = self._bytes(g, src=False)
         return v
 
+    def array(self, g, *, src: bool):
+        """A zero-copy message's range of its buffer as an array of bytes (on the host what
+        :meth:`source` and :meth:`target` give), kept while the buffers stay the same."""
+        v = self.cache.get((g.m, 4 if src else 5))
+        if v is None:
+            v = self.cache[(g.m, 4 if src else 5)] = self._slice(g, src=src)
+        return v
+
     def regions(self, g) -> list:
         """Message ``g``'s regions of this rank's buffers, in message order (for a local copy,
         ``(source, destination)`` pairs), made once while the buffers stay the same."""

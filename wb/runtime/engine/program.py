@@ -409,7 +409,7 @@ class Program:
             delta: the update runs in a job that sends deltas
                 (:class:`~wb.runtime.engine.deltas.DeltaPlan`): bases are kept, units with its
                 peers travel as deltas, and once it completes this program holds its version
-                (host buffers; on a device it runs dense and holds none).
+                (host or device buffers).
 
         Returns:
             :class:`~wb.runtime.engine.update.ExecStats`.
@@ -427,13 +427,13 @@ class Program:
         flat, xp = self.check(buffers, layout=layout)
         if staging_bytes is None:
             kw["staging_bytes"] = DEFAULT_STAGING_BYTES if xp is np else DEVICE_STAGING_BYTES
-        if delta is not None:
-            return self._run_delta(delta, buffers, flat, xp, transport, ready, kw)
         if xp is not np and flat and not self._prepared:
             with next(iter(flat.values())).device:  # compiled once, before the first update
                 prepare(xp, self.conversions)
                 prepare_copies(xp, {a.dtype for a in flat.values()})
             self._prepared = True
+        if delta is not None:
+            return self._run_delta(delta, buffers, flat, xp, transport, ready, kw)
         if xp is not np and flat:
             # CuPy's current device is per thread: staging and kernels must go to the buffers'
             # own device, whichever thread runs this (a Sender's or Receiver's background thread
@@ -450,13 +450,13 @@ class Program:
             raise TransferError(f"rank {self.rank}: deltas came for buffers other than those "
                                 f"version {was} was written into")
         self.version = -1  # a failure leaves part of the version (and of the bases) written
-        if xp is not np:  # device buffers: dense, holding nothing
-            self.forget_version()
-            if delta.to or delta.frm:
-                raise TransferError(f"rank {self.rank}: deltas on device buffers are not "
-                                    f"built yet; its peers must send it dense bytes")
-            return self.run(buffers, transport, ready=ready, **kw)
-        stats = run_update(self, mover_for(self, flat, xp, ready), transport, delta=delta, **kw)
+        if xp is not np and flat:
+            with next(iter(flat.values())).device:  # see run: the buffers' own device
+                stats = run_update(self, mover_for(self, flat, xp, ready), transport,
+                                   delta=delta, **kw)
+        else:
+            stats = run_update(self, mover_for(self, flat, xp, ready), transport, delta=delta,
+                               **kw)
         try:
             self._held = [weakref.ref(a) for a in buffers.values()]
         except TypeError:  # arrays without weak references: what they hold cannot be vouched for
