@@ -11,6 +11,7 @@ the FP8 EWTT runs from the quantiser's start, and ``update_ratio`` is the FP8 up
 over the BF16 one's. The quantiser alone (``quantize_s``, the slowest trainer's, one run after
 a warm-up) is reported beside it.
 Each process runs ``--warmup`` updates before the measured one (``first_ewtt_s``: the first's).
+``--delta LR`` measures instead successive BF16 versions sent dense and as deltas (see its help).
 
     python bench/bench_fp8.py [--cuda 0] [--json] [--hidden 2048 --layers 4 --experts 32]
 """
@@ -64,6 +65,15 @@ def main() -> None:
     ap.add_argument("--quantise-before", action="store_true",
                     help="with --only fp8: trainers quantise before the measured update, which "
                          "is then the FP8 transfer alone (not the whole update a user waits for)")
+    ap.add_argument("--delta", type=float, metavar="LR",
+                    help="instead: BF16 versions changing as many values as Adam at LR changes "
+                         "(measured on a sample of a million ids: wb.testing.versions.AdamById; "
+                         "placed by hash), sent dense and as deltas, each version timed: per "
+                         "version the fraction changed, the bytes and EWTT of deltas over dense")
+    ap.add_argument("--versions", type=int, default=4, help="with --delta (the first is dense)")
+    ap.add_argument("--delta-chunk-mb", type=float, default=None,
+                    help="with --delta: the deltas' plan piece size (default: what "
+                         "agree_parts(delta=True) plans, DELTA_CHUNK_BYTES; dense: --chunk-mb)")
     a = ap.parse_args()
     kw = dict(hidden=a.hidden, layers=a.layers, experts=a.experts, replicas=a.replicas,
               repeat=a.repeat, cuda_device=a.cuda, warmup=a.warmup,
@@ -85,6 +95,15 @@ def main() -> None:
               f"checksums_ratio {rep['checksums_ratio']:.3f}")
         return
     kw["checksums"] = a.checksums == "on"
+    if a.delta is not None:
+        rep = _deltas(a, kw)
+        if a.out:
+            Path(a.out).write_text(json.dumps(rep, indent=1))
+        print(json.dumps(rep) if a.json else "\n".join(
+            f"v{r['version']}: {r['changed']:.2%} changed, bytes {r['bytes_over_dense']:.3f}x "
+            f"dense, EWTT {r['delta_ewtt_s']:.4f} s / {r['dense_ewtt_s']:.4f} s = "
+            f"{r['ewtt_over_dense']:.3f}x" for r in rep["by_version"]))
+        return
     fp8_blocks = wb.FP8Blocks(("*_proj.weight",))
     if a.only:
         one = run(fp8=fp8_blocks if a.only == "fp8" else None, before=a.quantise_before,
@@ -121,6 +140,37 @@ def main() -> None:
         print(f"{k:>20}: {rep[k]:.3f}")
     print(f"{'ewtt':>20}: bf16 {bf16['ewtt_s']:.4f} s, fp8 {fp8['ewtt_s']:.4f} s (quantising "
           f"inside; alone it takes {fp8['quantize_s']:.4f} s)")
+
+
+def _deltas(a, kw: dict) -> dict:
+    """``--delta LR``: the density Adam at LR gives (its first step, the largest), then the
+    same versions dense and as deltas, one run each."""
+    import numpy as np
+
+    from wb.testing.versions import AdamById, changed_fraction
+
+    gen = AdamById(np.arange(1 << 20), lr=a.delta)
+    first = gen.weights()
+    gen.step()
+    density = changed_fraction({"w": first}, {"w": gen.weights()})
+    from wb.algorithms.planner import DELTA_CHUNK_BYTES
+
+    kw = {k: v for k, v in kw.items() if k not in ("repeat", "warmup")}
+    dense = run(versions={"count": a.versions, "density": density, "delta": False}, **kw)
+    kw["chunk"] = (int(a.delta_chunk_mb * 2**20) if a.delta_chunk_mb is not None
+                   else DELTA_CHUNK_BYTES)
+    delta = run(versions={"count": a.versions, "density": density, "delta": True}, **kw)
+    rows = []
+    for d, x in zip(dense["versions"], delta["versions"]):
+        rows.append({"version": d["version"], "changed": x["changed"],
+                     "dense_ewtt_s": d["ewtt_s"], "delta_ewtt_s": x["ewtt_s"],
+                     "ewtt_over_dense": x["ewtt_s"] / d["ewtt_s"],
+                     "dense_bytes": d["received"], "delta_bytes": x["received"],
+                     "bytes_over_dense": x["received"] / max(d["received"], 1)})
+    return {"lr": a.delta, "density": density, "by_version": rows,
+            "device": "cuda" if a.cuda is not None else "cpu",
+            "dense_chunk_bytes": int(a.chunk_mb * 2**20), "delta_chunk_bytes": kw["chunk"],
+            "processes": delta["processes"], "bit_identical": True}
 
 
 if __name__ == "__main__":

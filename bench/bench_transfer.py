@@ -71,7 +71,7 @@ def retyped(layouts, dtype: str):
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=None, cuda_device=None, shape="tp2", dtypes=None, fp8=None, before=False,
         trace_out=None, warmup=0, polling=None, checksums=True, timeout=120.0,
-        profile_out=None) -> dict:
+        profile_out=None, versions=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
@@ -89,7 +89,9 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     ``checksums``: every message checked against its sender's CRC32C (wb's default), or not.
     ``timeout``: seconds an update may go without progress before it fails, naming what it
     waits for. ``profile_out``: a folder for each process's :mod:`cProfile` of its measured
-    update (``<run>_r<rank>.prof``; read with :mod:`pstats`)."""
+    update (``<run>_r<rank>.prof``; read with :mod:`pstats`). ``versions``: instead, successive
+    versions (``{"count", "density", "delta"}``: :mod:`harness.versions_run`), each timed on its
+    own; returns :func:`_versions_report`."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -128,6 +130,13 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     # raw pairs: sender on the trainers' device, receiver on the rollouts'
     raw_dev = ((cuda_device["trainer"], cuda_device["rollout"]) if isinstance(cuda_device, dict)
                else cuda_device)
+    if versions is not None:
+        r = run_ranks(str(work / "plan.npz"), ranks, str(work / "versions"),
+                      options={"timeout": timeout, "staging_bytes": staging,
+                               "cuda_device": cuda_device, "polling": polling,
+                               "checksums": checksums, "versions": versions},
+                      join_timeout=600)
+        return _versions_report(r.results, ranks, len(trainers), versions, total)
     rows = []
     for k in range(repeat):
         # raw throughput and the executor run back to back, so each ratio compares like with like
@@ -188,6 +197,30 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
             "ewtt_over_ideal": mid["ratio"], "runs": rows,
             "shape": shape, "chunk_bytes": chunk, "dtypes": list(dtypes) if dtypes else None, "messages": int(between.sum()),
             "tls": tls or "default", "polling": polling, "bit_identical": True, "time": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _versions_report(res: dict, ranks: list, n_trainers: int, versions: dict,
+                     total: float) -> dict:
+    """Per version of a ``versions`` run: its EWTT (first start to last end over the ranks), the
+    bytes the rollouts received, and the fraction of the trainers' elements it changed."""
+    bad = [x for x in ranks if not (res[x] and res[x]["ok"])]
+    if bad:
+        raise RuntimeError(f"ranks {bad} failed: {[res[x] for x in bad][:2]}")
+    if not all(res[x]["bit_identical"] for x in ranks[n_trainers:]):
+        raise RuntimeError("a rollout buffer is not bit-identical at some version")
+    trainers, rollouts = ranks[:n_trainers], ranks[n_trainers:]
+    elements = sum(res[x]["elements"] for x in trainers)
+    out = []
+    for v in range(versions["count"]):
+        rows = [res[x]["versions"][v] for x in ranks]
+        out.append({"version": v,
+                    "ewtt_s": max(r["end_s"] for r in rows) - min(r["start_s"] for r in rows),
+                    "received": sum(res[x]["versions"][v]["received"] for x in rollouts),
+                    "changed": sum(res[x]["versions"][v]["changed"] for x in trainers)
+                    / max(elements, 1)})
+    return {"versions": out, "delta": bool(versions["delta"]),
+            "density": versions["density"], "bytes_between_processes": int(total),
+            "bit_identical": True, "processes": len(ranks)}
 
 
 def main() -> None:

@@ -241,6 +241,14 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         # connections (a first update also loads kernels and maps peers' memory), each with its
         # own tags
         timeout, staging = options.get("timeout", 60.0), options.get("staging_bytes", 256 << 20)
+        if options.get("versions"):  # successive versions, dense or as deltas (bench_fp8 --delta)
+            from harness.versions_run import run_versions
+
+            run_versions(program, part, bufs, transport, xp, options, result,
+                         lambda name: _barrier(DirectoryStore(store_dir), plan, rank, name,
+                                               options))
+            Path(result_dir, f"{rank}.json").write_text(json.dumps(result))
+            return
         if options.get("warmup"):
             program.check(bufs)  # bad buffers are refused before connecting to anyone
             connect(program.part, transport)
