@@ -370,3 +370,66 @@ def test_a_process_joining_with_several_ranks_is_admitted_all_or_none():
     assert adm.requests(set()) == {}
     ask(3, "t1")
     assert adm.requests(set()) == {2: "t1", 3: "t1"}
+
+
+def test_requests_that_come_while_joiners_are_planned_are_admitted_with_them(monkeypatch):
+    """A replica's restarted ranks ask a few tens of ms apart: a request that comes while the
+    first one's plan is being made starts a plan for both beside it, and the push takes that
+    one when it is ready (else the first, and plans the other again)."""
+    from types import SimpleNamespace
+
+    from wb.data.layout import layouts_to_bytes
+    from wb.runtime.membership import joining
+    from wb.runtime.transport.stores import MemoryStore, set_large
+
+    sm = wb.SourceMap.from_indices(np.arange(8))
+    lay = {r: wb.Layout(wb.Worker(r, f"n{r}", "trainer" if r == 0 else "rollout"),
+                        {"w": wb.BufferSpec(sm, "float32")}) for r in range(4)}
+    made = []
+
+    class Plan:  # planned at once or never, as the test says
+        ready = True
+
+        def __init__(self, fin, joiners):
+            self.joiners, self.members, self.done = dict(joiners), fin.members(), Plan.ready
+            made.append(self)
+
+        def wait(self, seconds):
+            return self.done
+    monkeypatch.setattr(joining, "_Planning", Plan)
+
+    def run(first_ready, wider_ready):
+        store = MemoryStore()
+        fin = SimpleNamespace(
+            end=SimpleNamespace(store=store, wait_timeout=1.0,
+                                key=lambda *p: "/".join(("wb", *map(str, p)))),
+            layouts={0: lay[0], 1: lay[1]}, trainers=[0], rollouts=[1],
+            members=lambda: (0, (1,)))
+        def peek(key):
+            try:
+                return store.get(key, 0.001)
+            except wb.TransferError:
+                return None
+        adm = joining.Admissions(fin, peek=peek)
+        taken = []
+        adm._take = lambda v, job: (taken.append(sorted(job.joiners)),
+                                    setattr(adm, "_planning", None))
+
+        def ask(r):
+            set_large(store, f"wb/member/{r}", layouts_to_bytes([lay[r]]))
+            store.set(f"wb/joinreq/{r}", f"t{r}".encode())
+            store.set("wb/joins", f"{r}".encode())
+        made.clear()
+        Plan.ready = first_ready
+        ask(2)
+        adm._look()
+        Plan.ready = wider_ready
+        ask(3)
+        adm._look()
+        assert [sorted(p.joiners) for p in made] == [[2], [2, 3]]
+        adm.admit(5)
+        return taken, adm._rescan
+
+    assert run(True, True) == ([[2, 3]], False)
+    assert run(True, False) == ([[2]], True)  # rank 3 planned again at the next push
+    assert run(False, True) == ([[2, 3]], False)

@@ -165,6 +165,9 @@ class Admissions:
         self._asked: bytes | None = None  # the join marker last read
         self._rescan = False  # requests were left waiting: read them again at the next push
         self._planning: _Planning | None = None
+        # a plan for the requests that came while _planning was being made, with theirs: a
+        # replica's restarted ranks ask a few tens of ms apart and are admitted together
+        self._wider: _Planning | None = None
         self._lock = threading.Lock()  # the pushing thread and the looking one (follow)
         self._stop: threading.Event | None = None
         self._scanned = 0.0  # when the requests were last read (monotonic)
@@ -194,6 +197,9 @@ class Admissions:
         job = self._planning
         if job is not None and job.members != self.fin.members():
             self._planning, self._rescan = None, True  # made for members that changed since
+            self._wider = None
+        if self._planning is not None and looking:
+            self._widen()
         if self._planning is None:
             asked = self.peek(self.fin.end.key("joins"))
             if asked is None or (asked == self._asked and not self._rescan):
@@ -207,6 +213,17 @@ class Admissions:
             self._planning = _Planning(self.fin, joiners)
         return self._planning
 
+    def _widen(self) -> None:
+        """Starts :attr:`_wider` where requests came since the plan being made started."""
+        asked = self.peek(self.fin.end.key("joins"))
+        if asked is None or asked == self._asked:
+            return
+        self._asked, self._scanned = asked, time.monotonic()
+        joiners = self.requests(set())
+        have = self._wider.joiners if self._wider is not None else self._planning.joiners
+        if set(joiners.items()) - set(have.items()):
+            self._wider = _Planning(self.fin, joiners)
+
     def admit(self, v: int) -> None:
         """Admits the rollouts that asked to join (all ranks of a process or none) into version
         ``v``, before the leader announces it, once their plan is made. They run ``v`` fed apart
@@ -214,14 +231,19 @@ class Admissions:
         the store before ``v`` is announced. Reads one key when nobody asked since the last
         look."""
         with self._lock:
-            job = self._start()
+            job, wider = self._start(), self._wider
         if job is None:
             return
-        if not job.wait(PLAN_WAIT_S):
+        if wider is not None and wider.wait(PLAN_WAIT_S):
+            job = wider  # every request so far; else the first ones, the others at a later push
+        elif not job.wait(0.0 if wider is not None else PLAN_WAIT_S):
             log.info("version %d: the plan for joiners %s is not made yet; they are admitted "
                      "at a later push", v, sorted(job.joiners))
             return
         with self._lock:
+            if job is not wider and wider is not None:
+                self._rescan = True  # the wider plan's own joiners: planned again
+            self._wider = None
             self._take(v, job)
 
     def _take(self, v: int, job: _Planning) -> None:
