@@ -42,6 +42,7 @@ def test_corrupted_deltas_are_refused_on_the_device():
     base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
     new = base.copy()
     new[::97] ^= 1
+    new[-1] ^= 1  # a change in the last block, whose place the corruption below moves past the end
     d = codec.encode(base, new, itemsize=2)
     assert codec.kind_of(d) == "blocks"
     k = codec.header(d)[4]
@@ -55,3 +56,5 @@ def test_corrupted_deltas_are_refused_on_the_device():
         with pytest.raises(TransferError, match=why):
             dev.apply(out, cupy.asarray(bad), xp=cupy)
         assert cupy.asnumpy(out).tobytes() == base.tobytes()
+        with pytest.raises(TransferError, match=why):  # as the host codec refuses it
+            codec.apply(base.copy(), bad)

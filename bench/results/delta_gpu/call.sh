@@ -1,3 +1,4 @@
+# Needs the ucxx wheels and crc32c's for Python 3.12 in .whl/ (carried; ../h200_transfer/COMMAND.md, with crc32c==2.9.post0 added).
 # Deltas on a GPU, one device call: the device codec's and the delta update's GPU tests, the
 # codec against a device copy, then the 12-layer update as versions dense and as deltas
 # (bench_fp8 --delta), and (where time is left: GPU_BENCH=1) the emulated links of
