@@ -29,12 +29,15 @@ Examples:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 
-__all__ = ["encode", "of_changes", "dense", "apply", "changed", "size_of"]
+__all__ = ["encode", "of_changes", "dense", "apply", "changed", "size_of", "kernel_source",
+           "THREADS"]
 
 _WIDTHS = (1, 2, 4, 8)
 
@@ -65,11 +68,137 @@ def _header(xp, out, kind: int, itemsize: int, n: int, k: int) -> None:
 
 def encode(base, new, *, itemsize: int, xp):
     """The delta that turns ``base`` into ``new`` (byte arrays of one size, on the device of
-    ``xp``), in its smallest encoding: the bytes :func:`wb.algorithms.delta.encode` makes."""
-    pos = changed(base, new, itemsize=itemsize, xp=xp)
-    vals = _elements(new, itemsize, xp)
-    return of_changes(int(vals.size), pos, vals[pos], itemsize=itemsize, whole=lambda: vals,
-                      xp=xp)
+    ``xp``), in its smallest encoding: the bytes :func:`wb.algorithms.delta.encode` makes. On a
+    CUDA device by two kernels (:func:`kernel_source`): a count of the changes per block, then
+    their values and places written in order; with numpy, by array operations."""
+    if xp is np:
+        pos = changed(base, new, itemsize=itemsize, xp=xp)
+        vals = _elements(new, itemsize, xp)
+        return of_changes(int(vals.size), pos, vals[pos], itemsize=itemsize,
+                          whole=lambda: vals, xp=xp)
+    b, v = _elements(base, itemsize, xp), _elements(new, itemsize, xp)
+    if b.size != v.size:
+        raise ValueError(f"delta: base holds {b.nbytes:,} bytes, new {v.nbytes:,}: they must "
+                         f"be one size")
+    n, nb = int(v.size), -(-int(v.size) // codec.BLOCK)
+    count, compact = _kernels(itemsize)
+    counts = xp.empty(max(nb, 1), xp.uint32)
+    if nb:
+        count((nb,), (THREADS,), (b, v, np.int64(n), counts))
+    host = counts[:nb].get()  # the one read: the changes per block
+    k = int(host.sum(dtype=np.int64))
+    kind, nbytes = codec.choose(n, k, itemsize)
+    out = xp.empty(nbytes, xp.uint8)
+    at = codec.HEADER.size
+    if kind == codec.DENSE:
+        _header(xp, out, kind, itemsize, n, n)
+        out[at:] = v.view(xp.uint8)
+        return out
+    _header(xp, out, kind, itemsize, n, k)
+    starts = xp.asarray(np.concatenate([[0], np.cumsum(host, dtype=np.int64)[:-1]]))
+    values = out[at:at + k * itemsize].view(f"<u{itemsize}")
+    tail = at + k * itemsize
+    if kind == codec.MASK:
+        places = xp.empty(max(k, 1), xp.uint16)  # not sent: the mask says where
+        out[tail:] = xp.packbits(b != v, bitorder="little")
+    else:
+        pad = codec.values_pad(k, itemsize)
+        out[tail:tail + pad] = 0
+        out[tail + pad:tail + pad + 4 * nb].view("<u4")[:] = counts[:nb]
+        places = out[tail + pad + 4 * nb:].view("<u2")
+    if k:
+        compact((nb,), (THREADS,), (b, v, np.int64(n), starts, values, places))
+    return out
+
+
+#: Threads of a block of the kernels; a block of them takes one :data:`~wb.algorithms.delta.BLOCK`
+#: of elements.
+THREADS = 1024
+
+_SOURCE = r"""
+#define WB_WARPS ((blockDim.x + 31) >> 5)
+template <typename T>
+__device__ void count_changes(const T* a, const T* b, long long n, unsigned int* counts) {
+    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
+    unsigned int c = 0;
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) c += a[i] != b[i];
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+    __shared__ unsigned int warp[32];
+    if ((threadIdx.x & 31) == 0) warp[threadIdx.x >> 5] = c;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        c = threadIdx.x < WB_WARPS ? warp[threadIdx.x] : 0;
+        for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+        if (threadIdx.x == 0) counts[blockIdx.x] = c;
+    }
+}
+// The changes of one block of 65536 elements, in order: the block walks them a row of
+// blockDim.x at a time; each change's rank in its row is its warp's changes before it (a
+// ballot) plus those of the warps before (a scan of the warps' counts by one thread).
+template <typename T>
+__device__ void compact_changes(const T* a, const T* b, long long n, const long long* starts,
+                                T* values, unsigned short* places) {
+    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
+    long long at = starts[blockIdx.x];
+    __shared__ unsigned int warp[32];
+    __shared__ unsigned int row_total;
+    unsigned int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (long long row = start; row < end; row += blockDim.x) {
+        long long i = row + threadIdx.x;
+        bool changed = i < end && a[i] != b[i];
+        unsigned int ballot = __ballot_sync(0xffffffffu, changed);
+        unsigned int before = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp[w] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int sum = 0;
+            for (unsigned int j = 0; j < WB_WARPS; ++j) {
+                unsigned int t = warp[j];
+                warp[j] = sum;
+                sum += t;
+            }
+            row_total = sum;
+        }
+        __syncthreads();
+        if (changed) {
+            long long p = at + warp[w] + before;
+            values[p] = b[i];
+            places[p] = (unsigned short)(i - start);
+        }
+        at += row_total;
+        __syncthreads();
+    }
+}
+#define WB_DELTA_KERNELS(T, W) \
+extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
+                                              unsigned int* counts) { \
+    count_changes<T>(a, b, n, counts); } \
+extern "C" __global__ void wb_delta_compact_##W(const T* a, const T* b, long long n, \
+        const long long* starts, T* values, unsigned short* places) { \
+    compact_changes<T>(a, b, n, starts, values, places); }
+WB_DELTA_KERNELS(unsigned char, 1)
+WB_DELTA_KERNELS(unsigned short, 2)
+WB_DELTA_KERNELS(unsigned int, 4)
+WB_DELTA_KERNELS(unsigned long long, 8)
+"""
+
+
+def kernel_source() -> str:
+    """The CUDA source of the encoding kernels (``wb_delta_count_W``, ``wb_delta_compact_W`` for
+    elements of ``W`` bytes); also compiled for the host by the tests."""
+    return _SOURCE
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    import cupy  # only CUDA buffers come here
+
+    return cupy.RawModule(code=_SOURCE, options=("-std=c++14",))
+
+
+def _kernels(itemsize: int):
+    m = _module()
+    return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
 
 
 def of_changes(n: int, pos, values, *, itemsize: int, whole, xp):

@@ -1,0 +1,77 @@
+"""The delta encoding kernels (``wb.runtime.engine.delta_device.kernel_source``), their CUDA source
+compiled for the host with one thread a block (a warp of one lane: its ballot is its own flag, a
+shuffle brings nothing), every block run in turn, against the host codec: the changes counted per
+block of 65,536 elements, and their values and places written in order, are the bytes of
+``wb.algorithms.delta.encode``'s ``BLOCKS`` delta. On a GPU, ``tests/test_delta_cuda.py`` runs the
+same source with 1,024 threads a block."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from wb.algorithms import delta as codec
+from wb.runtime.engine.delta_device import kernel_source
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+
+_HOST = r"""
+#include <cstdint>
+#define __global__
+#define __device__
+#define __shared__
+#define __syncthreads()
+struct D3 { long long x; };
+static D3 threadIdx, blockIdx, blockDim;
+static unsigned int __shfl_down_sync(unsigned int, unsigned int, int) { return 0; }
+static unsigned int __ballot_sync(unsigned int, bool p) { return p ? 1u : 0u; }
+static unsigned int __popc(unsigned int x) { return __builtin_popcount(x); }
+"""
+_RUN = r"""
+extern "C" void block(long long b) { blockIdx.x = b; threadIdx.x = 0; blockDim.x = 1; }
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    d = tmp_path_factory.mktemp("delta_kernel")
+    cpp, so = d / "k.cpp", d / "k.so"
+    cpp.write_text(_HOST + kernel_source() + _RUN)
+    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def _ptr(a: np.ndarray):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.03, 0.6])
+def test_the_kernels_write_the_host_codec_s_counts_values_and_places(lib, w, density):
+    n = 2 * codec.BLOCK + 333
+    rng = np.random.default_rng(int(density * 1e4) + w)
+    base = rng.integers(0, 256, n * w, dtype=np.uint8)
+    new = base.copy()
+    new.reshape(n, w)[rng.random(n) < density, 0] ^= 0x11
+    new.reshape(n, w)[[0, codec.BLOCK - 1, codec.BLOCK, n - 1], -1] ^= 0x80  # the edges
+    nb = -(-n // codec.BLOCK)
+    count, compact = getattr(lib, f"wb_delta_count_{w}"), getattr(lib, f"wb_delta_compact_{w}")
+    counts = np.zeros(nb, np.uint32)
+    for b in range(nb):
+        lib.block(ctypes.c_longlong(b))
+        count(_ptr(base), _ptr(new), ctypes.c_longlong(n), _ptr(counts))
+    k = int(counts.sum())
+    starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)[:-1]])
+    values = np.zeros(max(k, 1), f"u{w}")
+    places = np.zeros(max(k, 1), np.uint16)
+    for b in range(nb):
+        lib.block(ctypes.c_longlong(b))
+        compact(_ptr(base), _ptr(new), ctypes.c_longlong(n), _ptr(starts), _ptr(values),
+                _ptr(places))
+    pos = codec.changed(base, new, itemsize=w)
+    assert k == pos.size
+    assert np.array_equal(counts, np.bincount(pos >> 16, minlength=nb))
+    assert np.array_equal(values[:k], new.view(f"u{w}")[pos])
+    assert np.array_equal(places[:k], (pos & (codec.BLOCK - 1)).astype(np.uint16))
