@@ -2,7 +2,9 @@
 compiled for the host with one thread a block (a warp of one lane: its ballot is its own flag, a
 shuffle brings nothing), every block run in turn, against the host codec: the changes counted per
 block of 65,536 elements, and their values and places written in order, are the bytes of
-``wb.algorithms.delta.encode``'s ``BLOCKS`` delta. On a GPU, ``tests/test_delta_cuda.py`` runs the
+``wb.algorithms.delta.encode``'s ``BLOCKS`` delta; applying one (each place checked and its
+position written, then a scatter) gives what ``wb.algorithms.delta.apply`` gives, and a place
+out of order or past the end is flagged. On a GPU, ``tests/test_delta_cuda.py`` runs the
 same source with 1,024 threads a block."""
 
 import ctypes
@@ -24,13 +26,15 @@ _HOST = r"""
 #define __shared__
 #define __syncthreads()
 struct D3 { long long x; };
-static D3 threadIdx, blockIdx, blockDim;
+static D3 threadIdx, blockIdx, blockDim, gridDim;
+static unsigned int atomicOr(unsigned int* a, unsigned int v) { unsigned int o = *a; *a |= v; return o; }
 static unsigned int __shfl_down_sync(unsigned int, unsigned int, int) { return 0; }
 static unsigned int __ballot_sync(unsigned int, bool p) { return p ? 1u : 0u; }
 static unsigned int __popc(unsigned int x) { return __builtin_popcount(x); }
 """
 _RUN = r"""
-extern "C" void block(long long b) { blockIdx.x = b; threadIdx.x = 0; blockDim.x = 1; }
+extern "C" void block(long long b) {
+    blockIdx.x = b; threadIdx.x = 0; blockDim.x = 1; gridDim.x = 1; }
 """
 
 
@@ -75,3 +79,41 @@ def test_the_kernels_write_the_host_codec_s_counts_values_and_places(lib, w, den
     assert np.array_equal(counts, np.bincount(pos >> 16, minlength=nb))
     assert np.array_equal(values[:k], new.view(f"u{w}")[pos])
     assert np.array_equal(places[:k], (pos & (codec.BLOCK - 1)).astype(np.uint16))
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_the_apply_kernels_write_what_the_host_codec_applies_and_flag_bad_places(lib, w):
+    n = 2 * codec.BLOCK + 333
+    rng = np.random.default_rng(w)
+    base = rng.integers(0, 256, n * w, dtype=np.uint8)
+    new = base.copy()
+    new.reshape(n, w)[rng.random(n) < 0.02, 0] ^= 0x11
+    new.reshape(n, w)[n - 1, 0] ^= 0x11  # a change in the last block
+    d = codec.encode(base, new, itemsize=w)
+    _, _, _, _, k = codec.header(d)
+    nb = -(-n // codec.BLOCK)
+    at = codec.HEADER.size
+    values = d[at:at + k * w].view(f"u{w}").copy()
+    tail = d[at + k * w:]
+    pad = codec.values_pad(k, w)
+    counts = tail[pad:pad + 4 * nb].view("<u4")
+    places = tail[pad + 4 * nb:].view("<u2").copy()
+    starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def run(places):
+        pos, bad = np.zeros(k, np.int64), np.zeros(1, np.uint32)
+        for b in range(nb):
+            lib.block(ctypes.c_longlong(b))
+            lib.wb_delta_positions(_ptr(places), _ptr(starts), ctypes.c_longlong(n), _ptr(pos),
+                                   _ptr(bad))
+        return pos, int(bad[0])
+    pos, bad = run(places)
+    assert bad == 0 and np.array_equal(pos, codec.changed(base, new, itemsize=w))
+    out = base.copy()
+    lib.block(ctypes.c_longlong(0))
+    getattr(lib, f"wb_delta_scatter_{w}")(_ptr(out), _ptr(values), _ptr(pos), ctypes.c_longlong(k))
+    assert out.tobytes() == new.tobytes()
+    for j, place in ((k - 1, 0xFFFF), (1, 0)):  # past the end; before the change ahead of it
+        bad_places = places.copy()
+        bad_places[j] = place
+        assert run(bad_places)[1] == 1

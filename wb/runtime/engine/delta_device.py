@@ -169,13 +169,34 @@ __device__ void compact_changes(const T* a, const T* b, long long n, const long 
         __syncthreads();
     }
 }
+// Each change's place checked (ascending within its block, inside the message) and its position
+// written; block b's changes are starts[b] .. starts[b + 1] - 1.
+extern "C" __global__ void wb_delta_positions(const unsigned short* places,
+        const long long* starts, long long n, long long* pos, unsigned int* bad) {
+    long long s = starts[blockIdx.x], e = starts[blockIdx.x + 1];
+    long long first = (long long)blockIdx.x * 65536;
+    for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
+        long long p = first + places[j];
+        if (p >= n || (j > s && places[j] <= places[j - 1])) atomicOr(bad, 1u);
+        pos[j] = p;
+    }
+}
+template <typename T>
+__device__ void scatter_changes(T* target, const T* values, const long long* pos, long long k) {
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < k;
+         j += (long long)gridDim.x * blockDim.x)
+        target[pos[j]] = values[j];
+}
 #define WB_DELTA_KERNELS(T, W) \
 extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
                                               unsigned int* counts) { \
     count_changes<T>(a, b, n, counts); } \
 extern "C" __global__ void wb_delta_compact_##W(const T* a, const T* b, long long n, \
         const long long* starts, T* values, unsigned short* places) { \
-    compact_changes<T>(a, b, n, starts, values, places); }
+    compact_changes<T>(a, b, n, starts, values, places); } \
+extern "C" __global__ void wb_delta_scatter_##W(T* target, const T* values, \
+                                                const long long* pos, long long k) { \
+    scatter_changes<T>(target, values, pos, k); }
 WB_DELTA_KERNELS(unsigned char, 1)
 WB_DELTA_KERNELS(unsigned short, 2)
 WB_DELTA_KERNELS(unsigned int, 4)
@@ -199,6 +220,32 @@ def _module():
 def _kernels(itemsize: int):
     m = _module()
     return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
+
+
+def _apply_blocks(xp, t, vals, tail, n: int, k: int, itemsize: int):
+    """A BLOCKS delta applied on a CUDA device: its counts read by the host, each change's place
+    checked and its position written by one kernel, then, only if all are good, one scatter."""
+    pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
+    if tail.nbytes != pad + 4 * nb + 2 * k:
+        raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
+                            f"elements")
+    counts = tail[pad:pad + 4 * nb].view("<u4").get()
+    total = int(counts.sum(dtype=np.int64))
+    if total != k:
+        raise TransferError(f"delta blocks count {total} changes, its header says {k}")
+    pos = xp.empty(max(k, 1), xp.int64)[:k]
+    if k:
+        m = _module()
+        starts = xp.asarray(np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]))
+        bad = xp.zeros(1, xp.uint32)
+        m.get_function("wb_delta_positions")((nb,), (THREADS,), (
+            tail[pad + 4 * nb:].view("<u2"), starts, np.int64(n), pos, bad))
+        if int(bad.get()[0]):
+            raise TransferError("delta positions malformed: not ascending within the message")
+        m.get_function(f"wb_delta_scatter_{itemsize}")(
+            (min(-(-k // THREADS), 4096),), (THREADS,),
+            (t.view(f"<u{itemsize}"), vals, pos, np.int64(k)))
+    return pos
 
 
 def of_changes(n: int, pos, values, *, itemsize: int, whole, xp):
@@ -281,6 +328,8 @@ def apply(target, delta, *, xp):
     if d.nbytes < at + k * itemsize:
         raise TransferError(f"delta of {d.nbytes:,} bytes: too short for {k:,} values")
     vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
+    if kind == codec.BLOCKS and xp is not np:
+        return _apply_blocks(xp, t, vals, d[at + k * itemsize:], n, k, itemsize), vals
     pos = _positions(xp, kind, d[at + k * itemsize:], n, k, itemsize)
     t.view(f"<u{itemsize}")[pos] = vals
     return pos, vals
