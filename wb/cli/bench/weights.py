@@ -231,6 +231,10 @@ def mapped_of(lay, xp=np) -> dict:
     return out
 
 
+#: Elements :func:`version_bits` hashes at once (its temporaries: ~24 bytes each).
+_CHUNK = 1 << 24
+
+
 def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
                  density: float = 1.0) -> dict:
     """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
@@ -246,10 +250,14 @@ def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
         if density >= 1.0:
             out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
             continue
-        bits, steps = u.astype(xp.uint64), xp.zeros(u.shape, u.dtype)
+        flat, steps = u.reshape(-1), xp.zeros(u.size, u.dtype)
         cut = xp.uint64(int(density * (1 << 20)))
-        for w in range(1, version + 1):
-            h = (bits * xp.uint64(0x9E3779B97F4A7C15) + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
-            steps += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1) < cut).astype(u.dtype)
-        out[k] = xp.where(mapped[k], u + steps, u).view(a.dtype)
+        for c in range(0, flat.size, _CHUNK):  # uint64 temporaries of a chunk at a time
+            bits = flat[c:c + _CHUNK].astype(xp.uint64)
+            for w in range(1, version + 1):
+                h = (bits * xp.uint64(0x9E3779B97F4A7C15)
+                     + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
+                steps[c:c + _CHUNK] += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1)
+                                        < cut).astype(u.dtype)
+        out[k] = xp.where(mapped[k], u + steps.reshape(u.shape), u).view(a.dtype)
     return out
