@@ -1,19 +1,20 @@
 """The delta codec on a device: :mod:`wb.algorithms.delta`'s bytes, made and applied where the
-buffers are (CuPy's array operations on CUDA memory), bit for bit what the host codec makes.
+buffers are, bit for bit what the host codec makes.
 
-Both ends work in a few passes over the message and its changes, none per element in Python:
+On a CUDA device, kernels (:func:`kernel_source`), one block of :data:`THREADS` threads per
+:data:`~wb.algorithms.delta.BLOCK` of elements:
 
-- encode: the elements that differ (a compare and CuPy's ``flatnonzero``: a scan and a
-  compaction, in order), their values gathered; for :data:`~wb.algorithms.delta.BLOCKS` each
-  block's count from where its first change lies among the ascending positions (one binary
-  search per block, no atomics), each change's place in its block its low 16 bits;
-- apply: each change's block from where it lies among the counts' running sums (one binary
-  search per change), then one scatter of the values.
+- encode: each block counts its changes (the one thing the host reads back, to choose the
+  encoding and size the delta), then writes their values and places in order (a warp's ballot
+  gives a change's rank in its warp, a scan of the warps' counts the warps' offsets); a
+  :data:`~wb.algorithms.delta.MASK` delta's bits are CuPy's ``packbits`` of the compare;
+- apply (:data:`~wb.algorithms.delta.BLOCKS`): the host reads the header and the counts; one
+  kernel checks each change's place (ascending in its block, inside the message) and writes its
+  position, and only if every place is good one scatter writes the values. A mask is decoded by
+  CuPy's array operations.
 
-The host learns a delta's size once per message (the count of changes, to choose the encoding)
-and reads a header of 32 bytes to apply one. Every function takes the array module of its
-arrays (``xp``: ``cupy``, or ``numpy``, which runs the same operations on the host: the tests
-check both against the host codec).
+With numpy (``xp``), the same results by array operations on the host, which the tests check
+against the host codec; the kernels' source is compiled for the host by the tests too.
 
 Examples:
     >>> import numpy as np
