@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from test_delta_props import _pairs
+from test_delta_props import _pairs, several_blocks
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 from wb.runtime.engine import delta_device as dev
@@ -32,13 +32,8 @@ def test_the_device_codec_makes_and_applies_the_host_codec_s_bytes(pair):
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
 def test_several_blocks_and_their_corruptions_as_the_host_codec(w):
-    n = 3 * codec.BLOCK + 1234
-    rng = np.random.default_rng(w)
-    base = rng.integers(0, 256, n * w, dtype=np.uint8)
-    new = base.copy()
-    edges = [0, codec.BLOCK - 1, codec.BLOCK, 2 * codec.BLOCK - 1, 3 * codec.BLOCK, n - 1]
-    hit = np.union1d(edges, np.flatnonzero(rng.random(n) < 0.01))
-    new.reshape(n, w)[hit, 0] ^= 0x5A
+    base, new, hit = several_blocks(w)
+    n = base.size // w
     d = dev.encode(base, new, itemsize=w, xp=np)
     assert codec.kind_of(d) == "blocks" and d.tobytes() == codec.encode(base, new, itemsize=w).tobytes()
     out = base.copy()

@@ -95,10 +95,9 @@ def test_a_malformed_delta_is_refused_and_writes_nothing(density):
         assert out.tobytes() == base.tobytes()
 
 
-@pytest.mark.parametrize("w", [1, 2, 4])
-def test_changes_of_several_blocks_keep_their_places(w):
-    """Changes at both edges of each block and scattered, in a message of three blocks and a
-    part: applied bit for bit; counts that say another block for a change are refused."""
+def several_blocks(w: int):
+    """``(base, new, hit)``: a message of three blocks and a part of elements of ``w`` bytes,
+    changed at both edges of each block and at 1% of the others (``hit``: their positions)."""
     n = 3 * delta.BLOCK + 1234
     rng = np.random.default_rng(w)
     base = rng.integers(0, 256, n * w, dtype=np.uint8)
@@ -106,6 +105,14 @@ def test_changes_of_several_blocks_keep_their_places(w):
     edges = [0, delta.BLOCK - 1, delta.BLOCK, 2 * delta.BLOCK - 1, 3 * delta.BLOCK, n - 1]
     hit = np.union1d(edges, np.flatnonzero(rng.random(n) < 0.01))
     new.reshape(n, w)[hit, 0] ^= 0x5A
+    return base, new, hit
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_changes_of_several_blocks_keep_their_places(w):
+    """Changes at both edges of each block and scattered, in a message of three blocks and a
+    part: applied bit for bit; counts that say another block for a change are refused."""
+    base, new, hit = several_blocks(w)
     d = delta.encode(base, new, itemsize=w)
     assert delta.kind_of(d) == "blocks"
     out = base.copy()

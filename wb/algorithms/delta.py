@@ -40,7 +40,7 @@ from wb.errors import TransferError
 
 __all__ = ["DENSE", "MASK", "BLOCKS", "BLOCK", "HEADER", "encode", "of_changes", "dense", "apply",
            "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes", "choose",
-           "values_pad", "header"]
+           "values_pad", "header", "checked"]
 
 DENSE, MASK, BLOCKS = 0, 1, 3
 _NAMES = {DENSE: "dense", MASK: "mask", BLOCKS: "blocks"}
@@ -207,6 +207,31 @@ def header(delta: np.ndarray) -> tuple[int, int, int, int, int]:
     return kind, itemsize, size, n, k
 
 
+def checked(head: np.ndarray, nbytes: int, target_nbytes: int) -> tuple[int, int, int, int]:
+    """``(kind, element bytes, elements, changed elements)`` of a delta of ``nbytes`` whose first
+    bytes are ``head`` (host bytes), for a message of ``target_nbytes``: every check of its sizes
+    that applying it makes before reading its body (where the body is, host or device).
+
+    Raises:
+        TransferError: a malformed header, or sizes that disagree with it."""
+    kind, itemsize, size, n, k = header(head)
+    if size != nbytes:
+        raise TransferError(f"delta header says {size:,} bytes; it has {nbytes:,}")
+    if target_nbytes != n * itemsize:
+        raise TransferError(f"delta of {n:,} elements of {itemsize} bytes for a message of "
+                            f"{target_nbytes:,} bytes")
+    tail = nbytes - HEADER.size - (n if kind == DENSE else k) * itemsize
+    if kind == DENSE and tail:
+        raise TransferError(f"dense delta of {nbytes:,} bytes for {n:,} elements")
+    if tail < 0:
+        raise TransferError(f"delta of {nbytes:,} bytes: too short for {k:,} values")
+    if kind == MASK and tail != -(-n // 8):
+        raise TransferError(f"delta mask of {tail} bytes for {n} elements")
+    if kind == BLOCKS and tail != values_pad(k, itemsize) + 4 * -(-n // BLOCK) + 2 * k:
+        raise TransferError(f"delta blocks of {tail} bytes for {k} changes of {n} elements")
+    return kind, itemsize, n, k
+
+
 def kind_of(delta: np.ndarray) -> str:
     """The encoding of ``delta``: ``"dense"``, ``"mask"`` or ``"blocks"``."""
     return _NAMES[header(np.asarray(delta).reshape(-1).view(np.uint8))[0]]
@@ -226,11 +251,9 @@ def size_of(buf: np.ndarray) -> int:
 
 
 def _positions(kind: int, tail: np.ndarray, n: int, k: int, itemsize: int) -> np.ndarray:
-    """The changed positions a MASK or BLOCKS tail holds (ascending; checked against ``n`` and
-    ``k``)."""
+    """The changed positions a MASK or BLOCKS tail holds (its size checked: :func:`checked`;
+    ascending, checked against ``n`` and ``k``)."""
     if kind == MASK:
-        if tail.nbytes != -(-n // 8):
-            raise TransferError(f"delta mask of {tail.nbytes} bytes for {n} elements")
         if n % 8 and int(tail[-1]) >> (n % 8):
             raise TransferError(f"delta mask sets bits past its {n} elements")
         bits = np.unpackbits(tail, count=n, bitorder="little").view(bool)
@@ -239,9 +262,6 @@ def _positions(kind: int, tail: np.ndarray, n: int, k: int, itemsize: int) -> np
             raise TransferError(f"delta mask sets {set_bits} elements, its header says {k}")
         return np.flatnonzero(bits)  # then a fancy index: numpy's boolean one is 6x slower
     pad, nb = values_pad(k, itemsize), -(-n // BLOCK)
-    if tail.nbytes != pad + 4 * nb + 2 * k:
-        raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
-                            f"elements")
     counts = tail[pad:pad + 4 * nb].view("<u4")
     if int(counts.sum(dtype=np.int64)) != k:
         raise TransferError(f"delta blocks count {int(counts.sum(dtype=np.int64))} changes, "
@@ -267,21 +287,12 @@ def apply(target: np.ndarray, delta: np.ndarray):
             width (nothing of ``target`` is written then).
     """
     d = np.asarray(delta).reshape(-1).view(np.uint8)
-    kind, itemsize, size, n, k = header(d)
-    if size != d.nbytes:
-        raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
     t = target.reshape(-1).view(np.uint8)
-    if t.nbytes != n * itemsize:
-        raise TransferError(f"delta of {n:,} elements of {itemsize} bytes for a message of "
-                            f"{t.nbytes:,} bytes")
+    kind, itemsize, n, k = checked(d, d.nbytes, t.nbytes)
     at = HEADER.size
     if kind == DENSE:
-        if d.nbytes != at + n * itemsize:
-            raise TransferError(f"dense delta of {d.nbytes:,} bytes for {n:,} elements")
         t[:] = d[at:]
         return None, d[at:].view(f"<u{itemsize}")
-    if d.nbytes < at + k * itemsize:
-        raise TransferError(f"delta of {d.nbytes:,} bytes: too short for {k:,} values")
     vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
     pos = _positions(kind, d[at + k * itemsize:], n, k, itemsize)
     t.view(f"<u{itemsize}")[pos] = vals

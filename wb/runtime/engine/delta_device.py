@@ -37,7 +37,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 
-__all__ = ["encode", "of_changes", "dense", "apply", "changed", "size_of", "kernel_source",
+__all__ = ["encode", "of_changes", "dense", "apply", "changed", "received", "kernel_source",
            "THREADS"]
 
 _WIDTHS = (1, 2, 4, 8)
@@ -227,9 +227,6 @@ def _apply_blocks(xp, t, vals, tail, n: int, k: int, itemsize: int):
     """A BLOCKS delta applied on a CUDA device: its counts read by the host, each change's place
     checked and its position written by one kernel, then, only if all are good, one scatter."""
     pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
-    if tail.nbytes != pad + 4 * nb + 2 * k:
-        raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
-                            f"elements")
     counts = tail[pad:pad + 4 * nb].view("<u4").get()
     total = int(counts.sum(dtype=np.int64))
     if total != k:
@@ -286,21 +283,22 @@ def dense(new, *, itemsize: int, xp):
     return out
 
 
-def size_of(buf, *, xp) -> int:
-    """:func:`wb.algorithms.delta.size_of` of a buffer where the arrays are (its header read by
-    the host)."""
+def received(buf, *, xp):
+    """``(delta, head)``: the delta at the start of ``buf`` (a receive may be larger than what
+    came) and its header's bytes on the host, read once (:func:`apply` takes them)."""
     b = buf.reshape(-1).view(xp.uint8)
-    size = codec.header(_host(b[:codec.HEADER.size], xp))[2]
+    head = _host(b[:codec.HEADER.size], xp)
+    size = codec.header(head)[2]
     if size > b.nbytes:
         raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
-    return size
+    return b[:size], head
 
 
 def _host(a, xp) -> np.ndarray:
     return a if xp is np else a.get()
 
 
-def apply(target, delta, *, xp):
+def apply(target, delta, *, xp, head=None):
     """Turns ``target`` (a writable byte array on the device, holding the delta's base) into the
     new bytes, in place: :func:`wb.algorithms.delta.apply` where the buffers are.
 
@@ -308,26 +306,22 @@ def apply(target, delta, *, xp):
         ``(positions, values)`` it wrote (device arrays), or ``(None, values)`` for a delta of
         the dense kind.
 
+    ``head``: the delta's header bytes on the host where the caller read them already
+    (:func:`received`).
+
     Raises:
         TransferError: ``delta`` is malformed or made for a message of another size or element
             width (nothing of ``target`` is written then).
     """
     d = delta.reshape(-1).view(xp.uint8)
-    kind, itemsize, size, n, k = codec.header(_host(d[:codec.HEADER.size], xp))
-    if size != d.nbytes:
-        raise TransferError(f"delta header says {size:,} bytes; it has {d.nbytes:,}")
     t = target.reshape(-1).view(xp.uint8)
-    if t.nbytes != n * itemsize:
-        raise TransferError(f"delta of {n:,} elements of {itemsize} bytes for a message of "
-                            f"{t.nbytes:,} bytes")
+    if head is None:
+        head = _host(d[:codec.HEADER.size], xp)
+    kind, itemsize, n, k = codec.checked(head, d.nbytes, t.nbytes)
     at = codec.HEADER.size
     if kind == codec.DENSE:
-        if d.nbytes != at + n * itemsize:
-            raise TransferError(f"dense delta of {d.nbytes:,} bytes for {n:,} elements")
         t[:] = d[at:]
         return None, d[at:].view(f"<u{itemsize}")
-    if d.nbytes < at + k * itemsize:
-        raise TransferError(f"delta of {d.nbytes:,} bytes: too short for {k:,} values")
     vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
     if kind == codec.BLOCKS and xp is not np:
         return _apply_blocks(xp, t, vals, d[at + k * itemsize:], n, k, itemsize), vals
@@ -337,11 +331,9 @@ def apply(target, delta, *, xp):
 
 
 def _positions(xp, kind: int, tail, n: int, k: int, itemsize: int):
-    """The changed positions a MASK or BLOCKS tail holds, checked as the host codec checks them
-    (one read of two numbers by the host)."""
+    """The changed positions a MASK or BLOCKS tail (its size checked: :func:`~wb.algorithms.
+    delta.checked`) holds, checked as the host codec checks them (one read by the host)."""
     if kind == codec.MASK:
-        if tail.nbytes != -(-n // 8):
-            raise TransferError(f"delta mask of {tail.nbytes} bytes for {n} elements")
         bits = xp.unpackbits(tail, bitorder="little")
         pos = xp.flatnonzero(bits[:n])
         if int(pos.size) != k or bool(bits[n:].any()):
@@ -349,9 +341,6 @@ def _positions(xp, kind: int, tail, n: int, k: int, itemsize: int):
                                 f"header says {k} of {n}")
         return pos.astype(xp.int64, copy=False)
     pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
-    if tail.nbytes != pad + 4 * nb + 2 * k:
-        raise TransferError(f"delta blocks of {tail.nbytes} bytes for {k} changes of {n} "
-                            f"elements")
     ends = xp.cumsum(tail[pad:pad + 4 * nb].view("<u4"), dtype=xp.int64)
     block = xp.searchsorted(ends, xp.arange(k, dtype=xp.int64), side="right")
     pos = block * codec.BLOCK + tail[pad + 4 * nb:].view("<u2")

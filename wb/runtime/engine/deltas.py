@@ -71,8 +71,8 @@ def _dense(xp, new, w: int):
     return codec.dense(new, itemsize=w) if xp is np else dev.dense(new, itemsize=w, xp=xp)
 
 
-def _apply(xp, target, delta):
-    return codec.apply(target, delta) if xp is np else dev.apply(target, delta, xp=xp)
+def _apply(xp, target, delta, head):
+    return codec.apply(target, delta) if xp is np else dev.apply(target, delta, xp=xp, head=head)
 
 
 def _settle(mover) -> None:
@@ -169,15 +169,16 @@ def land(prog, mover, g, buf, *, as_delta: bool):
         ``(came, decoded)``: the bytes that came (what its checksum covers), and a delta's
         ``(positions, values)`` as :func:`~wb.algorithms.delta.apply` returns them (``None``
         for dense bytes)."""
-    xp = mover.xp
-    got = buf[:(codec.size_of(buf) if xp is np else dev.size_of(buf, xp=xp))] if as_delta else buf
+    xp, got, head = mover.xp, buf, None
+    if as_delta:  # the delta's header read once (on a device, by the host)
+        got, head = (buf[:codec.size_of(buf)], None) if xp is np else dev.received(buf, xp=xp)
     if g.conv:  # its base is a copy of the travelling bytes
         base = prog.recv_bases.get(g.m)
         if as_delta:
             if base is None:
                 raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this "
                                     f"rank holds no base of it")
-            decoded = _apply(xp, base, got)
+            decoded = _apply(xp, base, got, head)
             mover.unpack(g, base)
             return got, decoded
         if base is None:
@@ -189,10 +190,10 @@ def land(prog, mover, g, buf, *, as_delta: bool):
         mover.unpack(g, buf)
         return got, None
     if g.zc_dst:
-        return got, _apply(xp, mover.array(g, src=False), got)
+        return got, _apply(xp, mover.array(g, src=False), got, head)
     base = mover.gather(g)
     try:
-        decoded = _apply(xp, base, got)
+        decoded = _apply(xp, base, got, head)
         mover.unpack(g, base)
     finally:
         _settle(mover)  # the base's staging goes back to the pool: read first
