@@ -1,5 +1,6 @@
 """How long the delta codec takes on one GPU (:mod:`wb.runtime.engine.delta_device`, CuPy):
-encode (compare with the base, gather the changes, count them per block) and apply (scatter) of
+encode (compare with the base, gather the changes, count them per block), the same with the base
+advanced to the new bytes (what an update runs: ``advance_many``) and apply (scatter) of
 one message of bfloat16 at several densities, beside a device copy of the message's bytes (what
 a dense message costs its sender at least). Best of ``--repeat`` by CUDA events and the host's
 clock (the encode reads the count of changes back: the host waits for it). Every delta is
@@ -61,6 +62,13 @@ def main(argv=None) -> int:
             raise SystemExit(f"density {density}: the device's delta differs from the host's")
         enc_s = timed(lambda: dev.encode(base, new, itemsize=2, xp=cupy))
 
+        def advance():  # what an update runs: the base advanced by the compaction, no copy
+            cupy.copyto(scratch, base)
+            dev.advance_many([(scratch, new, 2)], xp=cupy)
+        adv_s = timed(advance) - copy_s
+        if cupy.asnumpy(scratch).tobytes() != new_h.tobytes():
+            raise SystemExit(f"density {density}: the advanced base differs from the new bytes")
+
         def apply():
             cupy.copyto(scratch, base)
             dev.apply(scratch, d, xp=cupy)
@@ -69,7 +77,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"density {density}: applied bytes differ from the new ones")
         row = {"changed": round(hit.size / n, 5), "kind": codec.kind_of(want),
                "delta_over_dense": round(d.nbytes / base.nbytes, 4),
-               "encode_ms": round(enc_s * 1e3, 3), "apply_ms": round(app_s * 1e3, 3),
+               "encode_ms": round(enc_s * 1e3, 3), "advance_ms": round(adv_s * 1e3, 3),
+               "apply_ms": round(app_s * 1e3, 3),
                "encode_over_copy": round(enc_s / copy_s, 2),
                "apply_over_copy": round(app_s / copy_s, 2)}
         out["by_density"][str(density)] = row

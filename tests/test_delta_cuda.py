@@ -58,3 +58,41 @@ def test_corrupted_deltas_are_refused_on_the_device():
         assert cupy.asnumpy(out).tobytes() == base.tobytes()
         with pytest.raises(TransferError, match=why):  # as the host codec refuses it
             codec.apply(base.copy(), bad)
+
+
+def test_deltas_made_together_are_the_host_codec_s_and_advance_their_bases():
+    rng = np.random.default_rng(7)
+    jobs, want, news = [], [], []
+    for w, n, density in [(2, 3 * codec.BLOCK + 11, 0.04), (1, 1000, 0.0), (4, codec.BLOCK, 0.3),
+                          (8, 2 * codec.BLOCK, 1.0), (2, 5, 0.5)]:
+        base = rng.integers(0, 256, n * w, dtype=np.uint8)
+        new = base.copy()
+        new.reshape(n, w)[rng.random(n) < density, 0] ^= 0x5
+        want.append(codec.encode(base, new, itemsize=w))
+        news.append(new)
+        jobs.append((cupy.asarray(base), cupy.asarray(new), w))
+    assert {codec.kind_of(d) for d in want} == {"blocks", "mask", "dense"}
+    made = dev.advance_many(jobs, xp=cupy)
+    for d, want_d, (base, _, _), new in zip(made, want, jobs, news):
+        assert cupy.asnumpy(d).tobytes() == want_d.tobytes()
+        assert cupy.asnumpy(base).tobytes() == new.tobytes()  # the base holds the new bytes
+    bufs = [cupy.concatenate([d, cupy.zeros(9, cupy.uint8)]) for d in made]  # receives larger
+    for (got, head), d in zip(dev.received_many(bufs, xp=cupy), made):
+        assert got.nbytes == d.nbytes
+        assert head.tobytes() == cupy.asnumpy(d[:codec.HEADER.size]).tobytes()
+
+
+def test_a_flagged_delta_writes_nothing_and_the_flag_says_so():
+    n = 2 * codec.BLOCK + 5
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+    new = base.copy()
+    new[::97] ^= 1
+    d = codec.encode(base, new, itemsize=2)
+    late = d.copy()
+    late[-2:].view("<u2")[0] = 0  # a place before the one ahead of it
+    for delta, flagged in [(d, 0), (late, 1)]:
+        out, bad = cupy.asarray(base), cupy.zeros(1, cupy.uint32)
+        dev.apply(out, cupy.asarray(delta), xp=cupy, bad=bad)  # raises nothing: the flag tells
+        assert int(bad.get()[0]) == flagged
+        assert cupy.asnumpy(out).tobytes() == (base if flagged else new).tobytes()

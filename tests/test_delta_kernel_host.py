@@ -29,6 +29,7 @@ struct D3 { long long x; };
 static D3 threadIdx, blockIdx, blockDim, gridDim;
 static unsigned int atomicOr(unsigned int* a, unsigned int v) { unsigned int o = *a; *a |= v; return o; }
 static unsigned int __shfl_down_sync(unsigned int, unsigned int, int) { return 0; }
+static unsigned int __shfl_up_sync(unsigned int, unsigned int v, int) { return v; }
 static unsigned int __ballot_sync(unsigned int, bool p) { return p ? 1u : 0u; }
 static unsigned int __popc(unsigned int x) { return __builtin_popcount(x); }
 """
@@ -68,17 +69,20 @@ def test_the_kernels_write_the_host_codec_s_counts_values_and_places(lib, w, den
         count(_ptr(base), _ptr(new), ctypes.c_longlong(n), _ptr(counts))
     k = int(counts.sum())
     starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)[:-1]])
-    values = np.zeros(max(k, 1), f"u{w}")
-    places = np.zeros(max(k, 1), np.uint16)
-    for b in range(nb):
-        lib.block(ctypes.c_longlong(b))
-        compact(_ptr(base), _ptr(new), ctypes.c_longlong(n), _ptr(starts), _ptr(values),
-                _ptr(places))
     pos = codec.changed(base, new, itemsize=w)
-    assert k == pos.size
-    assert np.array_equal(counts, np.bincount(pos >> 16, minlength=nb))
-    assert np.array_equal(values[:k], new.view(f"u{w}")[pos])
-    assert np.array_equal(places[:k], (pos & (codec.BLOCK - 1)).astype(np.uint16))
+    for advance in (0, 1):  # advancing: the base takes the new values as they are read
+        values = np.zeros(max(k, 1), f"u{w}")
+        places = np.zeros(max(k, 1), np.uint16)
+        a = base.copy()
+        for b in range(nb):
+            lib.block(ctypes.c_longlong(b))
+            compact(_ptr(a), _ptr(new), ctypes.c_longlong(n), _ptr(starts), _ptr(values),
+                    _ptr(places), ctypes.c_int(advance))
+        assert k == pos.size
+        assert np.array_equal(counts, np.bincount(pos >> 16, minlength=nb))
+        assert np.array_equal(values[:k], new.view(f"u{w}")[pos])
+        assert np.array_equal(places[:k], (pos & (codec.BLOCK - 1)).astype(np.uint16))
+        assert (a == (new if advance else base)).all()
 
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
@@ -100,20 +104,103 @@ def test_the_apply_kernels_write_what_the_host_codec_applies_and_flag_bad_places
     places = tail[pad + 4 * nb:].view("<u2").copy()
     starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
-    def run(places):
-        pos, bad = np.zeros(k, np.int64), np.zeros(1, np.uint32)
+    def run(places, k=k):
+        pos, bad = np.zeros(max(k, int(starts[-1])), np.int64), np.zeros(1, np.uint32)
         for b in range(nb):
             lib.block(ctypes.c_longlong(b))
-            lib.wb_delta_positions(_ptr(places), _ptr(starts), ctypes.c_longlong(n), _ptr(pos),
+            lib.wb_delta_positions(_ptr(places), _ptr(starts), ctypes.c_longlong(n),
+                                   ctypes.c_longlong(nb), ctypes.c_longlong(k), _ptr(pos),
                                    _ptr(bad))
-        return pos, int(bad[0])
+        return pos, bad
+
+    def scatter(pos, bad):
+        out = base.copy()
+        lib.block(ctypes.c_longlong(0))
+        getattr(lib, f"wb_delta_scatter_{w}")(_ptr(out), _ptr(values), _ptr(pos),
+                                              ctypes.c_longlong(k), _ptr(bad))
+        return out
     pos, bad = run(places)
-    assert bad == 0 and np.array_equal(pos, codec.changed(base, new, itemsize=w))
-    out = base.copy()
-    lib.block(ctypes.c_longlong(0))
-    getattr(lib, f"wb_delta_scatter_{w}")(_ptr(out), _ptr(values), _ptr(pos), ctypes.c_longlong(k))
-    assert out.tobytes() == new.tobytes()
+    assert bad[0] == 0 and np.array_equal(pos, codec.changed(base, new, itemsize=w))
+    assert scatter(pos, bad).tobytes() == new.tobytes()
     for j, place in ((k - 1, 0xFFFF), (1, 0)):  # past the end; before the change ahead of it
         bad_places = places.copy()
         bad_places[j] = place
-        assert run(bad_places)[1] == 1
+        pos, bad = run(bad_places)
+        assert bad[0] == 1
+        assert scatter(pos, bad).tobytes() == base.tobytes()  # a flagged delta writes nothing
+    assert run(places, k=k - 1)[1][0] == 1  # counts that are not the header's k
+
+
+class _Dev(np.ndarray):
+    """An array "on the device": numpy memory that the host reads back with ``get``."""
+
+    def get(self):
+        return np.array(self)
+
+
+class _Xp:
+    """As much of CuPy as the device codec's batched steps use, over :class:`_Dev` arrays."""
+
+    uint8, uint16, uint32, int64 = np.uint8, np.uint16, np.uint32, np.int64
+
+    def __getattr__(self, name):
+        f = getattr(np, name)
+        return lambda *a, **k: _on(f(*a, **k))
+
+
+def _on(a):
+    return a.view(_Dev) if isinstance(a, np.ndarray) else a
+
+
+class _Module:
+    """The host-compiled kernels launched as CuPy's ``RawModule`` functions: every block in turn."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def get_function(self, name):
+        fn = getattr(self.lib, name)
+
+        def launch(grid, _threads, args):
+            c = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else
+                 ctypes.c_int(int(a)) if isinstance(a, np.int32) else ctypes.c_longlong(int(a))
+                 for a in args]
+            for b in range(grid[0]):
+                self.lib.block(ctypes.c_longlong(b))
+                fn(*c)
+        return launch
+
+
+def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
+    """advance_many's and apply's device branches (one read of all the counts, the bases advanced
+    by the compaction, the flag of a bad delta), with the kernels compiled for the host."""
+    from wb.runtime.engine import delta_device as dev
+
+    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    xp = _Xp()
+    rng = np.random.default_rng(3)
+    jobs, want, olds = [], [], []
+    for w, n, density in [(2, 2 * codec.BLOCK + 9, 0.03), (1, 700, 0.0), (4, 5000, 0.3),
+                          (8, 300, 1.0)]:
+        base = rng.integers(0, 256, n * w, dtype=np.uint8)
+        new = base.copy()
+        new.reshape(n, w)[rng.random(n) < density, 0] ^= 0x5
+        want.append(codec.encode(base, new, itemsize=w))
+        olds.append(base)
+        jobs.append((base.copy().view(_Dev), new.view(_Dev), w))
+    assert {codec.kind_of(d) for d in want} == {"blocks", "mask", "dense"}
+    made = dev.advance_many(jobs, xp=xp)
+    for d, want_d, (base, new, _) in zip(made, want, jobs):
+        assert d.tobytes() == want_d.tobytes()
+        assert base.tobytes() == new.tobytes()  # advanced: the base holds the new bytes
+    received = dev.received_many([np.concatenate([d, np.zeros(5, np.uint8)]).view(_Dev)
+                                  for d in made], xp=xp)
+    assert [got.nbytes for got, _ in received] == [d.nbytes for d in made]
+    got, head = received[0]
+    late = got.copy()
+    late[-2:].view("<u2")[0] = 0  # a place before the one ahead of it
+    for delta, flagged in [(got, 0), (late, 1)]:
+        target, bad = olds[0].copy().view(_Dev), np.zeros(1, np.uint32).view(_Dev)
+        dev.apply(target, delta, xp=xp, head=head, bad=bad)
+        assert bad[0] == flagged
+        assert target.tobytes() == (olds[0] if flagged else jobs[0][1]).tobytes()

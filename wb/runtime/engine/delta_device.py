@@ -37,8 +37,8 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 
-__all__ = ["encode", "of_changes", "dense", "apply", "changed", "received", "kernel_source",
-           "THREADS"]
+__all__ = ["encode", "advance_many", "of_changes", "dense", "apply", "changed", "received",
+           "received_many", "kernel_source", "THREADS"]
 
 _WIDTHS = (1, 2, 4, 8)
 
@@ -108,7 +108,7 @@ def encode(base, new, *, itemsize: int, xp):
         out[tail + pad:tail + pad + 4 * nb].view("<u4")[:] = counts[:nb]
         places = out[tail + pad + 4 * nb:].view("<u2")
     if k:
-        compact((nb,), (THREADS,), (b, v, np.int64(n), starts, values, places))
+        compact((nb,), (THREADS,), (b, v, np.int64(n), starts, values, places, np.int32(0)))
     return out
 
 
@@ -135,10 +135,12 @@ __device__ void count_changes(const T* a, const T* b, long long n, unsigned int*
 }
 // The changes of one block of 65536 elements, in order: the block walks them a row of
 // blockDim.x at a time; each change's rank in its row is its warp's changes before it (a
-// ballot) plus those of the warps before (a scan of the warps' counts by one thread).
+// ballot) plus those of the warps before (the first warp scans the warps' counts). With
+// ``advance`` the base takes each changed element's new value as it is read (then it holds the
+// new bytes, as a copy would leave it, writing only the changes).
 template <typename T>
-__device__ void compact_changes(const T* a, const T* b, long long n, const long long* starts,
-                                T* values, unsigned short* places) {
+__device__ void compact_changes(T* a, const T* b, long long n, const long long* starts,
+                                T* values, unsigned short* places, int advance) {
     long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
     long long at = starts[blockIdx.x];
     __shared__ unsigned int warp[32];
@@ -146,36 +148,47 @@ __device__ void compact_changes(const T* a, const T* b, long long n, const long 
     unsigned int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     for (long long row = start; row < end; row += blockDim.x) {
         long long i = row + threadIdx.x;
-        bool changed = i < end && a[i] != b[i];
+        T x = 0;
+        bool changed = false;
+        if (i < end) {
+            x = b[i];
+            changed = a[i] != x;
+        }
         unsigned int ballot = __ballot_sync(0xffffffffu, changed);
         unsigned int before = __popc(ballot & ((1u << lane) - 1u));
         if (lane == 0) warp[w] = __popc(ballot);
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int sum = 0;
-            for (unsigned int j = 0; j < WB_WARPS; ++j) {
-                unsigned int t = warp[j];
-                warp[j] = sum;
-                sum += t;
+        if (w == 0) {
+            unsigned int t = lane < WB_WARPS ? warp[lane] : 0, s = t;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int y = __shfl_up_sync(0xffffffffu, s, o);
+                if (lane >= (unsigned int)o) s += y;
             }
-            row_total = sum;
+            if (lane < WB_WARPS) warp[lane] = s - t;
+            if (lane == WB_WARPS - 1) row_total = s;
         }
         __syncthreads();
         if (changed) {
             long long p = at + warp[w] + before;
-            values[p] = b[i];
+            values[p] = x;
             places[p] = (unsigned short)(i - start);
+            if (advance) a[i] = x;
         }
         at += row_total;
         __syncthreads();
     }
 }
 // Each change's place checked (ascending within its block, inside the message) and its position
-// written; block b's changes are starts[b] .. starts[b + 1] - 1.
+// written; block b's changes are starts[b] .. starts[b + 1] - 1, and the counts' total must be
+// the header's k (the last of the nb blocks checks it). A bad one sets ``bad``, which the scatter
+// reads: a malformed delta writes nothing.
 extern "C" __global__ void wb_delta_positions(const unsigned short* places,
-        const long long* starts, long long n, long long* pos, unsigned int* bad) {
+        const long long* starts, long long n, long long nb, long long k, long long* pos,
+        unsigned int* bad) {
     long long s = starts[blockIdx.x], e = starts[blockIdx.x + 1];
     long long first = (long long)blockIdx.x * 65536;
+    if (threadIdx.x == 0 && (long long)blockIdx.x == nb - 1 && e != k) atomicOr(bad, 1u);
+    if (e > k) e = k;
     for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
         long long p = first + places[j];
         if (p >= n || (j > s && places[j] <= places[j - 1])) atomicOr(bad, 1u);
@@ -183,7 +196,9 @@ extern "C" __global__ void wb_delta_positions(const unsigned short* places,
     }
 }
 template <typename T>
-__device__ void scatter_changes(T* target, const T* values, const long long* pos, long long k) {
+__device__ void scatter_changes(T* target, const T* values, const long long* pos, long long k,
+                                const unsigned int* bad) {
+    if (*bad) return;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < k;
          j += (long long)gridDim.x * blockDim.x)
         target[pos[j]] = values[j];
@@ -192,12 +207,12 @@ __device__ void scatter_changes(T* target, const T* values, const long long* pos
 extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
                                               unsigned int* counts) { \
     count_changes<T>(a, b, n, counts); } \
-extern "C" __global__ void wb_delta_compact_##W(const T* a, const T* b, long long n, \
-        const long long* starts, T* values, unsigned short* places) { \
-    compact_changes<T>(a, b, n, starts, values, places); } \
+extern "C" __global__ void wb_delta_compact_##W(T* a, const T* b, long long n, \
+        const long long* starts, T* values, unsigned short* places, int advance) { \
+    compact_changes<T>(a, b, n, starts, values, places, advance); } \
 extern "C" __global__ void wb_delta_scatter_##W(T* target, const T* values, \
-                                                const long long* pos, long long k) { \
-    scatter_changes<T>(target, values, pos, k); }
+        const long long* pos, long long k, const unsigned int* bad) { \
+    scatter_changes<T>(target, values, pos, k, bad); }
 WB_DELTA_KERNELS(unsigned char, 1)
 WB_DELTA_KERNELS(unsigned short, 2)
 WB_DELTA_KERNELS(unsigned int, 4)
@@ -223,26 +238,24 @@ def _kernels(itemsize: int):
     return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
 
 
-def _apply_blocks(xp, t, vals, tail, n: int, k: int, itemsize: int):
-    """A BLOCKS delta applied on a CUDA device: its counts read by the host, each change's place
-    checked and its position written by one kernel, then, only if all are good, one scatter."""
+def _apply_blocks(xp, t, vals, tail, n: int, k: int, itemsize: int, bad):
+    """A BLOCKS delta applied on a CUDA device without the host reading anything: the counts'
+    sums on the device, each change's place checked and its position written by one kernel (the
+    counts' total against ``k`` too), then a scatter that writes only if nothing was flagged in
+    ``bad`` (a device ``uint32``, which the caller reads)."""
     pad, nb = codec.values_pad(k, itemsize), -(-n // codec.BLOCK)
-    counts = tail[pad:pad + 4 * nb].view("<u4").get()
-    total = int(counts.sum(dtype=np.int64))
-    if total != k:
-        raise TransferError(f"delta blocks count {total} changes, its header says {k}")
     pos = xp.empty(max(k, 1), xp.int64)[:k]
-    if k:
-        m = _module()
-        starts = xp.asarray(np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]))
-        bad = xp.zeros(1, xp.uint32)
+    starts = xp.zeros(nb + 1, xp.int64)
+    xp.cumsum(tail[pad:pad + 4 * nb].view("<u4"), dtype=xp.int64, out=starts[1:])
+    m = _module()
+    if nb:
         m.get_function("wb_delta_positions")((nb,), (THREADS,), (
-            tail[pad + 4 * nb:].view("<u2"), starts, np.int64(n), pos, bad))
-        if int(bad.get()[0]):
-            raise TransferError("delta positions malformed: not ascending within the message")
+            tail[pad + 4 * nb:].view("<u2"), starts, np.int64(n), np.int64(nb), np.int64(k),
+            pos, bad))
+    if k:
         m.get_function(f"wb_delta_scatter_{itemsize}")(
             (min(-(-k // THREADS), 4096),), (THREADS,),
-            (t.view(f"<u{itemsize}"), vals, pos, np.int64(k)))
+            (t.view(f"<u{itemsize}"), vals, pos, np.int64(k), bad))
     return pos
 
 
@@ -298,7 +311,7 @@ def _host(a, xp) -> np.ndarray:
     return a if xp is np else a.get()
 
 
-def apply(target, delta, *, xp, head=None):
+def apply(target, delta, *, xp, head=None, bad=None):
     """Turns ``target`` (a writable byte array on the device, holding the delta's base) into the
     new bytes, in place: :func:`wb.algorithms.delta.apply` where the buffers are.
 
@@ -307,7 +320,10 @@ def apply(target, delta, *, xp, head=None):
         the dense kind.
 
     ``head``: the delta's header bytes on the host where the caller read them already
-    (:func:`received`).
+    (:func:`received`). ``bad``: a device ``uint32`` (zero) where a CUDA apply of a
+    :data:`~wb.algorithms.delta.BLOCKS` delta flags malformed places instead of raising: the
+    host reads nothing then, and the caller reads the flag (nothing of ``target`` is written
+    when it is set).
 
     Raises:
         TransferError: ``delta`` is malformed or made for a message of another size or element
@@ -324,10 +340,102 @@ def apply(target, delta, *, xp, head=None):
         return None, d[at:].view(f"<u{itemsize}")
     vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
     if kind == codec.BLOCKS and xp is not np:
-        return _apply_blocks(xp, t, vals, d[at + k * itemsize:], n, k, itemsize), vals
+        flag = xp.zeros(1, xp.uint32) if bad is None else bad
+        pos = _apply_blocks(xp, t, vals, d[at + k * itemsize:], n, k, itemsize, flag)
+        if bad is None and int(flag.get()[0]):
+            raise TransferError(_MALFORMED)
+        return pos, vals
     pos = _positions(xp, kind, d[at + k * itemsize:], n, k, itemsize)
     t.view(f"<u{itemsize}")[pos] = vals
     return pos, vals
+
+
+_MALFORMED = "delta positions malformed: not ascending within the message, or counts not its own"
+
+
+def received_many(bufs, *, xp):
+    """:func:`received` for several receives, their headers read by the host in one go."""
+    if xp is np or not bufs:
+        return [received(b, xp=xp) for b in bufs]
+    flat = [b.reshape(-1).view(xp.uint8) for b in bufs]
+    heads = xp.concatenate([b[:codec.HEADER.size] for b in flat]).get()
+    out = []
+    for j, b in enumerate(flat):
+        head = heads[j * codec.HEADER.size:(j + 1) * codec.HEADER.size]
+        size = codec.header(head)[2]
+        if size > b.nbytes:
+            raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
+        out.append((b[:size], head))
+    return out
+
+
+def advance_many(jobs, *, xp):
+    """The deltas of several messages at once, each base then holding its new bytes.
+
+    ``jobs``: ``(base, new, itemsize)`` byte arrays of one size each. Returns each job's delta,
+    the bytes :func:`encode` makes. On a CUDA device the host reads one thing for all of them,
+    the changes counted per block, and writes one (the headers and where each block's changes
+    start); the compaction writes each base's changed elements as it reads them (a message's
+    base costs no copy). The deltas are queued on the current stream: the caller waits for it
+    before they leave.
+    """
+    if xp is np:
+        out = []
+        for base, new, w in jobs:
+            out.append(encode(base, new, itemsize=w, xp=xp))
+            base.reshape(-1).view(xp.uint8)[:] = new.reshape(-1).view(xp.uint8)
+        return out
+    views, nbs = [], []
+    for base, new, w in jobs:
+        b, v = _elements(base, w, xp), _elements(new, w, xp)
+        if b.size != v.size:
+            raise ValueError(f"delta: base holds {b.nbytes:,} bytes, new {v.nbytes:,}: they "
+                             f"must be one size")
+        views.append((b, v, w))
+        nbs.append(-(-int(v.size) // codec.BLOCK))
+    first = np.concatenate([[0], np.cumsum(nbs, dtype=np.int64)])
+    counts = xp.empty(max(int(first[-1]), 1), xp.uint32)
+    for (b, v, w), f, nb in zip(views, first, nbs):
+        if nb:
+            _kernels(w)[0]((nb,), (THREADS,), (b, v, np.int64(v.size), counts[f:f + nb]))
+    host = counts.get()  # the one read
+    plan, meta, heads = [], [], []
+    for (b, v, w), f, nb in zip(views, first, nbs):
+        c = host[f:f + nb]
+        n, k = int(v.size), int(c.sum(dtype=np.int64))
+        kind, nbytes = codec.choose(n, k, w)
+        h = np.empty(codec.HEADER.size, np.uint8)
+        codec.HEADER.pack_into(h, 0, kind, w, nbytes, n, n if kind == codec.DENSE else k)
+        heads.append(h)
+        meta.append(np.concatenate([[0], np.cumsum(c, dtype=np.int64)[:-1]]).view(np.uint8))
+        plan.append((kind, nbytes, n, k))
+    starts_at = np.concatenate([[0], np.cumsum([m.nbytes for m in meta])])
+    dev = xp.asarray(np.concatenate(meta + heads))  # the one write
+    hs = int(starts_at[-1])
+    out = []
+    for j, ((b, v, w), f, nb, (kind, nbytes, n, k)) in enumerate(zip(views, first, nbs, plan)):
+        d = xp.empty(nbytes, xp.uint8)
+        d[:codec.HEADER.size] = dev[hs + j * codec.HEADER.size:hs + (j + 1) * codec.HEADER.size]
+        out.append(d)
+        at = codec.HEADER.size
+        if kind == codec.DENSE:
+            d[at:] = v.view(xp.uint8)
+            b[:] = v
+            continue
+        values, tail = d[at:at + k * w].view(f"<u{w}"), at + k * w
+        if kind == codec.MASK:
+            places = xp.empty(max(k, 1), xp.uint16)  # not sent: the mask says where
+            d[tail:] = xp.packbits(b != v, bitorder="little")  # before the base advances
+        else:
+            pad = codec.values_pad(k, w)
+            d[tail:tail + pad] = 0
+            d[tail + pad:tail + pad + 4 * nb].view("<u4")[:] = counts[f:f + nb]
+            places = d[tail + pad + 4 * nb:].view("<u2")
+        if k:
+            starts = dev[int(starts_at[j]):int(starts_at[j + 1])].view(xp.int64)
+            _kernels(w)[1]((nb,), (THREADS,), (b, v, np.int64(n), starts, values, places,
+                                               np.int32(1)))
+    return out
 
 
 def _positions(xp, kind: int, tail, n: int, k: int, itemsize: int):

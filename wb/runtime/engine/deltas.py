@@ -40,7 +40,8 @@ from wb.errors import TransferError
 from wb.runtime.engine import delta_device as dev
 from wb.runtime.engine.frames import Frame
 
-__all__ = ["DeltaPlan", "width", "encode_send", "land", "take_completions", "alike"]
+__all__ = ["DeltaPlan", "width", "encode_send", "encode_sends", "post_sends", "land",
+           "take_completions", "alike"]
 
 
 class DeltaPlan(NamedTuple):
@@ -71,8 +72,9 @@ def _dense(xp, new, w: int):
     return codec.dense(new, itemsize=w) if xp is np else dev.dense(new, itemsize=w, xp=xp)
 
 
-def _apply(xp, target, delta, head):
-    return codec.apply(target, delta) if xp is np else dev.apply(target, delta, xp=xp, head=head)
+def _apply(xp, target, delta, head, bad=None):
+    return codec.apply(target, delta) if xp is np else dev.apply(target, delta, xp=xp, head=head,
+                                                                 bad=bad)
 
 
 def _settle(mover) -> None:
@@ -105,6 +107,74 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     out = _encode_send(prog, mover, g, as_delta=as_delta, came=came, cut=cut)
     _settle(mover)  # device buffers: the payload is written before the transport reads it
     return out
+
+
+def encode_sends(prog, mover, gs, *, to, came: dict, cut: dict) -> list:
+    """:func:`encode_send` for units ``gs`` (their peers in ``to`` get deltas), in one go. On a
+    device the deltas of the units that keep a base are made together
+    (:func:`~wb.runtime.engine.delta_device.advance_many`: one read by the host for all, and a
+    zero-copy unit's base advanced by the compaction, not copied), and the host waits for the
+    device once, before any of them leaves."""
+    xp = mover.xp
+    if xp is np:
+        return [encode_send(prog, mover, g, as_delta=g.peer in to, came=came, cut=cut)
+                for g in gs]
+    out, jobs, spent, bases = [None] * len(gs), [], [], prog.bases
+    for i, g in enumerate(gs):
+        ev = mover.wait(g) if g.zc_src else None
+        if ev is not None:  # device work still writes its source (a quantiser)
+            ev.synchronize()
+        if g.m in prog.sliced or g.m in prog.relays:
+            out[i] = _encode_send(prog, mover, g, as_delta=g.peer in to, came=came, cut=cut)
+            continue
+        old = bases.get(g.m)
+        as_delta = g.peer in to and old is not None
+        if g.zc_src:
+            new = mover.array(g, src=True)
+            if as_delta:
+                jobs.append((i, old, new, g))
+                continue
+            if old is None:
+                old = bases[g.m] = xp.empty(g.nbytes, xp.uint8)
+            xp.copyto(old, new)
+            out[i] = (new, False, False)
+            continue
+        new = bases[g.m] = mover.pack(g)  # the packed bytes are the next base
+        if old is not None:
+            spent.append(old)
+        if as_delta:
+            jobs.append((i, old, new, g))
+        else:
+            out[i] = (new, True, False)
+    if jobs:
+        made = dev.advance_many([(old, new, width(g)) for _, old, new, g in jobs], xp=xp)
+        for (i, _, _, _), d in zip(jobs, made):
+            out[i] = (d, True, False)
+    _settle(mover)  # the payloads are written before the transport reads them
+    for old in spent:
+        mover.release(old)
+    return out
+
+
+def post_sends(u, gs) -> None:
+    """Posts the sends of units ``gs`` of update ``u`` (:class:`~wb.runtime.engine.update.
+    _Update`) in a job that sends deltas, encoded together (:func:`encode_sends`). Each was
+    counted in the send budget as staged when it was taken; one that leaves from its own
+    buffer is taken out again."""
+    sums, marks = u.sums, u.marks
+    outs = encode_sends(u.prog, u.mover, gs, to=u.delta.to, came=u.came, cut=u.cut)
+    for g, (buf, staged, pooled) in zip(gs, outs):
+        if pooled:
+            u.pooled.add(g.m)
+        u.inflight.add(u.transport.send(g.peer, buf, u.tag_base + g.m), g,
+                       buf if staged else None)
+        if sums is not None:
+            sums.sent(g, buf, parent_alike=alike(u, g))
+        if not staged:
+            u.staged_send -= g.nbytes
+            u.packed_done.add(g.m)
+        if marks is not None:
+            u.mark(g.m, 1)
 
 
 def _encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
@@ -161,9 +231,14 @@ def _whole(mover, g) -> np.ndarray:
         mover.release(packed)
 
 
-def land(prog, mover, g, buf, *, as_delta: bool):
+def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None):
     """Unit ``g`` landed in staging ``buf``: applies it (a delta) or unpacks it (dense), keeping
     the base of a converted unit.
+
+    ``came``: the delta and its header's bytes on the host, where the caller read them
+    (:func:`~wb.runtime.engine.delta_device.received_many`). On a device, ``bad``: the flag a
+    malformed delta sets (the caller reads it), and ``spent``: a list that takes the staging to
+    give back once the device work passed (else the host waits for it here).
 
     Returns:
         ``(came, decoded)``: the bytes that came (what its checksum covers), and a delta's
@@ -171,14 +246,15 @@ def land(prog, mover, g, buf, *, as_delta: bool):
         for dense bytes)."""
     xp, got, head = mover.xp, buf, None
     if as_delta:  # the delta's header read once (on a device, by the host)
-        got, head = (buf[:codec.size_of(buf)], None) if xp is np else dev.received(buf, xp=xp)
+        got, head = came if came is not None else (buf[:codec.size_of(buf)], None) \
+            if xp is np else dev.received(buf, xp=xp)
     if g.conv:  # its base is a copy of the travelling bytes
         base = prog.recv_bases.get(g.m)
         if as_delta:
             if base is None:
                 raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this "
                                     f"rank holds no base of it")
-            decoded = _apply(xp, base, got, head)
+            decoded = _apply(xp, base, got, head, bad)
             mover.unpack(g, base)
             return got, decoded
         if base is None:
@@ -190,8 +266,13 @@ def land(prog, mover, g, buf, *, as_delta: bool):
         mover.unpack(g, buf)
         return got, None
     if g.zc_dst:
-        return got, _apply(xp, mover.array(g, src=False), got, head)
+        return got, _apply(xp, mover.array(g, src=False), got, head, bad)
     base = mover.gather(g)
+    if spent is not None:
+        spent.append(base)
+        decoded = _apply(xp, base, got, head, bad)
+        mover.unpack(g, base)
+        return got, decoded
     try:
         decoded = _apply(xp, base, got, head)
         mover.unpack(g, base)
@@ -205,9 +286,11 @@ def take_completions(u, got) -> bool:
     """An update's completed requests (``u``: its :class:`~wb.runtime.engine.update._Update`) in
     a job that sends deltas: bytes are counted as they travelled; a send's memory is its base
     or its own (nothing goes back to the pool); a receive is applied or unpacked, its base kept,
-    and it lands once the device work on it is done (the host waits for it)."""
+    and it lands once the device work on it is done. On a device the host reads the headers
+    of the deltas that came together, and waits for the device once for all of them (reading
+    the flags of malformed deltas)."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
-    landing = []
+    xp, landing = mover.xp, []
     for req, g, buf in got:
         if g.out:
             u.sent(g, buf.nbytes if buf is not None else g.nbytes, staged=buf is not None)
@@ -220,18 +303,35 @@ def take_completions(u, got) -> bool:
                 sums.landed(g, mover.target(g))
             u.landed(g, None)
             continue
+        landing.append((g, buf))
+    if not landing:
+        return bool(got)
+    on_device = xp is not np
+    ins = [(g, buf) for g, buf in landing if g.peer in delta.frm]
+    heads = dict(zip((g.m for g, _ in ins), dev.received_many([b for _, b in ins], xp=xp))) \
+        if on_device else {}
+    flags = xp.zeros(len(landing), xp.uint32) if on_device else None
+    spent = [] if on_device else None
+    for j, (g, buf) in enumerate(landing):
         as_delta = g.peer in delta.frm
-        came, decoded = land(prog, mover, g, buf, as_delta=as_delta)
+        came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=heads.get(g.m),
+                             bad=flags[j:j + 1] if on_device else None, spent=spent)
         if as_delta:  # kept for the forwards that send it on (see encode_send)
             _keep(u, g, came, decoded)
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-        landing.append((g, buf))
-    if landing:
-        _settle(mover)
-        for g, buf in landing:
-            u.landed(g, buf)
+    if on_device:
+        bad = flags.get()  # the host waits for the device once: every unit here is applied
+        for old in spent:
+            mover.release(old)
+        for j in np.flatnonzero(bad):
+            g = landing[int(j)][0]
+            raise TransferError(f"rank {prog.rank}: the delta for {g.label()} from rank "
+                                f"{g.peer} is malformed: its places are not ascending within "
+                                f"the message, or its counts are not its header's")
+    for g, buf in landing:
+        u.landed(g, buf)
     return bool(got)
 
 

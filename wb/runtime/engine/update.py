@@ -36,7 +36,7 @@ from typing import Any
 
 from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
-from wb.runtime.engine.deltas import DeltaPlan, alike, encode_send, take_completions
+from wb.runtime.engine.deltas import DeltaPlan, post_sends, take_completions
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
@@ -266,7 +266,7 @@ class _Update(Stalls):
         send, source, add, pop = self.transport.send, self.mover.source, self.inflight.add, \
             heapq.heappop
         wait, sums, delta, stage = self.mover.wait, self.sums, self.delta, self.stage_send
-        batches, run, packs = getattr(self.mover, "batches", None), [], 0
+        batches, run, packs, encode = getattr(self.mover, "batches", None), [], 0, []
         while ready:
             g = msgs[ready[0][1]]
             if g.zc_src and not g.local and delta is None and \
@@ -296,20 +296,10 @@ class _Update(Stalls):
                 self.mark(g.m, 1)
                 self.mover.copy_local(g)
                 self.after(self.fence(), g, None)
-            elif delta is not None:  # host buffers: packed and encoded now
-                buf, staged, pooled = encode_send(self.prog, self.mover, g,
-                                                  as_delta=g.peer in delta.to, came=self.came,
-                                                  cut=self.cut)
-                if pooled:
-                    self.pooled.add(g.m)
-                add(send(g.peer, buf, self.tag_base + g.m), g, buf if staged else None)
-                if sums is not None:
-                    sums.sent(g, buf, parent_alike=alike(self, g))
-                if staged:
-                    self.staged_send += g.nbytes
-                    heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
-                if marks is not None:
-                    self.mark(g.m, 1)
+            elif delta is not None:  # encoded with the others of this turn, then sent
+                self.staged_send += g.nbytes  # (counted as staged until they are encoded)
+                heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
+                encode.append(g)
             else:  # packed: with the next ones of its kind, in one launch
                 self.staged_send += g.nbytes
                 heapq.heappush(self.packed, (self.prog.when[g.m], g.m))
@@ -327,6 +317,8 @@ class _Update(Stalls):
                     self.take_completions(full=False)
         if run:
             self.pack_run(run)
+        if encode:
+            post_sends(self, encode)
         self.peak = max(self.peak, self.staged_recv + self.staged_send)
         return posted
 
