@@ -159,8 +159,8 @@ def encode_sends(prog, mover, gs, *, to, came: dict, cut: dict) -> list:
 def post_sends(u, gs) -> None:
     """Posts the sends of units ``gs`` of update ``u`` (:class:`~wb.runtime.engine.update.
     _Update`) in a job that sends deltas, encoded together (:func:`encode_sends`). Each was
-    counted in the send budget as staged when it was taken; one that leaves from its own
-    buffer is taken out again."""
+    counted in the send budget as staged (its unit's bytes) when it was taken; once encoded it
+    counts what its payload holds, and one that leaves from its own buffer nothing."""
     sums, marks = u.sums, u.marks
     outs = encode_sends(u.prog, u.mover, gs, to=u.delta.to, came=u.came, cut=u.cut)
     for g, (buf, staged, pooled) in zip(gs, outs):
@@ -173,6 +173,8 @@ def post_sends(u, gs) -> None:
         if not staged:
             u.staged_send -= g.nbytes
             u.packed_done.add(g.m)
+        else:  # counted as what it holds (a delta: a few percent of the unit) until sent
+            u.staged_send -= g.nbytes - buf.nbytes
         if marks is not None:
             u.mark(g.m, 1)
 
@@ -293,6 +295,8 @@ def take_completions(u, got) -> bool:
     xp, landing = mover.xp, []
     for req, g, buf in got:
         if g.out:
+            if buf is not None:  # counted as its payload's bytes (post_sends)
+                u.staged_send += g.nbytes - buf.nbytes
             u.sent(g, buf.nbytes if buf is not None else g.nbytes, staged=buf is not None)
             if g.m in u.pooled:
                 u.pooled.discard(g.m)
