@@ -120,10 +120,15 @@ def encode_sends(prog, mover, gs, *, to, came: dict, cut: dict) -> list:
         return [encode_send(prog, mover, g, as_delta=g.peer in to, came=came, cut=cut)
                 for g in gs]
     out, jobs, spent, bases = [None] * len(gs), [], [], prog.bases
+    queued = False  # device work this call queued (a relay of what came queues none)
     for i, g in enumerate(gs):
         ev = mover.wait(g) if g.zc_src else None
         if ev is not None:  # device work still writes its source (a quantiser)
             ev.synchronize()
+        if g.m in prog.relays and g.peer in to and g.parent in came:
+            out[i] = _encode_send(prog, mover, g, as_delta=True, came=came, cut=cut)
+            continue
+        queued = True
         if g.m in prog.sliced or g.m in prog.relays:
             out[i] = _encode_send(prog, mover, g, as_delta=g.peer in to, came=came, cut=cut)
             continue
@@ -150,7 +155,8 @@ def encode_sends(prog, mover, gs, *, to, came: dict, cut: dict) -> list:
         made = dev.advance_many([(old, new, width(g)) for _, old, new, g in jobs], xp=xp)
         for (i, _, _, _), d in zip(jobs, made):
             out[i] = (d, True, False)
-    _settle(mover)  # the payloads are written before the transport reads them
+    if queued:
+        _settle(mover)  # the payloads are written before the transport reads them
     for old in spent:
         mover.release(old)
     return out
