@@ -250,14 +250,16 @@ def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
         if density >= 1.0:
             out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
             continue
-        flat, steps = u.reshape(-1), xp.zeros(u.size, u.dtype)
+        flat, res = u.reshape(-1), u.copy().reshape(-1)  # the one copy of the rank's size
+        where = mapped[k].reshape(-1)
         cut = xp.uint64(int(density * (1 << 20)))
-        for c in range(0, flat.size, _CHUNK):  # uint64 temporaries of a chunk at a time
+        for c in range(0, flat.size, _CHUNK):  # temporaries of a chunk at a time
             bits = flat[c:c + _CHUNK].astype(xp.uint64)
+            steps = xp.zeros(bits.size, u.dtype)
             for w in range(1, version + 1):
                 h = (bits * xp.uint64(0x9E3779B97F4A7C15)
                      + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
-                steps[c:c + _CHUNK] += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1)
-                                        < cut).astype(u.dtype)
-        out[k] = xp.where(mapped[k], u + steps.reshape(u.shape), u).view(a.dtype)
+                steps += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1) < cut).astype(u.dtype)
+            res[c:c + _CHUNK] += steps * where[c:c + _CHUNK].astype(u.dtype)
+        out[k] = res.reshape(u.shape).view(a.dtype)
     return out
