@@ -141,7 +141,7 @@ class _Dev(np.ndarray):
 class _Xp:
     """As much of CuPy as the device codec's batched steps use, over :class:`_Dev` arrays."""
 
-    uint8, uint16, uint32, int64 = np.uint8, np.uint16, np.uint32, np.int64
+    uint8, uint16, uint32, int32, int64 = np.uint8, np.uint16, np.uint32, np.int32, np.int64
 
     def __getattr__(self, name):
         f = getattr(np, name)
@@ -204,3 +204,53 @@ def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
         dev.apply(target, delta, xp=xp, head=head, bad=bad)
         assert bad[0] == flagged
         assert target.tobytes() == (olds[0] if flagged else jobs[0][1]).tobytes()
+
+
+def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing(lib, monkeypatch):
+    """apply_many (the table of deltas, each block's first change summed by the block, one flag
+    per delta) on the host kernels: every good delta applied as the host codec applies it, the
+    bad ones (a place out of order, counts over the header's k) flagged and left unwritten."""
+    from wb.runtime.engine import delta_device as dev
+
+    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    xp, rng = _Xp(), np.random.default_rng(11)
+    items, olds, news = [], [], []
+    for j, (w, n) in enumerate([(2, 3 * codec.BLOCK + 17), (1, 999), (4, codec.BLOCK),
+                                (8, 2 * codec.BLOCK + 1), (2, 3 * codec.BLOCK + 17)]):
+        base = rng.integers(0, 256, n * w, dtype=np.uint8)
+        new = base.copy()
+        new.reshape(n, w)[rng.random(n) < 0.02, 0] ^= 0x3
+        new.reshape(n, w)[n - 1, 0] ^= 0x3
+        d = codec.encode(base, new, itemsize=w)
+        assert codec.kind_of(d) == "blocks"
+        if j == 4:  # the first block's second place the same as its first
+            k = codec.header(d)[4]
+            places = d[d.nbytes - 2 * k:].view("<u2")
+            places[1] = places[0]
+        olds.append(base)
+        news.append(new)
+        items.append((base.copy().view(_Dev), d.view(_Dev), d[:codec.HEADER.size], 4 - j))
+    bad = np.zeros(5, np.uint32).view(_Dev)
+    dev.apply_many(items, bad, xp=xp)
+    assert bad.tolist() == [1, 0, 0, 0, 0]  # flags by each item's j
+    for (target, _, _, _), old, new, flagged in zip(items, olds, news, [0, 0, 0, 0, 1]):
+        assert target.tobytes() == (old if flagged else new).tobytes()
+    extra = codec.encode(olds[1], news[1], itemsize=1)
+    extra[-2 * codec.header(extra)[4] - 4:][:4].view("<u4")[0] += 1  # counts over its k
+    target, bad = olds[1].copy().view(_Dev), np.zeros(1, np.uint32).view(_Dev)
+    dev.apply_many([(target, extra.view(_Dev), extra[:codec.HEADER.size], 0)], bad, xp=xp)
+    assert bad[0] == 1 and target.tobytes() == olds[1].tobytes()
+
+
+def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypatch):
+    """prepare (what a delta job's first update on a device runs once) makes and applies tiny
+    deltas of every kind and width without error, with the kernels compiled for the host."""
+    from wb.runtime.engine import delta_device as dev
+
+    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    xp = _Xp()
+    xp.cuda = type("cuda", (), {"Device": lambda: type("d", (), {"id": 0})()})
+    dev._prepared.cache_clear()
+    dev.prepare(xp)
+    assert dev._prepared.cache_info().currsize == 1
+    dev._prepared.cache_clear()

@@ -1,17 +1,20 @@
 """The delta codec on a device: :mod:`wb.algorithms.delta`'s bytes, made and applied where the
 buffers are, bit for bit what the host codec makes.
 
-On a CUDA device, kernels (:func:`kernel_source`), one block of :data:`THREADS` threads per
-:data:`~wb.algorithms.delta.BLOCK` of elements:
+On a CUDA device, kernels (:mod:`wb.runtime.engine.delta_kernels`), one block of
+:data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOCK` of elements:
 
-- encode: each block counts its changes (the one thing the host reads back, to choose the
-  encoding and size the delta), then writes their values and places in order (a warp's ballot
-  gives a change's rank in its warp, a scan of the warps' counts the warps' offsets); a
-  :data:`~wb.algorithms.delta.MASK` delta's bits are CuPy's ``packbits`` of the compare;
-- apply (:data:`~wb.algorithms.delta.BLOCKS`): the host reads the header and the counts; one
-  kernel checks each change's place (ascending in its block, inside the message) and writes its
-  position, and only if every place is good one scatter writes the values. A mask is decoded by
-  CuPy's array operations.
+- encode (:func:`advance_many`: the deltas of a turn's sends at once): each block counts its
+  changes (the one thing the host reads back, for all the messages together, to choose each
+  encoding and size each delta), then writes their values and places in order (a warp's ballot
+  gives a change's rank in its warp, a scan of the warps' counts the warps' offsets), writing the
+  base's changed elements as it goes; a :data:`~wb.algorithms.delta.MASK` delta's bits are
+  CuPy's ``packbits`` of the compare;
+- apply (:data:`~wb.algorithms.delta.BLOCKS`; :func:`apply_many` for several): one kernel finds
+  each block's first change and checks its places (ascending in its block, inside the message)
+  and the counts' total, and one scatter writes the values of each delta found good; a bad one
+  sets a flag on the device, which the caller reads with whatever it reads next. A mask is
+  decoded by CuPy's array operations.
 
 With numpy (``xp``), the same results by array operations on the host, which the tests check
 against the host codec; the kernels' source is compiled for the host by the tests too.
@@ -36,8 +39,12 @@ import numpy as np
 
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
+from wb.runtime.engine import delta_kernels
+from wb.runtime.engine.delta_kernels import THREADS, kernel_source
 
-__all__ = ["encode", "advance_many", "of_changes", "dense", "apply", "changed", "received",
+__all__ = ["encode", "advance_many", "of_changes", "dense", "apply", "apply_many", "prepare",
+           "changed",
+           "received",
            "received_many", "kernel_source", "THREADS"]
 
 _WIDTHS = (1, 2, 4, 8)
@@ -112,125 +119,8 @@ def encode(base, new, *, itemsize: int, xp):
     return out
 
 
-#: Threads of a block of the kernels; a block of them takes one :data:`~wb.algorithms.delta.BLOCK`
-#: of elements.
-THREADS = 1024
-
-_SOURCE = r"""
-#define WB_WARPS ((blockDim.x + 31) >> 5)
-template <typename T>
-__device__ void count_changes(const T* a, const T* b, long long n, unsigned int* counts) {
-    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
-    unsigned int c = 0;
-    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) c += a[i] != b[i];
-    for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
-    __shared__ unsigned int warp[32];
-    if ((threadIdx.x & 31) == 0) warp[threadIdx.x >> 5] = c;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        c = threadIdx.x < WB_WARPS ? warp[threadIdx.x] : 0;
-        for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
-        if (threadIdx.x == 0) counts[blockIdx.x] = c;
-    }
-}
-// The changes of one block of 65536 elements, in order: the block walks them a row of
-// blockDim.x at a time; each change's rank in its row is its warp's changes before it (a
-// ballot) plus those of the warps before (the first warp scans the warps' counts). With
-// ``advance`` the base takes each changed element's new value as it is read (then it holds the
-// new bytes, as a copy would leave it, writing only the changes).
-template <typename T>
-__device__ void compact_changes(T* a, const T* b, long long n, const long long* starts,
-                                T* values, unsigned short* places, int advance) {
-    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
-    long long at = starts[blockIdx.x];
-    __shared__ unsigned int warp[32];
-    __shared__ unsigned int row_total;
-    unsigned int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (long long row = start; row < end; row += blockDim.x) {
-        long long i = row + threadIdx.x;
-        T x = 0;
-        bool changed = false;
-        if (i < end) {
-            x = b[i];
-            changed = a[i] != x;
-        }
-        unsigned int ballot = __ballot_sync(0xffffffffu, changed);
-        unsigned int before = __popc(ballot & ((1u << lane) - 1u));
-        if (lane == 0) warp[w] = __popc(ballot);
-        __syncthreads();
-        if (w == 0) {
-            unsigned int t = lane < WB_WARPS ? warp[lane] : 0, s = t;
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned int y = __shfl_up_sync(0xffffffffu, s, o);
-                if (lane >= (unsigned int)o) s += y;
-            }
-            if (lane < WB_WARPS) warp[lane] = s - t;
-            if (lane == WB_WARPS - 1) row_total = s;
-        }
-        __syncthreads();
-        if (changed) {
-            long long p = at + warp[w] + before;
-            values[p] = x;
-            places[p] = (unsigned short)(i - start);
-            if (advance) a[i] = x;
-        }
-        at += row_total;
-        __syncthreads();
-    }
-}
-// Each change's place checked (ascending within its block, inside the message) and its position
-// written; block b's changes are starts[b] .. starts[b + 1] - 1, and the counts' total must be
-// the header's k (the last of the nb blocks checks it). A bad one sets ``bad``, which the scatter
-// reads: a malformed delta writes nothing.
-extern "C" __global__ void wb_delta_positions(const unsigned short* places,
-        const long long* starts, long long n, long long nb, long long k, long long* pos,
-        unsigned int* bad) {
-    long long s = starts[blockIdx.x], e = starts[blockIdx.x + 1];
-    long long first = (long long)blockIdx.x * 65536;
-    if (threadIdx.x == 0 && (long long)blockIdx.x == nb - 1 && e != k) atomicOr(bad, 1u);
-    if (e > k) e = k;
-    for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
-        long long p = first + places[j];
-        if (p >= n || (j > s && places[j] <= places[j - 1])) atomicOr(bad, 1u);
-        pos[j] = p;
-    }
-}
-template <typename T>
-__device__ void scatter_changes(T* target, const T* values, const long long* pos, long long k,
-                                const unsigned int* bad) {
-    if (*bad) return;
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < k;
-         j += (long long)gridDim.x * blockDim.x)
-        target[pos[j]] = values[j];
-}
-#define WB_DELTA_KERNELS(T, W) \
-extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
-                                              unsigned int* counts) { \
-    count_changes<T>(a, b, n, counts); } \
-extern "C" __global__ void wb_delta_compact_##W(T* a, const T* b, long long n, \
-        const long long* starts, T* values, unsigned short* places, int advance) { \
-    compact_changes<T>(a, b, n, starts, values, places, advance); } \
-extern "C" __global__ void wb_delta_scatter_##W(T* target, const T* values, \
-        const long long* pos, long long k, const unsigned int* bad) { \
-    scatter_changes<T>(target, values, pos, k, bad); }
-WB_DELTA_KERNELS(unsigned char, 1)
-WB_DELTA_KERNELS(unsigned short, 2)
-WB_DELTA_KERNELS(unsigned int, 4)
-WB_DELTA_KERNELS(unsigned long long, 8)
-"""
-
-
-def kernel_source() -> str:
-    """The CUDA source of the encoding kernels (``wb_delta_count_W``, ``wb_delta_compact_W`` for
-    elements of ``W`` bytes); also compiled for the host by the tests."""
-    return _SOURCE
-
-
-@functools.lru_cache(maxsize=None)
 def _module():
-    import cupy  # only CUDA buffers come here
-
-    return cupy.RawModule(code=_SOURCE, options=("-std=c++14",))
+    return delta_kernels.module()
 
 
 def _kernels(itemsize: int):
@@ -348,6 +238,81 @@ def apply(target, delta, *, xp, head=None, bad=None):
     pos = _positions(xp, kind, d[at + k * itemsize:], n, k, itemsize)
     t.view(f"<u{itemsize}")[pos] = vals
     return pos, vals
+
+
+def apply_many(items, bad, *, xp) -> None:
+    """Several :data:`~wb.algorithms.delta.BLOCKS` deltas applied on a CUDA device in two
+    launches (:func:`kernel_source`'s ``wb_delta_check_many`` and ``wb_delta_scatter_many``):
+    ``items`` are ``(target, delta, head, j)``, each delta with its header's bytes on the host
+    (:func:`received`) and ``j`` its flag in ``bad`` (a device ``uint32`` array of zeros), which
+    a malformed delta sets (nothing of its target is written then); the host reads nothing.
+
+    Raises:
+        TransferError: a delta is made for a message of another size or element width, or
+            its header is not a BLOCKS delta's (before anything is queued).
+    """
+    rows, jobs, firsts, total = [], [], [], 0
+    for i, (target, delta, head, j) in enumerate(items):
+        d, t = delta.reshape(-1).view(xp.uint8), target.reshape(-1).view(xp.uint8)
+        kind, w, n, k = codec.checked(head, d.nbytes, t.nbytes)
+        if kind != codec.BLOCKS:
+            raise TransferError(f"delta: apply_many takes blocks deltas, not {codec.kind_of(head)}")
+        nb = -(-n // codec.BLOCK)
+        at = codec.HEADER.size + k * w + codec.values_pad(k, w)
+        rows.append((_address(d), _address(t), n, k, w, nb, at, at + 4 * nb, j))
+        jobs.append(np.full(nb, i, np.int32))
+        firsts.append(total)
+        total += nb
+    if not total:
+        return
+    tab, first = np.array(rows, np.int64).reshape(-1), np.array(firsts, np.int64)
+    block_job = np.concatenate(jobs)
+    dev = xp.asarray(np.concatenate([tab.view(np.uint8), first.view(np.uint8),
+                                     block_job.view(np.uint8)]))  # the one write
+    a, b = tab.nbytes, tab.nbytes + first.nbytes
+    args = (dev[:a].view(xp.int64), dev[b:].view(xp.int32), dev[a:b].view(xp.int64))
+    starts = xp.empty(total, xp.int64)
+    m = _module()
+    m.get_function("wb_delta_check_many")((total,), (THREADS,), args + (starts, bad))
+    m.get_function("wb_delta_scatter_many")((total,), (THREADS,), args + (starts, bad))
+
+
+def prepare(xp) -> None:
+    """Compiles the kernels and runs every step of the codec once on tiny messages (CuPy compiles
+    its own operations on first use too), so that a job's first delta costs no compilation: a
+    few hundred milliseconds once per process and device, on the job's first update."""
+    if xp is np:
+        return
+    _prepared(xp, xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepared(xp, device: int) -> None:
+    rng = np.random.default_rng(0)
+    jobs = []
+    for w, density in [(1, 0.01), (2, 0.01), (4, 0.01), (8, 0.01), (2, 0.5), (2, 1.0)]:
+        base = rng.integers(0, 256, 4096 * w, dtype=np.uint8)
+        new = base.copy()
+        new.reshape(-1, w)[rng.random(4096) < density, 0] ^= 1
+        jobs.append((xp.asarray(base), xp.asarray(new), w, base))
+    made = advance_many([(b, n, w) for b, n, w, _ in jobs], xp=xp)
+    heads = received_many(made, xp=xp)
+    bad = xp.zeros(len(made), xp.uint32)
+    together = []
+    for j, ((got, head), (_, _, w, base)) in enumerate(zip(heads, jobs)):
+        target = xp.asarray(base)
+        if codec.header(head)[0] == codec.BLOCKS:
+            together.append((target, got, head, j))
+            apply(xp.asarray(base), got, xp=xp, head=head, bad=bad[j:j + 1])
+        else:
+            apply(target, got, xp=xp, head=head)
+    apply_many(together, bad, xp=xp)
+    bad.get()
+
+
+def _address(a) -> int:
+    """A device array's address (a host array's, where the tests run the kernels on the host)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
 
 
 _MALFORMED = "delta positions malformed: not ascending within the message, or counts not its own"

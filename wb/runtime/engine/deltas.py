@@ -316,33 +316,83 @@ def take_completions(u, got) -> bool:
         landing.append((g, buf))
     if not landing:
         return bool(got)
-    on_device = xp is not np
+    if xp is not np:
+        _land_on_device(u, landing)
+    else:
+        for g, buf in landing:
+            as_delta = g.peer in delta.frm
+            came, decoded = land(prog, mover, g, buf, as_delta=as_delta)
+            if as_delta:  # kept for the forwards that send it on (see encode_send)
+                _keep(u, g, came, decoded)
+            if sums is not None:
+                sums.landed(g, came)
+            u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+    for g, buf in landing:
+        u.landed(g, buf)
+    return bool(got)
+
+
+def _land_on_device(u, landing) -> None:
+    """:func:`take_completions`' receives on a device: the headers of the deltas that came read
+    in one go; the :data:`~wb.algorithms.delta.BLOCKS` deltas whose changes no forward needs
+    decoded applied together (:func:`~wb.runtime.engine.delta_device.apply_many`), into their
+    destination, or their staging gathered from it and unpacked after; the rest one by one
+    (:func:`land`); then the host waits once, reading the flags of malformed deltas."""
+    sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
+    xp = mover.xp
     ins = [(g, buf) for g, buf in landing if g.peer in delta.frm]
-    heads = dict(zip((g.m for g, _ in ins), dev.received_many([b for _, b in ins], xp=xp))) \
-        if on_device else {}
-    flags = xp.zeros(len(landing), xp.uint32) if on_device else None
-    spent = [] if on_device else None
+    heads = dict(zip((g.m for g, _ in ins), dev.received_many([b for _, b in ins], xp=xp)))
+    flags = xp.zeros(len(landing), xp.uint32)
+    spent, together, unpack = [], [], []
     for j, (g, buf) in enumerate(landing):
         as_delta = g.peer in delta.frm
-        came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=heads.get(g.m),
-                             bad=flags[j:j + 1] if on_device else None, spent=spent)
+        if as_delta and codec.header(heads[g.m][1])[0] == codec.BLOCKS and \
+                not _decoded_needed(u, g):
+            got = heads[g.m][0]
+            if g.conv:
+                target = prog.recv_bases.get(g.m)
+                if target is None:
+                    raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but "
+                                        f"this rank holds no base of it")
+                unpack.append((g, target))
+            elif g.zc_dst:
+                target = mover.array(g, src=False)
+            else:
+                target = mover.gather(g)
+                spent.append(target)
+                unpack.append((g, target))
+            together.append((target, got, heads[g.m][1], j))
+            came, decoded = got, None
+        else:
+            came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=heads.get(g.m),
+                                 bad=flags[j:j + 1], spent=spent)
         if as_delta:  # kept for the forwards that send it on (see encode_send)
             _keep(u, g, came, decoded)
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-    if on_device:
-        bad = flags.get()  # the host waits for the device once: every unit here is applied
-        for old in spent:
-            mover.release(old)
-        for j in np.flatnonzero(bad):
-            g = landing[int(j)][0]
-            raise TransferError(f"rank {prog.rank}: the delta for {g.label()} from rank "
-                                f"{g.peer} is malformed: its places are not ascending within "
-                                f"the message, or its counts are not its header's")
-    for g, buf in landing:
-        u.landed(g, buf)
-    return bool(got)
+    dev.apply_many(together, flags, xp=xp)
+    for g, base in unpack:
+        mover.unpack(g, base)
+    bad = flags.get()  # the host waits for the device once: every unit here is applied
+    for old in spent:
+        mover.release(old)
+    for j in np.flatnonzero(bad):
+        g = landing[int(j)][0]
+        raise TransferError(f"rank {prog.rank}: the delta for {g.label()} from rank {g.peer} is "
+                            f"malformed: its places are not ascending within the message, or "
+                            f"its counts are not its header's")
+
+
+def _decoded_needed(u, g) -> bool:
+    """Whether forwards of this update send on part of what a delta for frame ``g`` changed
+    (they need its positions and values decoded: :func:`_keep`)."""
+    if g.__class__ is not Frame:
+        return False
+    prog, to, units = u.prog, u.delta.to, u.prog.units
+    kids = prog.children
+    return any(c in prog.sliced and units[c].peer in to
+               for x in g.members for c in kids.get(x.m, ()))
 
 
 def _keep(u, g, came, decoded) -> None:

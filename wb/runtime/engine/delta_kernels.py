@@ -1,0 +1,208 @@
+"""The CUDA source of the delta codec's kernels (:mod:`wb.runtime.engine.delta_device` launches
+them), one block of :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOCK` of elements:
+
+- ``wb_delta_count_W``: a message's changes counted per block (elements of ``W`` bytes);
+- ``wb_delta_compact_W``: their values and places written in order (optionally advancing the
+  base to the new bytes as it reads them);
+- ``wb_delta_positions``, ``wb_delta_scatter_W``: one delta's places checked, then applied;
+- ``wb_delta_check_many``, ``wb_delta_scatter_many``: several deltas checked and applied by one
+  launch each, from a table of them.
+
+The tests compile the same source for the host (one thread a block).
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["THREADS", "kernel_source", "module", "kernels"]
+
+#: Threads of a block of the kernels; a block of them takes one :data:`~wb.algorithms.delta.BLOCK`
+#: of elements.
+THREADS = 1024
+
+_SOURCE = r"""
+#define WB_WARPS ((blockDim.x + 31) >> 5)
+template <typename T>
+__device__ void count_changes(const T* a, const T* b, long long n, unsigned int* counts) {
+    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
+    unsigned int c = 0;
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) c += a[i] != b[i];
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+    __shared__ unsigned int warp[32];
+    if ((threadIdx.x & 31) == 0) warp[threadIdx.x >> 5] = c;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        c = threadIdx.x < WB_WARPS ? warp[threadIdx.x] : 0;
+        for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
+        if (threadIdx.x == 0) counts[blockIdx.x] = c;
+    }
+}
+// The changes of one block of 65536 elements, in order: the block walks them a row of
+// blockDim.x at a time; each change's rank in its row is its warp's changes before it (a
+// ballot) plus those of the warps before (the first warp scans the warps' counts). With
+// ``advance`` the base takes each changed element's new value as it is read (then it holds the
+// new bytes, as a copy would leave it, writing only the changes).
+template <typename T>
+__device__ void compact_changes(T* a, const T* b, long long n, const long long* starts,
+                                T* values, unsigned short* places, int advance) {
+    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
+    long long at = starts[blockIdx.x];
+    __shared__ unsigned int warp[32];
+    __shared__ unsigned int row_total;
+    unsigned int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (long long row = start; row < end; row += blockDim.x) {
+        long long i = row + threadIdx.x;
+        T x = 0;
+        bool changed = false;
+        if (i < end) {
+            x = b[i];
+            changed = a[i] != x;
+        }
+        unsigned int ballot = __ballot_sync(0xffffffffu, changed);
+        unsigned int before = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp[w] = __popc(ballot);
+        __syncthreads();
+        if (w == 0) {
+            unsigned int t = lane < WB_WARPS ? warp[lane] : 0, s = t;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int y = __shfl_up_sync(0xffffffffu, s, o);
+                if (lane >= (unsigned int)o) s += y;
+            }
+            if (lane < WB_WARPS) warp[lane] = s - t;
+            if (lane == WB_WARPS - 1) row_total = s;
+        }
+        __syncthreads();
+        if (changed) {
+            long long p = at + warp[w] + before;
+            values[p] = x;
+            places[p] = (unsigned short)(i - start);
+            if (advance) a[i] = x;
+        }
+        at += row_total;
+        __syncthreads();
+    }
+}
+// Each change's place checked (ascending within its block, inside the message) and its position
+// written; block b's changes are starts[b] .. starts[b + 1] - 1, and the counts' total must be
+// the header's k (the last of the nb blocks checks it). A bad one sets ``bad``, which the scatter
+// reads: a malformed delta writes nothing.
+extern "C" __global__ void wb_delta_positions(const unsigned short* places,
+        const long long* starts, long long n, long long nb, long long k, long long* pos,
+        unsigned int* bad) {
+    long long s = starts[blockIdx.x], e = starts[blockIdx.x + 1];
+    long long first = (long long)blockIdx.x * 65536;
+    if (threadIdx.x == 0 && (long long)blockIdx.x == nb - 1 && e != k) atomicOr(bad, 1u);
+    if (e > k) e = k;
+    for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
+        long long p = first + places[j];
+        if (p >= n || (j > s && places[j] <= places[j - 1])) atomicOr(bad, 1u);
+        pos[j] = p;
+    }
+}
+template <typename T>
+__device__ void scatter_changes(T* target, const T* values, const long long* pos, long long k,
+                                const unsigned int* bad) {
+    if (*bad) return;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < k;
+         j += (long long)gridDim.x * blockDim.x)
+        target[pos[j]] = values[j];
+}
+#define WB_DELTA_KERNELS(T, W) \
+extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
+                                              unsigned int* counts) { \
+    count_changes<T>(a, b, n, counts); } \
+extern "C" __global__ void wb_delta_compact_##W(T* a, const T* b, long long n, \
+        const long long* starts, T* values, unsigned short* places, int advance) { \
+    compact_changes<T>(a, b, n, starts, values, places, advance); } \
+extern "C" __global__ void wb_delta_scatter_##W(T* target, const T* values, \
+        const long long* pos, long long k, const unsigned int* bad) { \
+    scatter_changes<T>(target, values, pos, k, bad); }
+WB_DELTA_KERNELS(unsigned char, 1)
+WB_DELTA_KERNELS(unsigned short, 2)
+WB_DELTA_KERNELS(unsigned int, 4)
+WB_DELTA_KERNELS(unsigned long long, 8)
+// Several BLOCKS deltas applied by two launches over all their blocks (block_job: each global
+// block's delta). A delta's row of ``tab``: its address, its target's, elements n, changes k,
+// element bytes w, blocks nb, where its counts and places start (bytes into the delta; its
+// values start at the 32-byte header), and its flag in ``bad``. The check finds each block's first change (the counts
+// before it, summed by the block), checks its places and the counts' total, and keeps the start;
+// the scatter then writes the changes of every delta whose flag stayed clear.
+#define WB_TAB 9
+__device__ long long wb_block_start(const unsigned int* counts, long long b, long long* part) {
+    long long acc = 0;
+    for (long long i = threadIdx.x; i < b; i += blockDim.x) acc += counts[i];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long t = 0;
+        for (unsigned int j = 0; j < WB_WARPS; ++j) t += part[j];
+        part[32] = t;
+    }
+    __syncthreads();
+    return part[32];
+}
+extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* block_job,
+        const long long* first_block, long long* starts, unsigned int* bad) {
+    __shared__ long long part[33];
+    int job = block_job[blockIdx.x];
+    const long long* r = tab + (long long)job * WB_TAB;
+    const unsigned char* d = (const unsigned char*)r[0];
+    long long n = r[2], k = r[3], nb = r[5], b = (long long)blockIdx.x - first_block[job];
+    const unsigned int* counts = (const unsigned int*)(d + r[6]);
+    const unsigned short* places = (const unsigned short*)(d + r[7]);
+    long long s = wb_block_start(counts, b, part), e = s + counts[b];
+    if (threadIdx.x == 0) {
+        if ((b == nb - 1 && e != k) || e > k) atomicOr(bad + r[8], 1u);
+        starts[blockIdx.x] = s;
+    }
+    if (e > k) e = k;
+    long long first = b * 65536;
+    for (long long j = s + threadIdx.x; j < e; j += blockDim.x)
+        if (first + places[j] >= n || (j > s && places[j] <= places[j - 1]))
+            atomicOr(bad + r[8], 1u);
+}
+extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int* block_job,
+        const long long* first_block, const long long* starts, const unsigned int* bad) {
+    int job = block_job[blockIdx.x];
+    const long long* r = tab + (long long)job * WB_TAB;
+    if (bad[r[8]]) return;
+    const unsigned char* d = (const unsigned char*)r[0];
+    unsigned char* t = (unsigned char*)r[1];
+    long long k = r[3], w = r[4], b = (long long)blockIdx.x - first_block[job];
+    const unsigned int* counts = (const unsigned int*)(d + r[6]);
+    const unsigned short* places = (const unsigned short*)(d + r[7]);
+    long long s = starts[blockIdx.x], e = s + counts[b], first = b * 65536;
+    if (e > k) e = k;
+    for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
+        long long p = first + places[j];
+        switch (w) {
+            case 1: t[p] = d[32 + j]; break;
+            case 2: ((unsigned short*)t)[p] = ((const unsigned short*)(d + 32))[j]; break;
+            case 4: ((unsigned int*)t)[p] = ((const unsigned int*)(d + 32))[j]; break;
+            default: ((unsigned long long*)t)[p] = ((const unsigned long long*)(d + 32))[j];
+        }
+    }
+}
+"""
+
+
+
+def kernel_source() -> str:
+    """The CUDA source of the codec's kernels; also compiled for the host by the tests."""
+    return _SOURCE
+
+
+@functools.lru_cache(maxsize=None)
+def module():
+    """The kernels compiled for the current CUDA device (once per process)."""
+    import cupy  # only CUDA buffers come here
+
+    return cupy.RawModule(code=_SOURCE, options=("-std=c++14",))
+
+
+def kernels(itemsize: int):
+    """``(count, compact)`` for elements of ``itemsize`` bytes."""
+    m = module()
+    return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
