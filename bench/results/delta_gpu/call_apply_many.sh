@@ -1,0 +1,31 @@
+# Needs the ucxx wheels and crc32c's for Python 3.12 in .whl/ (carried).
+# After deltas are applied together (apply_many) and the codec is prepared before the first delta:
+# the delta GPU tests, then bench_fp8 --delta with the diagnostics site at 4 layers (time-sliced
+# and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS).
+source bench/gpu_common.sh
+timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
+  tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+run() {  # $1 layers, $2 name
+PYTHONPATH=$PWD/bench/results/delta_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/diag_$2.jsonl \
+  timeout ${FP8_TIMEOUT:-150} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 --layers $1 \
+  --experts 64 --delta 1e-6 --versions ${VERSIONS:-3} --json --out $OUT/fp8_delta_$2.json \
+  > $OUT/fp8_delta_$2.out 2> $OUT/fp8_delta_$2.err
+NAME=$2 python3 - <<'PY'
+import json, os
+o, n = os.environ["OUT"], os.environ["NAME"]
+try:
+    d = json.load(open(f"{o}/fp8_delta_{n}.json"))
+except Exception as e:
+    print(n, "no result", e); raise SystemExit
+for r in d["by_version"]:
+    print(n, r["version"], round(r["dense_ewtt_s"], 4), round(r["delta_ewtt_s"], 4), round(r["ewtt_over_dense"], 2), d["bit_identical"])
+PY
+grep -iE "error|Traceback" $OUT/fp8_delta_$2.err | tail -3
+}
+run 4 l4_timesliced
+mps_on; run 4 l4_mps; mps_off
+if [ "${MEM:-0}" -gt 100000 ]; then
+  run 12 l12_timesliced
+  mps_on; run 12 l12_mps; mps_off
+fi
