@@ -4,6 +4,7 @@ import atexit, os, time, json, functools
 _out = os.environ.get("WB_DIAG")
 if _out:
     T = {}
+    RUNS = []
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -24,11 +25,25 @@ if _out:
                            (update, ["post_sends", "take_completions", "run_update"])]:
             for n in names:
                 setattr(mod, n, timed(f"{mod.__name__.split('.')[-1]}.{n}", getattr(mod, n)))
+        run0 = program.Program.run
+
+        @functools.wraps(run0)
+        def run(self, *a, **k):  # each update's own times: what the counters gained during it
+            before = {n: list(v) for n, v in T.items()}
+            t0 = time.perf_counter()
+            try:
+                return run0(self, *a, **k)
+            finally:
+                wall = round((time.perf_counter() - t0) * 1e3, 2)
+                RUNS.append({"_wall": [1, wall], **{n: [v[0] - before.get(n, [0, 0.0])[0],
+                                 round((v[1] - before.get(n, [0, 0.0])[1]) * 1e3, 2)]
+                             for n, v in T.items() if v[0] != before.get(n, [0])[0]}})
+        program.Program.run = run
         for cls, names in [(update._Update, ["post_ready_sends", "take_completions",
                                              "take_device_work", "post_staged_receives"]),
                            (ucx.UcxTransport, ["send", "recv", "progress"]),
                            (movers.HostMover, ["staging", "gather", "unpack", "pack"]),
-                           (program.Program, ["run"])]:
+                           ]:
             for n in names:
                 if hasattr(cls, n):
                     setattr(cls, n, timed(f"{cls.__name__}.{n}", getattr(cls, n)))
@@ -60,6 +75,6 @@ if _out:
             with open(_out, "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "argv": " ".join(sys.argv)[:120], "t": {
                     k: [v[0], round(v[1] * 1e3, 2), round(v[2] * 1e3, 2)] + v[3:]
-                    for k, v in T.items()}}) + "\n")
+                    for k, v in T.items()}, "runs": RUNS}) + "\n")
     atexit.register(dump)
     sys.meta_path.insert(0, _Hook())
