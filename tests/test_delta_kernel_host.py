@@ -1,6 +1,5 @@
-"""The delta encoding kernels (``wb.runtime.engine.delta_device.kernel_source``), their CUDA source
-compiled for the host with one thread a block (a warp of one lane: its ballot is its own flag, a
-shuffle brings nothing), every block run in turn, against the host codec: the changes counted per
+"""The delta codec's kernels (``wb.runtime.engine.delta_kernels``), their CUDA source compiled
+for the host with one thread a block (``harness.host_device``), every block run in turn, against the host codec: the changes counted per
 block of 65,536 elements, and their values and places written in order, are the bytes of
 ``wb.algorithms.delta.encode``'s ``BLOCKS`` delta; applying one (each place checked and its
 position written, then a scatter) gives what ``wb.algorithms.delta.apply`` gives, and a place
@@ -9,43 +8,22 @@ same source with 1,024 threads a block."""
 
 import ctypes
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
+from harness.host_device import Dev as _Dev
+from harness.host_device import Module as _Module
+from harness.host_device import Xp as _Xp
+from harness.host_device import compile_kernels
 from wb.algorithms import delta as codec
-from wb.runtime.engine.delta_device import kernel_source
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-
-_HOST = r"""
-#include <cstdint>
-#define __global__
-#define __device__
-#define __shared__
-#define __syncthreads()
-struct D3 { long long x; };
-static D3 threadIdx, blockIdx, blockDim, gridDim;
-static unsigned int atomicOr(unsigned int* a, unsigned int v) { unsigned int o = *a; *a |= v; return o; }
-static unsigned int __shfl_down_sync(unsigned int, unsigned int, int) { return 0; }
-static unsigned int __shfl_up_sync(unsigned int, unsigned int v, int) { return v; }
-static unsigned int __ballot_sync(unsigned int, bool p) { return p ? 1u : 0u; }
-static unsigned int __popc(unsigned int x) { return __builtin_popcount(x); }
-"""
-_RUN = r"""
-extern "C" void block(long long b) {
-    blockIdx.x = b; threadIdx.x = 0; blockDim.x = 1; gridDim.x = 1; }
-"""
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    d = tmp_path_factory.mktemp("delta_kernel")
-    cpp, so = d / "k.cpp", d / "k.so"
-    cpp.write_text(_HOST + kernel_source() + _RUN)
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(so), str(cpp)], check=True)
-    return ctypes.CDLL(str(so))
+    return compile_kernels(tmp_path_factory.mktemp("delta_kernel"))
 
 
 def _ptr(a: np.ndarray):
@@ -131,46 +109,6 @@ def test_the_apply_kernels_write_what_the_host_codec_applies_and_flag_bad_places
     assert run(places, k=k - 1)[1][0] == 1  # counts that are not the header's k
 
 
-class _Dev(np.ndarray):
-    """An array "on the device": numpy memory that the host reads back with ``get``."""
-
-    def get(self):
-        return np.array(self)
-
-
-class _Xp:
-    """As much of CuPy as the device codec's batched steps use, over :class:`_Dev` arrays."""
-
-    uint8, uint16, uint32, int32, int64 = np.uint8, np.uint16, np.uint32, np.int32, np.int64
-
-    def __getattr__(self, name):
-        f = getattr(np, name)
-        return lambda *a, **k: _on(f(*a, **k))
-
-
-def _on(a):
-    return a.view(_Dev) if isinstance(a, np.ndarray) else a
-
-
-class _Module:
-    """The host-compiled kernels launched as CuPy's ``RawModule`` functions: every block in turn."""
-
-    def __init__(self, lib):
-        self.lib = lib
-
-    def get_function(self, name):
-        fn = getattr(self.lib, name)
-
-        def launch(grid, _threads, args):
-            c = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else
-                 ctypes.c_int(int(a)) if isinstance(a, np.int32) else ctypes.c_longlong(int(a))
-                 for a in args]
-            for b in range(grid[0]):
-                self.lib.block(ctypes.c_longlong(b))
-                fn(*c)
-        return launch
-
-
 def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
     """advance_many's and apply's device branches (one read of all the counts, the bases advanced
     by the compaction, the flag of a bad delta), with the kernels compiled for the host."""
@@ -249,7 +187,6 @@ def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypat
 
     monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
     xp = _Xp()
-    xp.cuda = type("cuda", (), {"Device": lambda: type("d", (), {"id": 0})()})
     dev._prepared.cache_clear()
     dev.prepare(xp)
     assert dev._prepared.cache_info().currsize == 1
