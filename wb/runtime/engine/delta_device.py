@@ -338,11 +338,12 @@ def advance_many(jobs, *, xp):
     """The deltas of several messages at once, each base then holding its new bytes.
 
     ``jobs``: ``(base, new, itemsize)`` byte arrays of one size each. Returns each job's delta,
-    the bytes :func:`encode` makes. On a CUDA device the host reads one thing for all of them,
-    the changes counted per block, and writes one (the headers and where each block's changes
-    start); the compaction writes each base's changed elements as it reads them (a message's
-    base costs no copy). The deltas are queued on the current stream: the caller waits for it
-    before they leave.
+    the bytes :func:`encode` makes. On a CUDA device: one launch counts the changes of every
+    block of every message, the host reads the counts (its one read) and writes one table, and
+    one launch writes every :data:`~wb.algorithms.delta.BLOCKS` delta whole, each base taking
+    the changed elements as they are read (a message's base costs no copy); a mask or a dense
+    delta (most elements changed) is written apart. The deltas are queued on the current
+    stream: the caller waits for it before they leave.
     """
     if xp is np:
         out = []
@@ -358,31 +359,42 @@ def advance_many(jobs, *, xp):
                              f"must be one size")
         views.append((b, v, w))
         nbs.append(-(-int(v.size) // codec.BLOCK))
-    first = np.concatenate([[0], np.cumsum(nbs, dtype=np.int64)])
-    counts = xp.empty(max(int(first[-1]), 1), xp.uint32)
-    for (b, v, w), f, nb in zip(views, first, nbs):
-        if nb:
-            _kernels(w)[0]((nb,), (THREADS,), (b, v, np.int64(v.size), counts[f:f + nb]))
+    first = np.concatenate([[0], np.cumsum(nbs, dtype=np.int64)]).astype(np.int64)
+    total = int(first[-1])
+    counts = xp.empty(max(total, 1), xp.uint32)
+    m = _module()
+    if total:  # every message's changes counted by one launch
+        rows = [(_address(b), _address(v), int(v.size), w, int(f))
+                for (b, v, w), f in zip(views, first)]
+        tab, block_job = _table(xp, rows, [np.full(nb, j, np.int32) for j, nb in enumerate(nbs)])
+        m.get_function("wb_delta_count_many")((total,), (THREADS,), (tab, block_job, counts))
     host = counts.get()  # the one read
-    plan, meta, heads = [], [], []
-    for (b, v, w), f, nb in zip(views, first, nbs):
+    out, rows, jobs_of, starts, alone = [], [], [], [], []
+    for j, ((b, v, w), f, nb) in enumerate(zip(views, first, nbs)):
         c = host[f:f + nb]
         n, k = int(v.size), int(c.sum(dtype=np.int64))
         kind, nbytes = codec.choose(n, k, w)
+        d = xp.empty(nbytes, xp.uint8)
+        out.append(d)
         h = np.empty(codec.HEADER.size, np.uint8)
         codec.HEADER.pack_into(h, 0, kind, w, nbytes, n, n if kind == codec.DENSE else k)
-        heads.append(h)
-        meta.append(np.concatenate([[0], np.cumsum(c, dtype=np.int64)[:-1]]).view(np.uint8))
-        plan.append((kind, nbytes, n, k))
-    starts_at = np.concatenate([[0], np.cumsum([m.nbytes for m in meta])])
-    dev = xp.asarray(np.concatenate(meta + heads))  # the one write
-    hs = int(starts_at[-1])
-    out = []
-    for j, ((b, v, w), f, nb, (kind, nbytes, n, k)) in enumerate(zip(views, first, nbs, plan)):
-        d = xp.empty(nbytes, xp.uint8)
-        d[:codec.HEADER.size] = dev[hs + j * codec.HEADER.size:hs + (j + 1) * codec.HEADER.size]
-        out.append(d)
-        at = codec.HEADER.size
+        begin = np.concatenate([[0], np.cumsum(c, dtype=np.int64)[:-1]]).astype(np.int64)
+        if kind != codec.BLOCKS or not nb:
+            alone.append((j, kind, k, h, begin))
+            continue
+        at = codec.HEADER.size + k * w + codec.values_pad(k, w)
+        rows.append((_address(b), _address(v), n, w, _address(d), sum(len(x) for x in jobs_of),
+                     at, at + 4 * nb, *h.view(np.int64).tolist(), codec.HEADER.size + k * w,
+                     int(f)))
+        jobs_of.append(np.full(nb, len(rows) - 1, np.int32))
+        starts.append(begin)
+    if rows:  # every BLOCKS delta written by one launch: header, values, counts, places
+        tab, block_job, at = _table(xp, rows, jobs_of, starts)
+        m.get_function("wb_delta_compact_many")((len(block_job),), (THREADS,),
+                                                 (tab, block_job, at, counts))
+    for j, kind, k, h, begin in alone:  # a mask or the dense bytes (dense changes): one by one
+        (b, v, w), d, at = views[j], out[j], codec.HEADER.size
+        d[:at] = xp.asarray(h)
         if kind == codec.DENSE:
             d[at:] = v.view(xp.uint8)
             b[:] = v
@@ -391,16 +403,30 @@ def advance_many(jobs, *, xp):
         if kind == codec.MASK:
             places = xp.empty(max(k, 1), xp.uint16)  # not sent: the mask says where
             d[tail:] = xp.packbits(b != v, bitorder="little")  # before the base advances
-        else:
-            pad = codec.values_pad(k, w)
-            d[tail:tail + pad] = 0
-            d[tail + pad:tail + pad + 4 * nb].view("<u4")[:] = counts[f:f + nb]
-            places = d[tail + pad + 4 * nb:].view("<u2")
+        else:  # no elements
+            places = d[tail:].view("<u2")
         if k:
-            starts = dev[int(starts_at[j]):int(starts_at[j + 1])].view(xp.int64)
-            _kernels(w)[1]((nb,), (THREADS,), (b, v, np.int64(n), starts, values, places,
-                                               np.int32(1)))
+            _kernels(w)[1]((nbs[j],), (THREADS,), (b, v, np.int64(v.size), xp.asarray(begin),
+                                                   values, places, np.int32(1)))
     return out
+
+
+def _table(xp, rows, block_jobs, starts=()):
+    """``rows`` (int64 each), the per-block job indices and (optionally) per-block starts on the
+    device by one write; returns their device arrays."""
+    tab = np.array(rows, np.int64).reshape(-1)
+    jobs = np.concatenate(block_jobs).astype(np.int32)
+    parts = [tab.view(np.uint8)]
+    if starts:
+        parts.append(np.concatenate(starts).astype(np.int64).view(np.uint8))
+    dev = xp.asarray(np.concatenate(parts + [jobs.view(np.uint8)]))
+    a = tab.nbytes
+    out = [dev[:a].view(xp.int64)]
+    if starts:
+        b = a + 8 * jobs.size
+        out += [dev[b:].view(xp.int32), dev[a:b].view(xp.int64)]
+        return tuple(out)
+    return out[0], dev[a:].view(xp.int32)
 
 
 def _positions(xp, kind: int, tail, n: int, k: int, itemsize: int):

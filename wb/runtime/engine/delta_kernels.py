@@ -4,6 +4,9 @@ them), one block of :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOC
 - ``wb_delta_count_W``: a message's changes counted per block (elements of ``W`` bytes);
 - ``wb_delta_compact_W``: their values and places written in order (optionally advancing the
   base to the new bytes as it reads them);
+- ``wb_delta_count_many``, ``wb_delta_compact_many``: the same for several messages by one
+  launch each, from a table of them (the compaction writing whole BLOCKS deltas: header, values,
+  counts and places);
 - ``wb_delta_positions``, ``wb_delta_scatter_W``: one delta's places checked, then applied;
 - ``wb_delta_check_many``, ``wb_delta_scatter_many``: several deltas checked and applied by one
   launch each, from a table of them.
@@ -24,8 +27,9 @@ THREADS = 1024
 _SOURCE = r"""
 #define WB_WARPS ((blockDim.x + 31) >> 5)
 template <typename T>
-__device__ void count_changes(const T* a, const T* b, long long n, unsigned int* counts) {
-    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
+__device__ void count_changes(const T* a, const T* b, long long n, long long blk,
+                              unsigned int* out) {
+    long long start = blk * 65536, end = start + 65536 < n ? start + 65536 : n;
     unsigned int c = 0;
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) c += a[i] != b[i];
     for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
@@ -35,7 +39,7 @@ __device__ void count_changes(const T* a, const T* b, long long n, unsigned int*
     if (threadIdx.x < 32) {
         c = threadIdx.x < WB_WARPS ? warp[threadIdx.x] : 0;
         for (int o = 16; o > 0; o >>= 1) c += __shfl_down_sync(0xffffffffu, c, o);
-        if (threadIdx.x == 0) counts[blockIdx.x] = c;
+        if (threadIdx.x == 0) *out = c;
     }
 }
 // The changes of one block of 65536 elements, in order: the block walks them a row of
@@ -44,10 +48,9 @@ __device__ void count_changes(const T* a, const T* b, long long n, unsigned int*
 // ``advance`` the base takes each changed element's new value as it is read (then it holds the
 // new bytes, as a copy would leave it, writing only the changes).
 template <typename T>
-__device__ void compact_changes(T* a, const T* b, long long n, const long long* starts,
+__device__ void compact_changes(T* a, const T* b, long long n, long long blk, long long at,
                                 T* values, unsigned short* places, int advance) {
-    long long start = (long long)blockIdx.x * 65536, end = start + 65536 < n ? start + 65536 : n;
-    long long at = starts[blockIdx.x];
+    long long start = blk * 65536, end = start + 65536 < n ? start + 65536 : n;
     __shared__ unsigned int warp[32];
     __shared__ unsigned int row_total;
     unsigned int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -111,10 +114,10 @@ __device__ void scatter_changes(T* target, const T* values, const long long* pos
 #define WB_DELTA_KERNELS(T, W) \
 extern "C" __global__ void wb_delta_count_##W(const T* a, const T* b, long long n, \
                                               unsigned int* counts) { \
-    count_changes<T>(a, b, n, counts); } \
+    count_changes<T>(a, b, n, blockIdx.x, counts + blockIdx.x); } \
 extern "C" __global__ void wb_delta_compact_##W(T* a, const T* b, long long n, \
         const long long* starts, T* values, unsigned short* places, int advance) { \
-    compact_changes<T>(a, b, n, starts, values, places, advance); } \
+    compact_changes<T>(a, b, n, blockIdx.x, starts[blockIdx.x], values, places, advance); } \
 extern "C" __global__ void wb_delta_scatter_##W(T* target, const T* values, \
         const long long* pos, long long k, const unsigned int* bad) { \
     scatter_changes<T>(target, values, pos, k, bad); }
@@ -122,6 +125,43 @@ WB_DELTA_KERNELS(unsigned char, 1)
 WB_DELTA_KERNELS(unsigned short, 2)
 WB_DELTA_KERNELS(unsigned int, 4)
 WB_DELTA_KERNELS(unsigned long long, 8)
+// Several messages' changes counted by one launch over all their blocks (block_job: each global
+// block's message). A message's row of ``tab``: its base's address, its new bytes', elements n,
+// element bytes w, its first block.
+#define WB_COUNT_TAB 5
+#define WB_WIDTHS(CALL) switch (w) { \
+    case 1: CALL(unsigned char); break; case 2: CALL(unsigned short); break; \
+    case 4: CALL(unsigned int); break; default: CALL(unsigned long long); }
+extern "C" __global__ void wb_delta_count_many(const long long* tab, const int* block_job,
+                                               unsigned int* counts) {
+    const long long* r = tab + (long long)block_job[blockIdx.x] * WB_COUNT_TAB;
+    long long n = r[2], w = r[3], blk = (long long)blockIdx.x - r[4];
+#define WB_COUNT(T) count_changes<T>((const T*)r[0], (const T*)r[1], n, blk, counts + blockIdx.x)
+    WB_WIDTHS(WB_COUNT)
+}
+// Several BLOCKS deltas written by one launch over all their blocks, each base advanced. A
+// delta's row of ``tab``: its base's address, its new bytes', n, w, the delta's address, its
+// first block, where its counts and places start, its header (four words), where its values end
+// (zeros from there to the counts), and its first block in the counting launch's ``counts``;
+// ``starts``: each block's first change in its message.
+#define WB_COMPACT_TAB 14
+extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int* block_job,
+        const long long* starts, const unsigned int* counts) {
+    const long long* r = tab + (long long)block_job[blockIdx.x] * WB_COMPACT_TAB;
+    long long n = r[2], w = r[3], blk = (long long)blockIdx.x - r[5];
+    unsigned char* d = (unsigned char*)r[4];
+    if (threadIdx.x == 0) {
+        ((unsigned int*)(d + r[6]))[blk] = counts[r[13] + blk];
+        if (blk == 0) {
+            for (int i = 0; i < 4; ++i) ((long long*)d)[i] = r[8 + i];
+            for (long long i = r[12]; i < r[6]; ++i) d[i] = 0;
+        }
+    }
+    unsigned short* places = (unsigned short*)(d + r[7]);
+#define WB_COMPACT(T) compact_changes<T>((T*)r[0], (const T*)r[1], n, blk, starts[blockIdx.x], \
+                                         (T*)(d + 32), places, 1)
+    WB_WIDTHS(WB_COMPACT)
+}
 // Several BLOCKS deltas applied by two launches over all their blocks (block_job: each global
 // block's delta). A delta's row of ``tab``: its address, its target's, elements n, changes k,
 // element bytes w, blocks nb, where its counts and places start (bytes into the delta; its
