@@ -23,9 +23,11 @@ sends the new bytes as a delta of the dense kind. Other forwards are encoded aga
 forwarder's own bases.
 
 On a device the same steps run where the buffers are (:mod:`wb.runtime.engine.delta_device`, the
-host codec's bytes made by CuPy's array operations on the update's stream); a payload is written
-before the transport reads it, and a unit applied before it counts as landed (the host waits for
-the stream: a delta job's messages are large, :data:`~wb.algorithms.planner.DELTA_CHUNK_BYTES`).
+host codec's bytes made by kernels on the update's stream), a few launches for many messages: the
+sends a turn takes are encoded together (:func:`post_sends`: the host reads their counts once
+and waits for the stream once, before they leave), and the deltas a completion batch brought
+are applied together (their headers read at once, the host waiting once for the stream and the
+flags of malformed deltas before they count as landed).
 """
 
 from __future__ import annotations
