@@ -58,10 +58,16 @@ class Dev(np.ndarray):
 
 
 class _Event:
-    done = True
+    """Work is done when queued; an event still says "not yet" the first time it is asked (the
+    code that waits for events without blocking takes that path too)."""
 
     def __init__(self, **_):
-        pass
+        self.asked = 0
+
+    @property
+    def done(self):
+        self.asked += 1
+        return self.asked > 1
 
     def record(self, _stream=None):
         pass
@@ -70,12 +76,23 @@ class _Event:
         pass
 
 
+class _Runtime:
+    @staticmethod
+    def memcpyAsync(dst, src, n, _kind, _stream):  # noqa: N802 (CUDA's name)
+        ctypes.memmove(dst, src, n)
+
+
 class _Cuda:
     Event = _Event
+    runtime = _Runtime
 
     @staticmethod
     def get_current_stream():
-        return None
+        return type("Stream", (), {"ptr": 0})()
+
+    @staticmethod
+    def alloc_pinned_memory(n):
+        return bytearray(n)
 
     @staticmethod
     def Device():  # noqa: N802 (CuPy's name)
@@ -85,7 +102,7 @@ class _Cuda:
 class Xp:
     """As much of CuPy as the device codec and a delta update on a host mover use, over
     :class:`Dev` arrays (every numpy function, its results as :class:`Dev`); work is done when
-    queued, so every event has passed."""
+    queued."""
 
     uint8, uint16, uint32, int32, int64 = np.uint8, np.uint16, np.uint32, np.int32, np.int64
     cuda = _Cuda

@@ -43,7 +43,7 @@ from wb.runtime.engine import delta_kernels
 from wb.runtime.engine.delta_kernels import THREADS, kernel_source
 
 __all__ = ["encode", "advance_many", "of_changes", "dense", "apply", "apply_many", "prepare",
-           "changed",
+           "to_host", "headers", "sized", "changed",
            "received",
            "received_many", "kernel_source", "THREADS"]
 
@@ -318,20 +318,48 @@ def _address(a) -> int:
 _MALFORMED = "delta positions malformed: not ascending within the message, or counts not its own"
 
 
-def received_many(bufs, *, xp):
-    """:func:`received` for several receives, their headers read by the host in one go."""
-    if xp is np or not bufs:
-        return [received(b, xp=xp) for b in bufs]
-    flat = [b.reshape(-1).view(xp.uint8) for b in bufs]
-    heads = xp.concatenate([b[:codec.HEADER.size] for b in flat]).get()
+def to_host(a, *, xp):
+    """``(host, event, keep)``: the bytes of device array ``a`` copied into pinned host memory
+    behind the work queued on the current stream, without waiting: ``host`` holds them once
+    ``event.done``; ``keep`` (the pinned memory) must live until then."""
+    n = a.nbytes
+    keep = xp.cuda.alloc_pinned_memory(max(n, 1))
+    host = np.frombuffer(keep, np.uint8, n)
+    stream = xp.cuda.get_current_stream()
+    if n:
+        xp.cuda.runtime.memcpyAsync(host.ctypes.data, _address(a), n, 2, stream.ptr)  # D2H
+    ev = xp.cuda.Event(block=False, disable_timing=True)
+    ev.record(stream)
+    return host, ev, keep
+
+
+def headers(bufs, *, xp):
+    """The headers of the deltas at the start of ``bufs`` (receives), gathered on the device and
+    copied to the host without waiting (:func:`to_host`); :func:`sized` reads them."""
+    return to_host(xp.concatenate([b.reshape(-1).view(xp.uint8)[:codec.HEADER.size]
+                                   for b in bufs]), xp=xp)
+
+
+def sized(bufs, heads, *, xp) -> list:
+    """``[(delta, head)]``: each receive's delta (what its header says came) and its header's
+    bytes, from ``heads`` (the host bytes of :func:`headers`)."""
     out = []
-    for j, b in enumerate(flat):
+    for j, buf in enumerate(bufs):
+        b = buf.reshape(-1).view(xp.uint8)
         head = heads[j * codec.HEADER.size:(j + 1) * codec.HEADER.size]
         size = codec.header(head)[2]
         if size > b.nbytes:
             raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
         out.append((b[:size], head))
     return out
+
+
+def received_many(bufs, *, xp):
+    """:func:`received` for several receives, their headers read by the host in one go."""
+    if xp is np or not bufs:
+        return [received(b, xp=xp) for b in bufs]
+    return sized(bufs, xp.concatenate([b.reshape(-1).view(xp.uint8)[:codec.HEADER.size]
+                                       for b in bufs]).get(), xp=xp)
 
 
 def advance_many(jobs, *, xp):

@@ -26,8 +26,8 @@ On a device the same steps run where the buffers are (:mod:`wb.runtime.engine.de
 host codec's bytes made by kernels on the update's stream), a few launches for many messages: the
 sends a turn takes are encoded together (:func:`post_sends`: the host reads their counts once
 and waits for the stream once, before they leave), and the deltas a completion batch brought
-are applied together (their headers read at once, the host waiting once for the stream and the
-flags of malformed deltas before they count as landed).
+are applied together, without the host waiting: the batch is parked while its headers, then
+the flags of malformed deltas, come to the host behind the stream (:func:`take_parked`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from wb.runtime.engine import delta_device as dev
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["DeltaPlan", "width", "encode_send", "encode_sends", "post_sends", "land",
-           "take_completions", "alike"]
+           "take_completions", "take_parked", "alike"]
 
 
 class DeltaPlan(NamedTuple):
@@ -296,9 +296,8 @@ def take_completions(u, got) -> bool:
     """An update's completed requests (``u``: its :class:`~wb.runtime.engine.update._Update`) in
     a job that sends deltas: bytes are counted as they travelled; a send's memory is its base
     or its own (nothing goes back to the pool); a receive is applied or unpacked, its base kept,
-    and it lands once the device work on it is done. On a device the host reads the headers
-    of the deltas that came together, and waits for the device once for all of them (reading
-    the flags of malformed deltas)."""
+    and it lands once the device work on it is done. On a device a batch is parked: its
+    headers, then its flags, come to the host behind the stream (:func:`take_parked`)."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
     xp, landing = mover.xp, []
     for req, g, buf in got:
@@ -318,39 +317,79 @@ def take_completions(u, got) -> bool:
         landing.append((g, buf))
     if not landing:
         return bool(got)
-    if xp is not np:
+    if xp is not np:  # they land once the device work on them passed (take_parked)
         _land_on_device(u, landing)
-    else:
-        for g, buf in landing:
-            as_delta = g.peer in delta.frm
-            came, decoded = land(prog, mover, g, buf, as_delta=as_delta)
-            if as_delta:  # kept for the forwards that send it on (see encode_send)
-                _keep(u, g, came, decoded)
-            if sums is not None:
-                sums.landed(g, came)
-            u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        return True
+    for g, buf in landing:
+        as_delta = g.peer in delta.frm
+        came, decoded = land(prog, mover, g, buf, as_delta=as_delta)
+        if as_delta:  # kept for the forwards that send it on (see encode_send)
+            _keep(u, g, came, decoded)
+        if sums is not None:
+            sums.landed(g, came)
+        u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
     for g, buf in landing:
         u.landed(g, buf)
     return bool(got)
 
 
 def _land_on_device(u, landing) -> None:
-    """:func:`take_completions`' receives on a device: the headers of the deltas that came read
-    in one go; the :data:`~wb.algorithms.delta.BLOCKS` deltas whose changes no forward needs
-    decoded applied together (:func:`~wb.runtime.engine.delta_device.apply_many`), into their
-    destination, or their staging gathered from it and unpacked after; the rest one by one
-    (:func:`land`); then the host waits once, reading the flags of malformed deltas."""
+    """:func:`take_completions`' receives on a device, parked (:func:`take_parked` goes on):
+    the headers of the deltas that came are copied to the host behind the stream, without
+    waiting."""
+    ins = [buf for g, buf in landing if g.peer in u.delta.frm]
+    u.parked.append(("headers", landing, ins, dev.headers(ins, xp=u.mover.xp) if ins else None))
+    take_parked(u)
+
+
+def take_parked(u) -> bool:
+    """The device receives of an update (:func:`take_completions`) whose host copies have come:
+    once a batch's headers are on the host, the deltas are applied (:func:`_apply_batch`) and
+    their flags copied back; once those are, malformed ones fail the update and the rest land.
+    The host never waits for the device here: a batch not ready stays parked."""
+    moved, left = False, []
+    for p in u.parked:
+        if p[0] == "headers":  # (_, landing, receives of deltas, (headers, event, memory))
+            heads = p[3]
+            if heads is not None and not heads[1].done:
+                left.append(p)
+                continue
+            p = _apply_batch(u, p[1], p[2], heads[0] if heads is not None else None)
+            moved = True
+        _, landing, (flags, ev, _), spent = p
+        if not ev.done:
+            left.append(p)
+            continue
+        moved = True
+        for old in spent:
+            u.mover.release(old)
+        for j in np.flatnonzero(flags):
+            g = landing[int(j)][0]
+            raise TransferError(f"rank {u.prog.rank}: the delta for {g.label()} from rank "
+                                f"{g.peer} is malformed: its places are not ascending within "
+                                f"the message, or its counts are not its header's")
+        for g, buf in landing:
+            u.landed(g, buf)
+    u.parked = left
+    return moved
+
+
+def _apply_batch(u, landing, ins, heads) -> list:
+    """A batch's deltas applied, its dense receives unpacked: the BLOCKS deltas whose changes no
+    forward needs decoded together (:func:`~wb.runtime.engine.delta_device.apply_many`), into
+    their destination, or into their staging gathered from it and unpacked after; the rest one
+    by one (:func:`land`). Returns the batch parked on its flags' copy to the host:
+    ``("flags", landing, (flags, event, memory), staging to give back)``."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
     xp = mover.xp
-    ins = [(g, buf) for g, buf in landing if g.peer in delta.frm]
-    heads = dict(zip((g.m for g, _ in ins), dev.received_many([b for _, b in ins], xp=xp)))
+    came_of = dict(zip((id(b) for b in ins), dev.sized(ins, heads, xp=xp))) if ins else {}
     flags = xp.zeros(len(landing), xp.uint32)
     spent, together, unpack = [], [], []
     for j, (g, buf) in enumerate(landing):
         as_delta = g.peer in delta.frm
-        if as_delta and codec.header(heads[g.m][1])[0] == codec.BLOCKS and \
+        got_head = came_of.get(id(buf))
+        if as_delta and codec.header(got_head[1])[0] == codec.BLOCKS and \
                 not _decoded_needed(u, g):
-            got = heads[g.m][0]
             if g.conv:
                 target = prog.recv_bases.get(g.m)
                 if target is None:
@@ -363,10 +402,10 @@ def _land_on_device(u, landing) -> None:
                 target = mover.gather(g)
                 spent.append(target)
                 unpack.append((g, target))
-            together.append((target, got, heads[g.m][1], j))
-            came, decoded = got, None
+            together.append((target, got_head[0], got_head[1], j))
+            came, decoded = got_head[0], None
         else:
-            came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=heads.get(g.m),
+            came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=got_head,
                                  bad=flags[j:j + 1], spent=spent)
         if as_delta:  # kept for the forwards that send it on (see encode_send)
             _keep(u, g, came, decoded)
@@ -376,14 +415,7 @@ def _land_on_device(u, landing) -> None:
     dev.apply_many(together, flags, xp=xp)
     for g, base in unpack:
         mover.unpack(g, base)
-    bad = flags.get()  # the host waits for the device once: every unit here is applied
-    for old in spent:
-        mover.release(old)
-    for j in np.flatnonzero(bad):
-        g = landing[int(j)][0]
-        raise TransferError(f"rank {prog.rank}: the delta for {g.label()} from rank {g.peer} is "
-                            f"malformed: its places are not ascending within the message, or "
-                            f"its counts are not its header's")
+    return "flags", landing, dev.to_host(flags, xp=xp), spent  # behind the units' device work
 
 
 def _decoded_needed(u, g) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
-from wb.runtime.engine.deltas import DeltaPlan, post_sends, take_completions
+from wb.runtime.engine.deltas import DeltaPlan, post_sends, take_completions, take_parked
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
@@ -163,7 +163,7 @@ class _Update(Stalls):
     device work awaiting its event, counters and trace marks. Each method is one step of
     :func:`run_update`'s turn and says whether anything moved."""
 
-    __slots__ = ("prog", "msgs", "mover", "transport", "tag_base", "fence", "recv_budget",
+    __slots__ = ("prog", "msgs", "mover", "transport", "tag_base", "fence", "recv_budget", "parked",
                  "send_budget", "staged_recv", "staged_send", "peak", "inflight", "next_in",
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
@@ -188,6 +188,7 @@ class _Update(Stalls):
         self.came: dict[int, list] = {}  # parent -> [the delta it brought, relays still to send]
         self.cut: dict[int, list] = {}  # frame -> [its changes decoded, forwards still to send]
         self.pooled: set[int] = set()  # sends from pool staging given back once sent
+        self.parked: list = []  # device receives of deltas, landing behind events (take_parked)
         self.zc_in, self.staged_in = prog.zero_copy_receives, prog.staged_receives
         if delta is not None and delta.frm:
             units, when, frm = prog.units, prog.when, delta.frm
@@ -394,9 +395,10 @@ class _Update(Stalls):
                 else:
                     left.append((token, buf))
             self.held = left
+        parked = take_parked(self) if self.parked else False
         if not self.fenced:
-            return False
-        waiting, passed, last, done = [], False, None, False
+            return parked
+        waiting, passed, last, done = [], parked, None, False
         for item in self.fenced:
             if item[0] is not last:  # a run packed in one launch shares its event: asked once
                 last, done = item[0], item[0].done
@@ -409,7 +411,7 @@ class _Update(Stalls):
         return passed
 
     def finished(self) -> bool:
-        return (not len(self.inflight) and not self.fenced and not self.held
+        return (not len(self.inflight) and not self.fenced and not self.held and not self.parked
                 and self.next_in == len(self.staged_in)
                 and self.sent_out == self.prog.n_out
                 and (self.sums is None or self.sums.finished()))
