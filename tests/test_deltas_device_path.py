@@ -78,16 +78,16 @@ def on_the_host_device(tmp_path, monkeypatch):
     delta_device._prepared.cache_clear()
     delta_device.prepare(xp)  # (as the first update would: before the steps are counted)
     seen = {"advanced": 0, "applied together": 0}  # what went through the batched steps
-    advance, apply_many = delta_device.advance_many, delta_device.apply_many
+    count_many, apply_many = delta_device.count_many, delta_device.apply_many
 
     def advance_spy(jobs, **kw):
         seen["advanced"] += len(jobs)
-        return advance(jobs, **kw)
+        return count_many(jobs, **kw)
 
     def apply_spy(items, bad, **kw):
         seen["applied together"] += len(items)
         return apply_many(items, bad, **kw)
-    monkeypatch.setattr(delta_device, "advance_many", advance_spy)
+    monkeypatch.setattr(delta_device, "count_many", advance_spy)
     monkeypatch.setattr(delta_device, "apply_many", apply_spy)
     yield seen
     delta_device._prepared.cache_clear()

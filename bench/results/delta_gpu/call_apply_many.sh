@@ -22,7 +22,7 @@ for r in d["by_version"]:
     print(n, r["version"], round(r["dense_ewtt_s"], 4), round(r["delta_ewtt_s"], 4), round(r["ewtt_over_dense"], 2), d["bit_identical"])
 for line in open(f"{o}/diag_{n}.jsonl"):  # the delta run's processes: their last update's times
     x = json.loads(line)
-    if not any(k.startswith("deltas.") for k in x["t"]) or not x.get("runs"):
+    if not any(k.startswith("delta") for k in x["t"]) or not x.get("runs"):
         continue
     last = sorted(x["runs"][-1].items(), key=lambda kv: -kv[1][1])
     print(" ", x["pid"], " ".join(f"{k}={v[0]}/{v[1]}" for k, v in last[:9]))

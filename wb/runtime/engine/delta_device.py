@@ -42,7 +42,7 @@ from wb.errors import TransferError
 from wb.runtime.engine import delta_kernels
 from wb.runtime.engine.delta_kernels import THREADS, kernel_source
 
-__all__ = ["encode", "advance_many", "of_changes", "dense", "apply", "apply_many", "prepare",
+__all__ = ["encode", "advance_many", "count_many", "write_many", "of_changes", "dense", "apply", "apply_many", "prepare",
            "to_host", "headers", "sized", "changed",
            "received",
            "received_many", "kernel_source", "THREADS"]
@@ -379,6 +379,14 @@ def advance_many(jobs, *, xp):
             out.append(encode(base, new, itemsize=w, xp=xp))
             base.reshape(-1).view(xp.uint8)[:] = new.reshape(-1).view(xp.uint8)
         return out
+    counted = count_many(jobs, xp=xp)
+    return write_many(counted, counted[0].get(), xp=xp)  # the one read
+
+
+def count_many(jobs, *, xp):
+    """:func:`advance_many`'s first launch: every block of every message's changes counted on
+    the device. Returns what :func:`write_many` takes, the device counts first (the host reads
+    them: ``.get()``, or without waiting: :func:`to_host`)."""
     views, nbs = [], []
     for base, new, w in jobs:
         b, v = _elements(base, w, xp), _elements(new, w, xp)
@@ -396,7 +404,16 @@ def advance_many(jobs, *, xp):
                 for (b, v, w), f in zip(views, first)]
         tab, block_job = _table(xp, rows, [np.full(nb, j, np.int32) for j, nb in enumerate(nbs)])
         m.get_function("wb_delta_count_many")((total,), (THREADS,), (tab, block_job, counts))
-    host = counts.get()  # the one read
+    return counts, views, nbs, first
+
+
+def write_many(counted, host, *, xp):
+    """:func:`advance_many`'s second launch, once the host holds the counts (``host``, the bytes
+    or the ``uint32`` array of ``counted[0]``): every delta written, each base advanced. Returns
+    the deltas, queued on the current stream."""
+    counts, views, nbs, first = counted
+    host = np.asarray(host).view(np.uint32)
+    m = _module()
     out, rows, jobs_of, starts, alone = [], [], [], [], []
     for j, ((b, v, w), f, nb) in enumerate(zip(views, first, nbs)):
         c = host[f:f + nb]

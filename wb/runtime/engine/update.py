@@ -36,7 +36,8 @@ from typing import Any
 
 from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
-from wb.runtime.engine.deltas import DeltaPlan, post_sends, take_completions, take_parked
+from wb.runtime.engine.delta_batches import post_sends, take_completions, take_parked
+from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame

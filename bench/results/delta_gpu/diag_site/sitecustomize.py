@@ -18,11 +18,15 @@ if _out:
         return w
 
     def patch():
-        from wb.runtime.engine import deltas, delta_device, update, program, movers
+        from wb.runtime.engine import deltas, delta_batches, delta_device, update, program, movers
         from wb.runtime.transport import ucx
-        for mod, names in [(deltas, ["encode_sends", "land", "_settle", "_keep"]),
-                           (delta_device, ["advance_many", "received_many", "apply"]),
-                           (update, ["post_sends", "take_completions", "run_update"])]:
+        for mod, names in [(deltas, ["land", "settle", "keep"]),
+                           (delta_batches, ["encode_sends", "take_parked", "_apply_batch",
+                                            "_encode_start", "_encode_finish", "_post"]),
+                           (delta_device, ["advance_many", "received_many", "apply", "apply_many",
+                                           "count_many", "write_many", "to_host"]),
+                           (update, ["post_sends", "take_completions", "take_parked",
+                                     "run_update"])]:
             for n in names:
                 setattr(mod, n, timed(f"{mod.__name__.split('.')[-1]}.{n}", getattr(mod, n)))
         run0 = program.Program.run
