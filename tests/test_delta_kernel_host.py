@@ -1,10 +1,11 @@
 """The delta codec's kernels (``wb.runtime.engine.delta_kernels``), their CUDA source compiled
-for the host with one thread a block (``harness.host_device``), every block run in turn, against the host codec: the changes counted per
-block of 65,536 elements, and their values and places written in order, are the bytes of
-``wb.algorithms.delta.encode``'s ``BLOCKS`` delta; applying one (each place checked and its
-position written, then a scatter) gives what ``wb.algorithms.delta.apply`` gives, and a place
-out of order or past the end is flagged. On a GPU, ``tests/test_delta_cuda.py`` runs the
-same source with 1,024 threads a block."""
+for the host with one thread a block (``harness.host_device``), every block run in turn,
+against the host codec: the changes counted per block of 65,536 elements, and their values and
+places written in order, are the bytes of ``wb.algorithms.delta.encode``'s ``BLOCKS`` delta;
+applying one (each place checked and its position written, then a scatter) gives what
+``wb.algorithms.delta.apply`` gives, and a place out of order or past the end is flagged; the
+steps over several messages (one launch each) and the codec's warm-up run on them too. On a
+GPU, ``tests/test_delta_cuda.py`` runs the same source with 1,024 threads a block."""
 
 import ctypes
 import shutil

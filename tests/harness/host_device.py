@@ -25,7 +25,8 @@ _HOST = r"""
 #define __syncthreads()
 struct D3 { long long x; };
 static D3 threadIdx, blockIdx, blockDim, gridDim;
-static unsigned int atomicOr(unsigned int* a, unsigned int v) { unsigned int o = *a; *a |= v; return o; }
+static unsigned int atomicOr(unsigned int* a, unsigned int v) {
+    unsigned int o = *a; *a |= v; return o; }
 static unsigned int __shfl_down_sync(unsigned int, unsigned int, int) { return 0; }
 static unsigned int __shfl_up_sync(unsigned int, unsigned int v, int) { return v; }
 static unsigned int __ballot_sync(unsigned int, bool p) { return p ? 1u : 0u; }

@@ -20,33 +20,16 @@ from wb.runtime.engine import delta_device as dev
 from wb.runtime.engine.deltas import alike, encode_one, encode_send, keep, land, settle, width
 from wb.runtime.engine.frames import Frame
 
-__all__ = ["encode_sends", "post_sends", "take_completions", "take_parked"]
-
-
-def encode_sends(prog, mover, gs, *, to, came: dict, cut: dict) -> list:
-    """:func:`encode_send` for units ``gs`` (their peers in ``to`` get deltas), in one go. On a
-    device the deltas of the units that keep a base are made together
-    (:func:`~wb.runtime.engine.delta_device.advance_many`: one read by the host for all, and a
-    zero-copy unit's base advanced by the compaction, not copied), and the host waits for the
-    device once, before any of them leaves (:func:`post_sends` waits for neither)."""
-    if mover.xp is np:
-        return [encode_send(prog, mover, g, as_delta=g.peer in to, came=came, cut=cut)
-                for g in gs]
-    state = _encode_start(prog, mover, gs, to=to, came=came, cut=cut)
-    counted = state[1]
-    outs, queued = _encode_finish(mover, state, counted[0].get() if counted else None)
-    if queued:
-        settle(mover)  # the payloads are written before the transport reads them
-    for old in state[3]:
-        mover.release(old)
-    return outs
+__all__ = ["post_sends", "take_completions", "take_parked"]
 
 
 def _encode_start(prog, mover, gs, *, to, came: dict, cut: dict):
-    """:func:`encode_sends` on a device up to the changes counted: ``(outs, counted, jobs,
-    spent, queued)``: the payloads known already (``None`` for the deltas to make), what
-    :func:`~wb.runtime.engine.delta_device.count_many` gave (or ``None``), the deltas to make,
-    the bases to give back once the device work passed, whether any device work was queued."""
+    """The encoding of units ``gs`` on a device up to the changes counted (the deltas of the
+    units that keep a base are made together, a zero-copy unit's base advanced by the
+    compaction): ``(outs, counted, jobs, spent, queued)``: the payloads known already (``None``
+    for the deltas to make), what :func:`~wb.runtime.engine.delta_device.count_many` gave (or
+    ``None``), the deltas to make, the bases to give back once the device work passed, whether
+    any device work was queued."""
     xp = mover.xp
     out, jobs, spent, bases = [None] * len(gs), [], [], prog.bases
     queued = False  # device work this call queued (a relay of what came queues none)
@@ -98,13 +81,15 @@ def _encode_finish(mover, state, host) -> tuple[list, bool]:
 
 def post_sends(u, gs) -> None:
     """Posts the sends of units ``gs`` of update ``u`` (:class:`~wb.runtime.engine.update.
-    _Update`) in a job that sends deltas, encoded together (:func:`encode_sends`). Each was
+    _Update`) in a job that sends deltas, encoded together (on the host one by one:
+    :func:`~wb.runtime.engine.deltas.encode_send`). Each was
     counted in the send budget as staged (its unit's bytes) when it was taken; once encoded it
     counts what its payload holds, and one that leaves from its own buffer nothing. On a
     device the host waits for nothing: the batch is parked while its counts come to the host,
     then while its deltas are written (:func:`take_parked`)."""
     if u.mover.xp is np:
-        _post(u, gs, encode_sends(u.prog, u.mover, gs, to=u.delta.to, came=u.came, cut=u.cut))
+        _post(u, gs, [encode_send(u.prog, u.mover, g, as_delta=g.peer in u.delta.to,
+                                  came=u.came, cut=u.cut) for g in gs])
         return
     state = _encode_start(u.prog, u.mover, gs, to=u.delta.to, came=u.came, cut=u.cut)
     counted = state[1]

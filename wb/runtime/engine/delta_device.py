@@ -42,9 +42,8 @@ from wb.errors import TransferError
 from wb.runtime.engine import delta_kernels
 from wb.runtime.engine.delta_kernels import THREADS, kernel_source
 
-__all__ = ["encode", "advance_many", "count_many", "write_many", "of_changes", "dense", "apply", "apply_many", "prepare",
-           "to_host", "headers", "sized", "changed",
-           "received",
+__all__ = ["encode", "advance_many", "count_many", "write_many", "of_changes", "dense", "apply",
+           "apply_many", "prepare", "to_host", "headers", "sized", "changed", "received",
            "received_many", "kernel_source", "THREADS"]
 
 _WIDTHS = (1, 2, 4, 8)
@@ -125,7 +124,8 @@ def _module():
 
 def _kernels(itemsize: int):
     m = _module()
-    return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
+    return (m.get_function(f"wb_delta_count_{itemsize}"),
+            m.get_function(f"wb_delta_compact_{itemsize}"))
 
 
 def _apply_blocks(xp, t, vals, tail, n: int, k: int, itemsize: int, bad):

@@ -165,9 +165,10 @@ extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int
 // Several BLOCKS deltas applied by two launches over all their blocks (block_job: each global
 // block's delta). A delta's row of ``tab``: its address, its target's, elements n, changes k,
 // element bytes w, blocks nb, where its counts and places start (bytes into the delta; its
-// values start at the 32-byte header), and its flag in ``bad``. The check finds each block's first change (the counts
-// before it, summed by the block), checks its places and the counts' total, and keeps the start;
-// the scatter then writes the changes of every delta whose flag stayed clear.
+// values start at the 32-byte header), and its flag in ``bad``. The check finds each block's
+// first change (the counts before it, summed by the block), checks its places and the counts'
+// total, and keeps the start; the scatter then writes the changes of every delta whose flag
+// stayed clear.
 #define WB_TAB 9
 __device__ long long wb_block_start(const unsigned int* counts, long long b, long long* part) {
     long long acc = 0;
@@ -245,4 +246,5 @@ def module():
 def kernels(itemsize: int):
     """``(count, compact)`` for elements of ``itemsize`` bytes."""
     m = module()
-    return m.get_function(f"wb_delta_count_{itemsize}"), m.get_function(f"wb_delta_compact_{itemsize}")
+    return (m.get_function(f"wb_delta_count_{itemsize}"),
+            m.get_function(f"wb_delta_compact_{itemsize}"))
