@@ -17,7 +17,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 from wb.runtime.engine import delta_device as dev
-from wb.runtime.engine.deltas import alike, encode_one, encode_send, keep, land, settle, width
+from wb.runtime.engine.deltas import alike, encode_one, encode_send, keep, land, width
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["post_sends", "take_completions", "take_parked"]

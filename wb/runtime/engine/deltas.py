@@ -39,7 +39,7 @@ from wb.errors import TransferError
 from wb.runtime.engine import delta_device as dev
 from wb.runtime.engine.frames import Frame
 
-__all__ = ["DeltaPlan", "width", "encode_send", "encode_one", "land", "keep", "settle", "alike"]
+__all__ = ["DeltaPlan", "width", "encode_send", "encode_one", "land", "keep", "alike"]
 
 
 class DeltaPlan(NamedTuple):
@@ -75,7 +75,7 @@ def _apply(xp, target, delta, head, bad=None):
                                                                  bad=bad)
 
 
-def settle(mover) -> None:
+def _settle(mover) -> None:
     """The host waits for the device work queued so far (nothing on the host)."""
     ev = mover.fence()
     if ev is not None:
@@ -103,7 +103,7 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     if ev is not None:  # device work still writes its source (a quantiser)
         ev.synchronize()
     out = encode_one(prog, mover, g, as_delta=as_delta, came=came, cut=cut)
-    settle(mover)  # device buffers: the payload is written before the transport reads it
+    _settle(mover)  # device buffers: the payload is written before the transport reads it
     return out
 
 
@@ -209,7 +209,7 @@ def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None
         decoded = _apply(xp, base, got, head)
         mover.unpack(g, base)
     finally:
-        settle(mover)  # the base's staging goes back to the pool: read first
+        _settle(mover)  # the base's staging goes back to the pool: read first
         mover.release(base)
     return got, decoded
 
