@@ -20,7 +20,7 @@ if _out:
     def patch():
         from wb.runtime.engine import deltas, delta_batches, delta_device, update, program, movers
         from wb.runtime.transport import ucx
-        for mod, names in [(deltas, ["land", "settle", "keep"]),
+        for mod, names in [(deltas, ["land", "_settle", "keep"]),
                            (delta_batches, ["take_parked", "_apply_batch",
                                             "_encode_start", "_encode_finish", "_post"]),
                            (delta_device, ["advance_many", "received_many", "apply", "apply_many",
