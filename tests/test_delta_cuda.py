@@ -36,12 +36,18 @@ def test_the_device_makes_and_applies_the_host_codec_s_bytes(w, density):
         assert np.array_equal(cupy.asnumpy(pos), want_pos)
 
 
-def test_corrupted_deltas_are_refused_on_the_device():
-    n = 2 * codec.BLOCK + 5
-    rng = np.random.default_rng(0)
-    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
+def _three_blocks(seed: int):
+    """Bytes of a bfloat16 message of three blocks (the last of five elements), and the same
+    with a byte of every 97 flipped."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, 2 * (2 * codec.BLOCK + 5), dtype=np.uint8)
     new = base.copy()
     new[::97] ^= 1
+    return base, new
+
+
+def test_corrupted_deltas_are_refused_on_the_device():
+    base, new = _three_blocks(0)
     new[-1] ^= 1  # a change in the last block, whose place the corruption below moves past the end
     d = codec.encode(base, new, itemsize=2)
     assert codec.kind_of(d) == "blocks"
@@ -83,11 +89,7 @@ def test_deltas_made_together_are_the_host_codec_s_and_advance_their_bases():
 
 
 def test_a_flagged_delta_writes_nothing_and_the_flag_says_so():
-    n = 2 * codec.BLOCK + 5
-    rng = np.random.default_rng(1)
-    base = rng.integers(0, 256, 2 * n, dtype=np.uint8)
-    new = base.copy()
-    new[::97] ^= 1
+    base, new = _three_blocks(1)
     d = codec.encode(base, new, itemsize=2)
     late = d.copy()
     late[-2:].view("<u2")[0] = 0  # a place before the one ahead of it

@@ -189,12 +189,7 @@ def dense(new, *, itemsize: int, xp):
 def received(buf, *, xp):
     """``(delta, head)``: the delta at the start of ``buf`` (a receive may be larger than what
     came) and its header's bytes on the host, read once (:func:`apply` takes them)."""
-    b = buf.reshape(-1).view(xp.uint8)
-    head = _host(b[:codec.HEADER.size], xp)
-    size = codec.header(head)[2]
-    if size > b.nbytes:
-        raise TransferError(f"delta header says {size:,} bytes; {b.nbytes:,} came")
-    return b[:size], head
+    return sized([buf], _host(buf.reshape(-1).view(xp.uint8)[:codec.HEADER.size], xp), xp=xp)[0]
 
 
 def _host(a, xp) -> np.ndarray:
@@ -251,7 +246,7 @@ def apply_many(items, bad, *, xp) -> None:
         TransferError: a delta is made for a message of another size or element width, or
             its header is not a BLOCKS delta's (before anything is queued).
     """
-    rows, jobs, firsts, total = [], [], [], 0
+    rows, jobs, total = [], [], 0
     for i, (target, delta, head, j) in enumerate(items):
         d, t = delta.reshape(-1).view(xp.uint8), target.reshape(-1).view(xp.uint8)
         kind, w, n, k = codec.checked(head, d.nbytes, t.nbytes)
@@ -259,18 +254,12 @@ def apply_many(items, bad, *, xp) -> None:
             raise TransferError(f"delta: apply_many takes blocks deltas, not {codec.kind_of(head)}")
         nb = -(-n // codec.BLOCK)
         at = codec.HEADER.size + k * w + codec.values_pad(k, w)
-        rows.append((_address(d), _address(t), n, k, w, nb, at, at + 4 * nb, j))
+        rows.append((_address(d), _address(t), n, k, w, nb, at, at + 4 * nb, j, total))
         jobs.append(np.full(nb, i, np.int32))
-        firsts.append(total)
         total += nb
     if not total:
         return
-    tab, first = np.array(rows, np.int64).reshape(-1), np.array(firsts, np.int64)
-    block_job = np.concatenate(jobs)
-    dev = xp.asarray(np.concatenate([tab.view(np.uint8), first.view(np.uint8),
-                                     block_job.view(np.uint8)]))  # the one write
-    a, b = tab.nbytes, tab.nbytes + first.nbytes
-    args = (dev[:a].view(xp.int64), dev[b:].view(xp.int32), dev[a:b].view(xp.int64))
+    args = _table(xp, rows, jobs)  # the one write
     starts = xp.empty(total, xp.int64)
     m = _module()
     m.get_function("wb_delta_check_many")((total,), (THREADS,), args + (starts, bad))

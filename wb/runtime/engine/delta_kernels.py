@@ -165,11 +165,11 @@ extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int
 // Several BLOCKS deltas applied by two launches over all their blocks (block_job: each global
 // block's delta). A delta's row of ``tab``: its address, its target's, elements n, changes k,
 // element bytes w, blocks nb, where its counts and places start (bytes into the delta; its
-// values start at the 32-byte header), and its flag in ``bad``. The check finds each block's
+// values start at the 32-byte header), its flag in ``bad``, and its first block. The check finds each block's
 // first change (the counts before it, summed by the block), checks its places and the counts'
 // total, and keeps the start; the scatter then writes the changes of every delta whose flag
 // stayed clear.
-#define WB_TAB 9
+#define WB_TAB 10
 __device__ long long wb_block_start(const unsigned int* counts, long long b, long long* part) {
     long long acc = 0;
     for (long long i = threadIdx.x; i < b; i += blockDim.x) acc += counts[i];
@@ -185,12 +185,12 @@ __device__ long long wb_block_start(const unsigned int* counts, long long b, lon
     return part[32];
 }
 extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* block_job,
-        const long long* first_block, long long* starts, unsigned int* bad) {
+        long long* starts, unsigned int* bad) {
     __shared__ long long part[33];
     int job = block_job[blockIdx.x];
     const long long* r = tab + (long long)job * WB_TAB;
     const unsigned char* d = (const unsigned char*)r[0];
-    long long n = r[2], k = r[3], nb = r[5], b = (long long)blockIdx.x - first_block[job];
+    long long n = r[2], k = r[3], nb = r[5], b = (long long)blockIdx.x - r[9];
     const unsigned int* counts = (const unsigned int*)(d + r[6]);
     const unsigned short* places = (const unsigned short*)(d + r[7]);
     long long s = wb_block_start(counts, b, part), e = s + counts[b];
@@ -205,13 +205,13 @@ extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* 
             atomicOr(bad + r[8], 1u);
 }
 extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int* block_job,
-        const long long* first_block, const long long* starts, const unsigned int* bad) {
+        const long long* starts, const unsigned int* bad) {
     int job = block_job[blockIdx.x];
     const long long* r = tab + (long long)job * WB_TAB;
     if (bad[r[8]]) return;
     const unsigned char* d = (const unsigned char*)r[0];
     unsigned char* t = (unsigned char*)r[1];
-    long long k = r[3], w = r[4], b = (long long)blockIdx.x - first_block[job];
+    long long k = r[3], w = r[4], b = (long long)blockIdx.x - r[9];
     const unsigned int* counts = (const unsigned int*)(d + r[6]);
     const unsigned short* places = (const unsigned short*)(d + r[7]);
     long long s = starts[blockIdx.x], e = s + counts[b], first = b * 65536;
