@@ -3,7 +3,7 @@
 # the delta GPU tests, then bench_fp8 --delta with the diagnostics site at 4 layers (time-sliced
 # and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS).
 source bench/gpu_common.sh
-timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
+[ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
   tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 run() {  # $1 layers, $2 name
@@ -29,9 +29,12 @@ for line in open(f"{o}/diag_{n}.jsonl"):  # the delta run's processes: their las
 PY
 grep -iE "error|Traceback" $OUT/fp8_delta_$2.err | tail -3
 }
-run 4 l4_timesliced
-mps_on; run 4 l4_mps; mps_off
-if [ "${MEM:-0}" -gt 100000 ]; then
-  run 12 l12_timesliced
-  mps_on; run 12 l12_mps; mps_off
+# RUNS: "layers:name" pairs; a name ending in _mps runs under MPS (default: 4 layers both ways,
+# then 12 where the card has room). SKIP_TESTS=1 skips the GPU tests.
+if [ -z "$RUNS" ]; then
+  RUNS="4:l4_timesliced 4:l4_mps"
+  [ "${MEM:-0}" -gt 100000 ] && RUNS="$RUNS 12:l12_timesliced 12:l12_mps"
 fi
+for r in $RUNS; do
+  case ${r#*:} in *_mps) mps_on; run ${r%%:*} ${r#*:}; mps_off;; *) run ${r%%:*} ${r#*:};; esac
+done
