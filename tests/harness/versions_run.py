@@ -1,7 +1,7 @@
 """Successive versions of a plan's weights through one rank's program, dense or as deltas (the
 worker side of ``bench/bench_fp8.py --delta``): version 0 dense (nobody holds one), then each
 version changes about ``density`` of the mapped elements (:func:`wb.cli.bench.weights.
-version_bits`, placed by a hash of each element's bits, made on the device the buffers are on)
+version_into`, placed by a hash of each element's bits, made on the device the buffers are on)
 and is sent to every peer as a delta (``delta``) or dense. Every rollout checks every version
 bit for bit; each version starts at one instant on every rank (a barrier)."""
 
@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from wb.cli.bench.weights import buffers_of, mapped_of, version_bits
+from wb.cli.bench.weights import buffers_of, mapped_of, version_into, version_matches
 
 __all__ = ["run_versions"]
 
@@ -37,11 +37,7 @@ def run_versions(program, part, bufs, transport, xp, options: dict, result: dict
     for v in range(spec["count"]):
         changed = 0
         if trainer:
-            new = version_bits(base, v, mapped, xp, density=spec["density"])
-            for k, a in new.items():
-                u = f"u{a.dtype.itemsize}"
-                changed += int((bufs[k].view(u) != a.view(u)).sum())
-                bufs[k][...] = a
+            changed = version_into(bufs, base, v, mapped, xp, density=spec["density"])
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()
         plan = (DeltaPlan(v, peers if v else frozenset(), peers if v else frozenset())
@@ -51,9 +47,7 @@ def run_versions(program, part, bufs, transport, xp, options: dict, result: dict
                             staging_bytes=staging, delta=plan)
         ok = None
         if not trainer:
-            want = version_bits(base, v, mapped, xp, density=spec["density"])
-            ok = all(bool(xp.array_equal(bufs[k].view(xp.uint8), want[k].view(xp.uint8)))
-                     for k in bufs)
+            ok = version_matches(bufs, base, v, mapped, xp, density=spec["density"])
             good &= ok
         rows.append({"version": v, "start_s": stats.start_s, "end_s": stats.end_s,
                      "received": stats.bytes_received, "changed": changed, "ok": ok,

@@ -9,7 +9,7 @@ import numpy as np
 from wb.data.dtypes import convert, dtype_info
 
 __all__ = ["weight_bits", "buffers_for", "buffers_of", "fp8_expected", "mapped_of",
-           "version_bits"]
+           "version_bits", "version_into", "version_matches"]
 
 
 def weight_bits(ids, dtype: np.dtype, xp=np):
@@ -235,6 +235,27 @@ def mapped_of(lay, xp=np) -> dict:
 _CHUNK = 1 << 24
 
 
+def _version_chunks(base: dict, version: int, mapped: dict, xp, density: float):
+    """``(name, chunk, new bits)``: version ``version`` of ``base`` (see :func:`version_bits`) a
+    chunk of :data:`_CHUNK` elements at a time, ``chunk`` the slice of the flat buffer."""
+    for k, a in base.items():
+        u = a.view(f"u{a.dtype.itemsize}")
+        flat, where = u.reshape(-1), mapped[k].reshape(-1)
+        for c in range(0, flat.size, _CHUNK):  # temporaries of a chunk at a time
+            s = slice(c, c + _CHUNK)
+            bits = flat[s]
+            if density >= 1.0:
+                yield k, s, xp.where(where[s], bits + xp.asarray(version, u.dtype), bits)
+                continue
+            wide, cut = bits.astype(xp.uint64), xp.uint64(int(density * (1 << 20)))
+            steps = xp.zeros(bits.size, u.dtype)
+            for w in range(1, version + 1):
+                h = (wide * xp.uint64(0x9E3779B97F4A7C15)
+                     + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
+                steps += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1) < cut).astype(u.dtype)
+            yield k, s, bits + steps * where[s].astype(u.dtype)
+
+
 def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
                  density: float = 1.0) -> dict:
     """Version ``version`` of a rank's weights: ``base``'s raw bits plus ``version`` where an id is
@@ -243,23 +264,33 @@ def version_bits(base: dict, version: int, mapped: dict, xp=np, *,
 
     ``density`` below 1: each version changes about that fraction of the mapped elements (plus
     one each time), chosen by a hash of the element's base bits and the version, so every copy
-    of an id changes alike (what a delta update sends)."""
-    out = {}
-    for k, a in base.items():
-        u = a.view(f"u{a.dtype.itemsize}")
-        if density >= 1.0:
-            out[k] = xp.where(mapped[k], u + xp.asarray(version, u.dtype), u).view(a.dtype)
-            continue
-        flat, res = u.reshape(-1), u.copy().reshape(-1)  # the one copy of the rank's size
-        where = mapped[k].reshape(-1)
-        cut = xp.uint64(int(density * (1 << 20)))
-        for c in range(0, flat.size, _CHUNK):  # temporaries of a chunk at a time
-            bits = flat[c:c + _CHUNK].astype(xp.uint64)
-            steps = xp.zeros(bits.size, u.dtype)
-            for w in range(1, version + 1):
-                h = (bits * xp.uint64(0x9E3779B97F4A7C15)
-                     + xp.uint64(w * 0xBF58476D1CE4E5B9 % (1 << 64)))
-                steps += ((h >> xp.uint64(40)) & xp.uint64((1 << 20) - 1) < cut).astype(u.dtype)
-            res[c:c + _CHUNK] += steps * where[c:c + _CHUNK].astype(u.dtype)
-        out[k] = res.reshape(u.shape).view(a.dtype)
+    of an id changes alike (what a delta update sends). :func:`version_into` writes a version
+    into buffers and :func:`version_matches` checks one, without a copy of the rank's size."""
+    out = {k: a.copy() for k, a in base.items()}
+    version_into(out, base, version, mapped, xp, density=density)
     return out
+
+
+def _flat(a):
+    if not a.flags.c_contiguous:
+        raise ValueError("version_into: buffers must be contiguous (a copy would take the bits)")
+    return a.view(f"u{a.dtype.itemsize}").reshape(-1)
+
+
+def version_into(bufs: dict, base: dict, version: int, mapped: dict, xp=np, *,
+                 density: float = 1.0) -> int:
+    """Writes :func:`version_bits` into ``bufs`` (contiguous, shaped as ``base``); returns how
+    many elements it changed."""
+    changed = 0
+    for k, s, new in _version_chunks(base, version, mapped, xp, density):
+        dst = _flat(bufs[k])
+        changed += int(xp.count_nonzero(dst[s] != new))
+        dst[s] = new
+    return changed
+
+
+def version_matches(bufs: dict, base: dict, version: int, mapped: dict, xp=np, *,
+                    density: float = 1.0) -> bool:
+    """Whether ``bufs`` hold :func:`version_bits`, bit for bit."""
+    return all(bool(xp.array_equal(_flat(bufs[k])[s], new))
+               for k, s, new in _version_chunks(base, version, mapped, xp, density))
