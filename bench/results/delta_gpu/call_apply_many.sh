@@ -8,6 +8,7 @@ source bench/gpu_common.sh
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 run() {  # $1 layers, $2 name
 PYTHONPATH=$PWD/bench/results/delta_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/diag_$2.jsonl \
+  WB_PROF=$(case $2 in *prof*) echo $OUT/prof_$2;; esac) \
   timeout ${FP8_TIMEOUT:-150} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 --layers $1 \
   --experts 64 --delta 1e-6 --versions ${VERSIONS:-3} --json --out $OUT/fp8_delta_$2.json \
   > $OUT/fp8_delta_$2.out 2> $OUT/fp8_delta_$2.err
@@ -30,7 +31,8 @@ PY
 grep -iE "error|Traceback" $OUT/fp8_delta_$2.err | tail -3
 }
 # RUNS: "layers:name" pairs; a name ending in _mps runs under MPS (default: 4 layers both ways,
-# then 12 where the card has room). SKIP_TESTS=1 skips the GPU tests.
+# then 12 where the card has room). SKIP_TESTS=1 skips the GPU tests. A run whose name holds
+# "prof" writes a profile of each process's later delta updates (prof_<name>_<pid>.txt).
 if [ -z "$RUNS" ]; then
   RUNS="4:l4_timesliced 4:l4_mps"
   [ "${MEM:-0}" -gt 100000 ] && RUNS="$RUNS 12:l12_timesliced 12:l12_mps"

@@ -5,6 +5,9 @@ _out = os.environ.get("WB_DIAG")
 if _out:
     T = {}
     RUNS = []
+    PROFILED = []
+    import cProfile
+    PROF = cProfile.Profile() if os.environ.get("WB_PROF") else None
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -34,10 +37,16 @@ if _out:
         @functools.wraps(run0)
         def run(self, *a, **k):  # each update's own times: what the counters gained during it
             before = {n: list(v) for n, v in T.items()}
+            profiling = PROF is not None and len(RUNS) >= 2 and k.get("delta") is not None
             t0 = time.perf_counter()
+            if profiling:  # the later delta updates only (the first two compile and warm up)
+                PROF.enable()
             try:
                 return run0(self, *a, **k)
             finally:
+                if profiling:
+                    PROF.disable()
+                    PROFILED.append(1)
                 wall = round((time.perf_counter() - t0) * 1e3, 2)
                 RUNS.append({"_wall": [1, wall], **{n: [v[0] - before.get(n, [0, 0.0])[0],
                                  round((v[1] - before.get(n, [0, 0.0])[1]) * 1e3, 2)]
@@ -80,5 +89,17 @@ if _out:
                 f.write(json.dumps({"pid": os.getpid(), "argv": " ".join(sys.argv)[:120], "t": {
                     k: [v[0], round(v[1] * 1e3, 2), round(v[2] * 1e3, 2)] + v[3:]
                     for k, v in T.items()}, "runs": RUNS}) + "\n")
+    def dump_profile():
+        if PROF is None or not PROFILED:
+            return
+        import io, pstats
+        buf = io.StringIO()
+        st = pstats.Stats(PROF, stream=buf)
+        buf.write(f"pid {os.getpid()} {' '.join(sys.argv)[:100]}: {len(PROFILED)} updates\n")
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumulative").print_stats(35)
+        with open(f"{os.environ['WB_PROF']}_{os.getpid()}.txt", "w") as f:
+            f.write(buf.getvalue())
     atexit.register(dump)
+    atexit.register(dump_profile)
     sys.meta_path.insert(0, _Hook())
