@@ -246,20 +246,21 @@ def apply_many(items, bad, *, xp) -> None:
         TransferError: a delta is made for a message of another size or element width, or
             its header is not a BLOCKS delta's (before anything is queued).
     """
-    rows, jobs, total = [], [], 0
-    for i, (target, delta, head, j) in enumerate(items):
-        d, t = delta.reshape(-1).view(xp.uint8), target.reshape(-1).view(xp.uint8)
-        kind, w, n, k = codec.checked(head, d.nbytes, t.nbytes)
+    rows, nbs, total = [], [], 0
+    for target, delta, head, j in items:
+        if not (target.flags.c_contiguous and delta.flags.c_contiguous):
+            raise ValueError("delta: apply_many's targets and deltas must be contiguous")
+        kind, w, n, k = codec.checked(head, delta.nbytes, target.nbytes)
         if kind != codec.BLOCKS:
             raise TransferError(f"delta: apply_many takes blocks deltas, not {codec.kind_of(head)}")
         nb = -(-n // codec.BLOCK)
         at = codec.HEADER.size + k * w + codec.values_pad(k, w)
-        rows.append((_address(d), _address(t), n, k, w, nb, at, at + 4 * nb, j, total))
-        jobs.append(np.full(nb, i, np.int32))
+        rows.append((_address(delta), _address(target), n, k, w, nb, at, at + 4 * nb, j, total))
+        nbs.append(nb)
         total += nb
     if not total:
         return
-    args = _table(xp, rows, jobs)  # the one write
+    args = _table(xp, rows, nbs)  # the one write
     starts = xp.empty(total, xp.int64)
     m = _module()
     m.get_function("wb_delta_check_many")((total,), (THREADS,), args + (starts, bad))
@@ -372,63 +373,94 @@ def advance_many(jobs, *, xp):
     return write_many(counted, counted[0].get(), xp=xp)  # the one read
 
 
+def _span(a, w: int, *, written: bool, xp):
+    """``(array, address, elements)`` of byte array ``a`` read as elements of ``w`` bytes; one
+    the kernels write (``written``) must be contiguous (a copy would take the writes)."""
+    if w not in _WIDTHS:
+        raise ValueError(f"delta: itemsize={w} must be one of {_WIDTHS}")
+    if not a.flags.c_contiguous:
+        if written:
+            raise ValueError("delta: a base or target the kernels write must be contiguous")
+        a = xp.ascontiguousarray(a)
+    if a.nbytes % w:
+        raise ValueError(f"delta: {a.nbytes:,} bytes are not a multiple of itemsize={w}")
+    return a, _address(a), a.nbytes // w
+
+
 def count_many(jobs, *, xp):
     """:func:`advance_many`'s first launch: every block of every message's changes counted on
     the device. Returns what :func:`write_many` takes, the device counts first (the host reads
     them: ``.get()``, or without waiting: :func:`to_host`)."""
-    views, nbs = [], []
+    rows, views = [], []
     for base, new, w in jobs:
-        b, v = _elements(base, w, xp), _elements(new, w, xp)
-        if b.size != v.size:
+        b, ab, nb_ = _span(base, w, written=True, xp=xp)
+        v, av, n = _span(new, w, written=False, xp=xp)
+        if n != nb_:
             raise ValueError(f"delta: base holds {b.nbytes:,} bytes, new {v.nbytes:,}: they "
                              f"must be one size")
-        views.append((b, v, w))
-        nbs.append(-(-int(v.size) // codec.BLOCK))
-    first = np.concatenate([[0], np.cumsum(nbs, dtype=np.int64)]).astype(np.int64)
+        views.append((b, v, w, n))
+        rows.append((ab, av, n, w, 0))
+    ns = np.array([r[2] for r in rows], np.int64)
+    nbs = -(-ns // codec.BLOCK)
+    first = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
     total = int(first[-1])
     counts = xp.empty(max(total, 1), xp.uint32)
-    m = _module()
     if total:  # every message's changes counted by one launch
-        rows = [(_address(b), _address(v), int(v.size), w, int(f))
-                for (b, v, w), f in zip(views, first)]
-        tab, block_job = _table(xp, rows, [np.full(nb, j, np.int32) for j, nb in enumerate(nbs)])
-        m.get_function("wb_delta_count_many")((total,), (THREADS,), (tab, block_job, counts))
+        tab = np.array(rows, np.int64).reshape(-1, 5)
+        tab[:, 4] = first[:-1]
+        dev, block_job = _table(xp, tab, nbs)
+        _module().get_function("wb_delta_count_many")((total,), (THREADS,),
+                                                       (dev, block_job, counts))
     return counts, views, nbs, first
+
+
+#: Where each of a batch's deltas starts in their one buffer: a multiple of this many bytes.
+_ALIGN = 256
 
 
 def write_many(counted, host, *, xp):
     """:func:`advance_many`'s second launch, once the host holds the counts (``host``, the bytes
-    or the ``uint32`` array of ``counted[0]``): every delta written, each base advanced. Returns
-    the deltas, queued on the current stream."""
+    or the ``uint32`` array of ``counted[0]``): every delta written (into one buffer, each
+    returned as its part), each base advanced. Returns the deltas, queued on the current
+    stream."""
     counts, views, nbs, first = counted
-    host = np.asarray(host).view(np.uint32)
-    m = _module()
-    out, rows, jobs_of, starts, alone = [], [], [], [], []
-    for j, ((b, v, w), f, nb) in enumerate(zip(views, first, nbs)):
-        c = host[f:f + nb]
-        n, k = int(v.size), int(c.sum(dtype=np.int64))
+    total = int(first[-1])
+    host = np.asarray(host).view(np.uint32)[:total]
+    ends = np.concatenate([[0], np.cumsum(host, dtype=np.int64)])
+    ks = ends[first[1:]] - ends[first[:-1]]
+    begin = ends[:-1] - np.repeat(ends[first[:-1]], nbs)  # each block's first change in its delta
+    kinds, sizes, heads = [], [], np.zeros((len(views), 4), np.int64)
+    for j, ((_, _, w, n), k) in enumerate(zip(views, ks.tolist())):
         kind, nbytes = codec.choose(n, k, w)
-        d = xp.empty(nbytes, xp.uint8)
-        out.append(d)
-        h = np.empty(codec.HEADER.size, np.uint8)
-        codec.HEADER.pack_into(h, 0, kind, w, nbytes, n, n if kind == codec.DENSE else k)
-        begin = np.concatenate([[0], np.cumsum(c, dtype=np.int64)[:-1]]).astype(np.int64)
-        if kind != codec.BLOCKS or not nb:
-            alone.append((j, kind, k, h, begin))
-            continue
-        at = codec.HEADER.size + k * w + codec.values_pad(k, w)
-        rows.append((_address(b), _address(v), n, w, _address(d), sum(len(x) for x in jobs_of),
-                     at, at + 4 * nb, *h.view(np.int64).tolist(), codec.HEADER.size + k * w,
-                     int(f)))
-        jobs_of.append(np.full(nb, len(rows) - 1, np.int32))
-        starts.append(begin)
-    if rows:  # every BLOCKS delta written by one launch: header, values, counts, places
-        tab, block_job, at = _table(xp, rows, jobs_of, starts)
-        m.get_function("wb_delta_compact_many")((len(block_job),), (THREADS,),
-                                                 (tab, block_job, at, counts))
-    for j, kind, k, h, begin in alone:  # a mask or the dense bytes (dense changes): one by one
-        (b, v, w), d, at = views[j], out[j], codec.HEADER.size
-        d[:at] = xp.asarray(h)
+        kinds.append(kind)
+        sizes.append(nbytes)
+        codec.HEADER.pack_into(heads[j].view(np.uint8), 0, kind, w, nbytes, n,
+                               n if kind == codec.DENSE else k)
+    sizes = np.array(sizes, np.int64)
+    offs = np.concatenate([[0], np.cumsum(-(-sizes // _ALIGN) * _ALIGN)])
+    buf = xp.empty(max(int(offs[-1]), 1), xp.uint8)
+    out = [buf[o:o + z] for o, z in zip(offs[:-1].tolist(), sizes.tolist())]
+    blocks = np.array([kd == codec.BLOCKS for kd in kinds]) & (nbs > 0)
+    if blocks.any():  # every BLOCKS delta written by one launch: header, values, counts, places
+        ws = np.array([w for _, _, w, _ in views], np.int64)
+        vals_end = codec.HEADER.size + ks * ws
+        at = vals_end + np.array([codec.values_pad(k, w) for k, w in zip(ks.tolist(),
+                                                                         ws.tolist())], np.int64)
+        first_of = np.concatenate([[0], np.cumsum(nbs[blocks])])[:-1]
+        tab = np.column_stack([
+            [_address(b) for b, _, _, _ in views], [_address(v) for _, v, _, _ in views],
+            [n for _, _, _, n in views], ws, _address(buf) + offs[:-1],
+            np.zeros(len(views), np.int64), at, at + 4 * nbs, heads, vals_end,
+            first[:-1]])[blocks].astype(np.int64)
+        tab[:, 5] = first_of
+        mine = np.repeat(blocks, nbs)
+        dev, block_job, at_dev = _table(xp, tab, nbs[blocks], begin[mine])
+        _module().get_function("wb_delta_compact_many")((int(mine.sum()),), (THREADS,),
+                                                         (dev, block_job, at_dev, counts))
+    for j in np.flatnonzero(~blocks).tolist():  # a mask, the dense bytes, or no elements
+        (b, v, w, n), d, at, kind, k = views[j], out[j], codec.HEADER.size, kinds[j], int(ks[j])
+        b, v = _elements(b, w, xp), _elements(v, w, xp)
+        d[:at] = xp.asarray(heads[j].view(np.uint8))
         if kind == codec.DENSE:
             d[at:] = v.view(xp.uint8)
             b[:] = v
@@ -440,26 +472,27 @@ def write_many(counted, host, *, xp):
         else:  # no elements
             places = d[tail:].view("<u2")
         if k:
-            _kernels(w)[1]((nbs[j],), (THREADS,), (b, v, np.int64(v.size), xp.asarray(begin),
-                                                   values, places, np.int32(1)))
+            _kernels(w)[1]((int(nbs[j]),), (THREADS,), (
+                b, v, np.int64(n), xp.asarray(begin[first[j]:first[j + 1]]), values,
+                places, np.int32(1)))
     return out
 
 
-def _table(xp, rows, block_jobs, starts=()):
-    """``rows`` (int64 each), the per-block job indices and (optionally) per-block starts on the
-    device by one write; returns their device arrays."""
-    tab = np.array(rows, np.int64).reshape(-1)
-    jobs = np.concatenate(block_jobs).astype(np.int32)
+def _table(xp, rows, nbs, starts=None):
+    """``rows`` (an ``int64`` array, a row per job), each global block's job (job ``j`` has
+    ``nbs[j]`` blocks) and (optionally) each block's start, on the device by one write; returns
+    their device arrays: ``(rows, block_job)`` or ``(rows, block_job, starts)``."""
+    tab = np.ascontiguousarray(rows, np.int64).reshape(-1)
+    jobs = np.repeat(np.arange(len(nbs), dtype=np.int32), nbs)
     parts = [tab.view(np.uint8)]
-    if starts:
-        parts.append(np.concatenate(starts).astype(np.int64).view(np.uint8))
+    if starts is not None:
+        parts.append(np.ascontiguousarray(starts, np.int64).view(np.uint8))
     dev = xp.asarray(np.concatenate(parts + [jobs.view(np.uint8)]))
     a = tab.nbytes
     out = [dev[:a].view(xp.int64)]
-    if starts:
+    if starts is not None:
         b = a + 8 * jobs.size
-        out += [dev[b:].view(xp.int32), dev[a:b].view(xp.int64)]
-        return tuple(out)
+        return out[0], dev[b:].view(xp.int32), dev[a:b].view(xp.int64)
     return out[0], dev[a:].view(xp.int32)
 
 
