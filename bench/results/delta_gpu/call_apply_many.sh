@@ -40,3 +40,6 @@ fi
 for r in $RUNS; do
   case ${r#*:} in *_mps) mps_on; run ${r%%:*} ${r#*:}; mps_off;; *) run ${r%%:*} ${r#*:};; esac
 done
+# what comes back is a few files: the runs' files in one archive
+(cd $OUT && tar czf runs.tgz --exclude=runs.tgz --exclude=device.txt . && \
+  find . -type f ! -name runs.tgz ! -name device.txt -delete)
