@@ -29,6 +29,7 @@ def main(argv=None) -> int:
 
     from wb.algorithms import delta as codec
     from wb.runtime.engine import delta_device as dev
+    from wb.runtime.engine import delta_tables as many
 
     n = (a.mib << 20) // 2
     rng = np.random.default_rng(0)
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
 
         def advance():  # what an update runs: the base advanced by the compaction, no copy
             cupy.copyto(scratch, base)
-            dev.advance_many([(scratch, new, 2)], xp=cupy)
+            many.advance_many([(scratch, new, 2)], xp=cupy)
         adv_s = timed(advance) - copy_s
         if cupy.asnumpy(scratch).tobytes() != new_h.tobytes():
             raise SystemExit(f"density {density}: the advanced base differs from the new bytes")

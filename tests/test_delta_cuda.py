@@ -13,6 +13,7 @@ cupy = cupy_or_skip()
 from wb.algorithms import delta as codec  # noqa: E402
 from wb.errors import TransferError  # noqa: E402
 from wb.runtime.engine import delta_device as dev  # noqa: E402
+from wb.runtime.engine import delta_tables as many  # noqa: E402
 
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
@@ -78,12 +79,12 @@ def test_deltas_made_together_are_the_host_codec_s_and_advance_their_bases():
         news.append(new)
         jobs.append((cupy.asarray(base), cupy.asarray(new), w))
     assert {codec.kind_of(d) for d in want} == {"blocks", "mask", "dense"}
-    made = dev.advance_many(jobs, xp=cupy)
+    made = many.advance_many(jobs, xp=cupy)
     for d, want_d, (base, _, _), new in zip(made, want, jobs, news):
         assert cupy.asnumpy(d).tobytes() == want_d.tobytes()
         assert cupy.asnumpy(base).tobytes() == new.tobytes()  # the base holds the new bytes
     bufs = [cupy.concatenate([d, cupy.zeros(9, cupy.uint8)]) for d in made]  # receives larger
-    for (got, head), d in zip(dev.received_many(bufs, xp=cupy), made):
+    for (got, head), d in zip(many.received_many(bufs, xp=cupy), made):
         assert got.nbytes == d.nbytes
         assert head.tobytes() == cupy.asnumpy(d[:codec.HEADER.size]).tobytes()
 

@@ -114,8 +114,9 @@ def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
     """advance_many's and apply's device branches (one read of all the counts, the bases advanced
     by the compaction, the flag of a bad delta), with the kernels compiled for the host."""
     from wb.runtime.engine import delta_device as dev
+    from wb.runtime.engine import delta_tables as many
 
-    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp = _Xp()
     rng = np.random.default_rng(3)
     jobs, want, olds = [], [], []
@@ -128,11 +129,11 @@ def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
         olds.append(base)
         jobs.append((base.copy().view(_Dev), new.view(_Dev), w))
     assert {codec.kind_of(d) for d in want} == {"blocks", "mask", "dense"}
-    made = dev.advance_many(jobs, xp=xp)
+    made = many.advance_many(jobs, xp=xp)
     for d, want_d, (base, new, _) in zip(made, want, jobs):
         assert d.tobytes() == want_d.tobytes()
         assert base.tobytes() == new.tobytes()  # advanced: the base holds the new bytes
-    received = dev.received_many([np.concatenate([d, np.zeros(5, np.uint8)]).view(_Dev)
+    received = many.received_many([np.concatenate([d, np.zeros(5, np.uint8)]).view(_Dev)
                                   for d in made], xp=xp)
     assert [got.nbytes for got, _ in received] == [d.nbytes for d in made]
     got, head = received[0]
@@ -146,14 +147,27 @@ def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
 
 
 def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing(lib, monkeypatch):
-    """apply_many (the table of deltas, each block's first change summed by the block, one flag
-    per delta) on the host kernels: every good delta applied as the host codec applies it, the
-    bad ones (a place out of order, counts over the header's k) flagged and left unwritten."""
+    """apply_many (the table of receives, each kernel reading its delta's header where it lies,
+    each block's first change summed by the block, a flag and a size per delta) on the host
+    kernels: every good delta applied as the host codec applies it and its size written; the bad
+    ones (a place out of order, counts over the header's k, sizes that disagree with the header
+    or the target) flagged 1, the ones the host must apply (a mask, dense bytes, another element
+    width) flagged 2; nothing of a flagged one's target written."""
     from wb.runtime.engine import delta_device as dev
+    from wb.runtime.engine import delta_tables as many
 
-    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp, rng = _Xp(), np.random.default_rng(11)
-    items, olds, news = [], [], []
+    items, olds, news, want = [], [], [], []
+
+    def add(base, new, delta, w, flag, room=0):
+        buf = np.zeros(delta.nbytes + room, np.uint8)  # a receive may hold more than came
+        buf[:delta.nbytes] = delta
+        olds.append(base)
+        news.append(new)
+        want.append(flag)
+        items.append((base.copy().view(_Dev), buf.view(_Dev), w, len(items)))
+
     for j, (w, n) in enumerate([(2, 3 * codec.BLOCK + 17), (1, 999), (4, codec.BLOCK),
                                 (8, 2 * codec.BLOCK + 1), (2, 3 * codec.BLOCK + 17)]):
         base = rng.integers(0, 256, n * w, dtype=np.uint8)
@@ -164,31 +178,52 @@ def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing
         assert codec.kind_of(d) == "blocks"
         if j == 4:  # the first block's second place the same as its first
             k = codec.header(d)[4]
-            places = d[d.nbytes - 2 * k:].view("<u2")
-            places[1] = places[0]
-        olds.append(base)
-        news.append(new)
-        items.append((base.copy().view(_Dev), d.view(_Dev), d[:codec.HEADER.size], 4 - j))
-    bad = np.zeros(5, np.uint32).view(_Dev)
-    dev.apply_many(items, bad, xp=xp)
-    assert bad.tolist() == [1, 0, 0, 0, 0]  # flags by each item's j
-    for (target, _, _, _), old, new, flagged in zip(items, olds, news, [0, 0, 0, 0, 1]):
-        assert target.tobytes() == (old if flagged else new).tobytes()
-    extra = codec.encode(olds[1], news[1], itemsize=1)
-    extra[-2 * codec.header(extra)[4] - 4:][:4].view("<u4")[0] += 1  # counts over its k
-    target, bad = olds[1].copy().view(_Dev), np.zeros(1, np.uint32).view(_Dev)
-    dev.apply_many([(target, extra.view(_Dev), extra[:codec.HEADER.size], 0)], bad, xp=xp)
-    assert bad[0] == 1 and target.tobytes() == olds[1].tobytes()
+            d[d.nbytes - 2 * k:].view("<u2")[1] = d[d.nbytes - 2 * k:].view("<u2")[0]
+        add(base, new, d, w, int(j == 4), room=100 * j)
+    base, new = olds[1], news[1]
+    d = codec.encode(base, new, itemsize=1)
+    over = d.copy()
+    over[-2 * codec.header(d)[4] - 4:][:4].view("<u4")[0] += 1  # counts over its k
+    add(base, new, over, 1, 1)
+    short = d.copy()
+    add(base, new, short[:-1], 1, 1)  # its header says one byte more than came
+    wrong_n = d.copy()
+    wrong_n[16:24].view("<u8")[0] += 1  # elements that are not the target's
+    add(base, new, wrong_n, 1, 1)
+    k_over_n = d.copy()
+    k_over_n[24:32].view("<u8")[0] = base.nbytes + 1
+    add(base, new, k_over_n, 1, 1)
+    dense = codec.dense(new, itemsize=1)
+    add(base, new, dense, 1, 2)
+    third = new.copy()
+    third[::3] ^= 1
+    mask = codec.encode(base, third, itemsize=1)
+    assert codec.kind_of(mask) == "mask"
+    add(base, third, mask, 1, 2)
+    narrow = codec.encode(olds[3], news[3], itemsize=4)  # 4-byte elements where 8 are expected
+    assert codec.kind_of(narrow) == "blocks"
+    add(olds[3], news[3], narrow, 8, 2)
+    bad = np.zeros(len(items), np.uint32).view(_Dev)
+    sizes = np.zeros(len(items), np.int64).view(_Dev)
+    many.apply_many(items, bad, sizes, xp=xp)
+    assert bad.tolist() == want
+    for (target, buf, _, j), old, new, flag in zip(items, olds, news, want):
+        assert target.tobytes() == (old if flag else new).tobytes(), j
+        if not flag:  # (a flagged delta's size says nothing)
+            assert sizes[j] == codec.size_of(buf), j
+    with pytest.raises(ValueError, match="contiguous"):
+        many.apply_many([(items[0][0][::2], items[0][1], 2, 0)], bad, sizes, xp=xp)
 
 
 def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypatch):
     """prepare (what a delta job's first update on a device runs once) makes and applies tiny
     deltas of every kind and width without error, with the kernels compiled for the host."""
     from wb.runtime.engine import delta_device as dev
+    from wb.runtime.engine import delta_tables as many
 
-    monkeypatch.setattr(dev, "_module", lambda: _Module(lib))
+    monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp = _Xp()
-    dev._prepared.cache_clear()
-    dev.prepare(xp)
-    assert dev._prepared.cache_info().currsize == 1
-    dev._prepared.cache_clear()
+    many._prepared.cache_clear()
+    many.prepare(xp)
+    assert many._prepared.cache_info().currsize == 1
+    many._prepared.cache_clear()

@@ -19,7 +19,7 @@ from harness.threads import run_each
 from wb.data.plan import RankPlan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
-from wb.runtime.engine import delta_device, movers, program
+from wb.runtime.engine import delta_batches, delta_device, delta_tables, movers, program
 from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.executor import connect
 from wb.runtime.engine.program import Program
@@ -74,23 +74,28 @@ def on_the_host_device(tmp_path, monkeypatch):
                         movers.HostMover(prog, flat, xp, ready))
     monkeypatch.setattr(program, "prepare", lambda *a, **k: None)  # (casts: none here)
     monkeypatch.setattr(program, "prepare_copies", lambda *a, **k: None)
-    monkeypatch.setattr(delta_device, "_module", lambda: Module(lib))
-    delta_device._prepared.cache_clear()
-    delta_device.prepare(xp)  # (as the first update would: before the steps are counted)
-    seen = {"advanced": 0, "applied together": 0}  # what went through the batched steps
-    count_many, apply_many = delta_device.count_many, delta_device.apply_many
+    monkeypatch.setattr(delta_device, "kernel_module", lambda: Module(lib))
+    delta_tables._prepared.cache_clear()
+    delta_tables.prepare(xp)  # (as the first update would: before the steps are counted)
+    seen = {"advanced": 0, "applied together": 0, "by headers": 0}  # through the batched steps
+    count_many, apply_many = delta_tables.count_many, delta_tables.apply_many
+    by_headers = delta_batches._by_headers
 
     def advance_spy(jobs, **kw):
         seen["advanced"] += len(jobs)
         return count_many(jobs, **kw)
 
-    def apply_spy(items, bad, **kw):
+    def apply_spy(items, bad, sizes, **kw):
         seen["applied together"] += len(items)
-        return apply_many(items, bad, **kw)
-    monkeypatch.setattr(delta_device, "count_many", advance_spy)
-    monkeypatch.setattr(delta_device, "apply_many", apply_spy)
+        return apply_many(items, bad, sizes, **kw)
+    def headers_spy(u, landing):
+        seen["by headers"] += len(landing)
+        return by_headers(u, landing)
+    monkeypatch.setattr(delta_tables, "count_many", advance_spy)
+    monkeypatch.setattr(delta_tables, "apply_many", apply_spy)
+    monkeypatch.setattr(delta_batches, "_by_headers", headers_spy)
     yield seen
-    delta_device._prepared.cache_clear()
+    delta_tables._prepared.cache_clear()
 
 
 @pytest.mark.timeout(180)
@@ -115,4 +120,6 @@ def test_the_device_path_gives_every_rollout_the_dense_bytes(on_the_host_device,
         if v and density <= 0.05:
             assert moved < full * 0.6, (v, moved, full)
     assert all(p.version == 5 for p in job.progs.values())
-    assert on_the_host_device["advanced"] and on_the_host_device["applied together"]
+    # every kind of batch ran: sends encoded together, deltas applied by kernels that read their
+    # headers, and the deltas those left to the host (masks, at density 0.3) by their headers
+    assert all(on_the_host_device.values()), on_the_host_device

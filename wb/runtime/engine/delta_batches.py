@@ -5,9 +5,10 @@ turn completed, applied together.
 On the host each unit goes in turn (numpy's codec). On a device a few launches serve a whole
 batch (:mod:`wb.runtime.engine.delta_device`), and the host waits for the device nowhere: a
 batch of sends is parked while its counts come to the host behind the stream, then while its
-deltas are written, and is posted after; a batch of receives is parked while its headers come,
-is applied, and is parked again while the flags of malformed deltas come, landing after
-(:func:`take_parked`, each turn of the update's loop).
+deltas are written, and is posted after; a batch of receives is applied at once (the kernels
+read each delta's header on the device) and parked while its flags and sizes come, landing
+after (:func:`take_parked`, each turn of the update's loop). Only deltas the host must read
+first (whose changes forwards need decoded, or not BLOCKS deltas) wait for their headers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
 from wb.runtime.engine import delta_device as dev
+from wb.runtime.engine import delta_tables as many
 from wb.runtime.engine.deltas import alike, encode_one, encode_send, keep, land, width
 from wb.runtime.engine.frames import Frame
 
@@ -27,7 +29,7 @@ def _encode_start(prog, mover, gs, *, to, came: dict, cut: dict):
     """The encoding of units ``gs`` on a device up to the changes counted (the deltas of the
     units that keep a base are made together, a zero-copy unit's base advanced by the
     compaction): ``(outs, counted, jobs, spent, queued)``: the payloads known already (``None``
-    for the deltas to make), what :func:`~wb.runtime.engine.delta_device.count_many` gave (or
+    for the deltas to make), what :func:`~wb.runtime.engine.delta_tables.count_many` gave (or
     ``None``), the deltas to make, the bases to give back once the device work passed, whether
     any device work was queued."""
     xp = mover.xp
@@ -63,7 +65,7 @@ def _encode_start(prog, mover, gs, *, to, came: dict, cut: dict):
             jobs.append((i, old, new, g))
         else:
             out[i] = (new, True, False)
-    counted = dev.count_many([(old, new, width(g)) for _, old, new, g in jobs], xp=xp) \
+    counted = many.count_many([(old, new, width(g)) for _, old, new, g in jobs], xp=xp) \
         if jobs else None
     return out, counted, jobs, spent, queued
 
@@ -73,7 +75,7 @@ def _encode_finish(mover, state, host) -> tuple[list, bool]:
     (``host``); returns the payloads and whether device work was queued."""
     out, counted, jobs, _, queued = state
     if jobs:
-        made = dev.write_many(counted, host, xp=mover.xp)
+        made = many.write_many(counted, host, xp=mover.xp)
         for (i, _, _, _), d in zip(jobs, made):
             out[i] = (d, True, False)
     return out, queued
@@ -158,21 +160,76 @@ def take_completions(u, got) -> bool:
 
 
 def _land_on_device(u, landing) -> None:
-    """:func:`take_completions`' receives on a device, parked (:func:`take_parked` goes on):
-    the headers of the deltas that came are copied to the host behind the stream, without
-    waiting."""
-    ins = [buf for g, buf in landing if g.peer in u.delta.frm]
-    u.parked.append(("headers", landing, ins, dev.headers(ins, xp=u.mover.xp) if ins else None))
+    """:func:`take_completions`' receives on a device, parked (:func:`take_parked` goes on): the
+    deltas applied at once, each kernel reading its delta's header where it lies, so that the
+    host waits for nothing first (:func:`_apply_direct`). The deltas whose changes forwards of
+    this update need decoded take the longer way: their headers come to the host first
+    (:func:`_apply_batch`)."""
+    frm, slow, fast = u.delta.frm, [], []
+    for g, buf in landing:
+        (slow if g.peer in frm and (_decoded_needed(u, g) or not g.nbytes) else fast).append(
+            (g, buf))
+    if slow:
+        u.parked.append(_by_headers(u, slow))
+    if fast:
+        u.parked.append(_apply_direct(u, fast))
     take_parked(u)
+
+
+def _by_headers(u, landing) -> tuple:
+    """Receives parked while the headers of their deltas come to the host (:func:`headers`)."""
+    ins = [buf for g, buf in landing if g.peer in u.delta.frm]
+    return "headers", landing, ins, many.headers(ins, xp=u.mover.xp) if ins else None
+
+
+def _target(u, g, spent: list, unpack: list):
+    """Where a delta for unit ``g`` applies on a device: its base (a converted unit: unpacked
+    after), its destination (zero-copy), or staging gathered from its destination (unpacked
+    after, then given back)."""
+    prog, mover = u.prog, u.mover
+    if g.conv:
+        target = prog.recv_bases.get(g.m)
+        if target is None:
+            raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but this rank "
+                                f"holds no base of it")
+        unpack.append((g, target))
+        return target
+    if g.zc_dst:
+        return mover.array(g, src=False)
+    target = mover.gather(g)
+    spent.append(target)
+    unpack.append((g, target))
+    return target
+
+
+def _apply_direct(u, landing) -> tuple:
+    """A batch's deltas applied by two launches that read their headers on the device
+    (:func:`~wb.runtime.engine.delta_tables.apply_many`), its dense receives unpacked. Returns
+    the batch parked on its flags' and sizes' copy to the host: ``("flags", landing, (state,
+    event, memory), staging to give back, True)``."""
+    prog, mover, frm = u.prog, u.mover, u.delta.frm
+    xp = mover.xp
+    state, flags, sizes = many.flags_and_sizes(len(landing), xp=xp)
+    spent, together, unpack = [], [], []
+    for j, (g, buf) in enumerate(landing):
+        if g.peer in frm:
+            together.append((_target(u, g, spent, unpack), buf, width(g), j))
+        else:
+            land(prog, mover, g, buf, as_delta=False, spent=spent)
+    many.apply_many(together, flags, sizes, xp=xp)
+    for g, base in unpack:
+        mover.unpack(g, base)
+    return "flags", landing, dev.to_host(state, xp=xp), spent, True
 
 
 def take_parked(u) -> bool:
     """An update's device batches whose host copies or device work have come. Sends
     (:func:`post_sends`): once a batch's counts are on the host its deltas are written, and
     once those are, the batch is posted. Receives (:func:`take_completions`): once a batch's
-    headers are on the host, the deltas are applied (:func:`_apply_batch`) and their flags
-    copied back; once those are, malformed ones fail the update and the rest land. The host
-    never waits for the device here: a batch not ready stays parked."""
+    flags and sizes are on the host, malformed deltas fail the update, the ones the host must
+    apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land; a
+    batch that went that way is applied once its headers are on the host, and lands once its
+    flags are. The host never waits for the device here: a batch not ready stays parked."""
     moved, left = False, []
     for p in u.parked:
         if p[0] == "counts":  # (_, units, _encode_start's state, (counts, event, memory))
@@ -199,53 +256,66 @@ def take_parked(u) -> bool:
                 continue
             p = _apply_batch(u, p[1], p[2], heads[0] if heads is not None else None)
             moved = True
-        _, landing, (flags, ev, _), spent = p
+        _, landing, (state, ev, _), spent, direct = p
         if not ev.done:
             left.append(p)
             continue
         moved = True
         for old in spent:
             u.mover.release(old)
-        for j in np.flatnonzero(flags):
-            g = landing[int(j)][0]
-            raise TransferError(f"rank {u.prog.rank}: the delta for {g.label()} from rank "
-                                f"{g.peer} is malformed: its places are not ascending within "
-                                f"the message, or its counts are not its header's")
-        for g, buf in landing:
-            u.landed(g, buf)
+        again = _landed(u, landing, state, direct)
+        if again:
+            left.append(_by_headers(u, again))
     u.parked = left
     return moved
 
 
-def _apply_batch(u, landing, ins, heads) -> list:
-    """A batch's deltas applied, its dense receives unpacked: the BLOCKS deltas whose changes no
-    forward needs decoded together (:func:`~wb.runtime.engine.delta_device.apply_many`), into
-    their destination, or into their staging gathered from it and unpacked after; the rest one
-    by one (:func:`land`). Returns the batch parked on its flags' copy to the host:
-    ``("flags", landing, (flags, event, memory), staging to give back)``."""
+def _landed(u, landing, state, direct: bool) -> list:
+    """A batch of receives whose flags and sizes (``state``'s host bytes) came: a malformed
+    delta fails the update; the rest land, but for the deltas a direct apply left to the host
+    (returned, to go the longer way). ``direct``: applied by :func:`_apply_direct` (what each
+    delta brought is counted and kept here, its size now known)."""
+    flags, sizes = many.read_flags(state, len(landing))
+    for j in np.flatnonzero(flags == 1 if direct else flags):
+        g = landing[int(j)][0]
+        raise TransferError(f"rank {u.prog.rank}: the delta for {g.label()} from rank {g.peer} "
+                            f"is malformed: its sizes disagree with its header or its message, "
+                            f"its places are not ascending within the message, or its counts "
+                            f"are not its header's")
+    again, sums, frm, xp = [], u.sums, u.delta.frm, u.mover.xp
+    for j, (g, buf) in enumerate(landing):
+        if direct:
+            if flags[j] == 2:
+                again.append((g, buf))
+                continue
+            came = buf
+            if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
+                came = buf.reshape(-1).view(xp.uint8)[:int(sizes[j])]
+                keep(u, g, came, None)
+            if sums is not None:
+                sums.landed(g, came)
+            u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        u.landed(g, buf)
+    return again
+
+
+def _apply_batch(u, landing, ins, heads) -> tuple:
+    """A batch's deltas applied, its dense receives unpacked, once their headers are on the
+    host: the BLOCKS deltas whose changes no forward needs decoded together (:func:`~wb.
+    runtime.engine.delta_tables.apply_many`), the rest one by one (:func:`land`). Returns the
+    batch parked on its flags' copy to the host: ``("flags", landing, (state, event, memory),
+    staging to give back, False)``."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
     xp = mover.xp
     came_of = dict(zip((id(b) for b in ins), dev.sized(ins, heads, xp=xp))) if ins else {}
-    flags = xp.zeros(len(landing), xp.uint32)
+    state, flags, sizes = many.flags_and_sizes(len(landing), xp=xp)
     spent, together, unpack = [], [], []
     for j, (g, buf) in enumerate(landing):
         as_delta = g.peer in delta.frm
         got_head = came_of.get(id(buf))
-        if as_delta and codec.header(got_head[1])[0] == codec.BLOCKS and \
-                not _decoded_needed(u, g):
-            if g.conv:
-                target = prog.recv_bases.get(g.m)
-                if target is None:
-                    raise TransferError(f"rank {prog.rank}: a delta for {g.label()} came, but "
-                                        f"this rank holds no base of it")
-                unpack.append((g, target))
-            elif g.zc_dst:
-                target = mover.array(g, src=False)
-            else:
-                target = mover.gather(g)
-                spent.append(target)
-                unpack.append((g, target))
-            together.append((target, got_head[0], got_head[1], j))
+        head = codec.header(got_head[1]) if as_delta else None
+        if as_delta and head[0] == codec.BLOCKS and not _decoded_needed(u, g) and head[3]:
+            together.append((_target(u, g, spent, unpack), buf, head[1], j))
             came, decoded = got_head[0], None
         else:
             came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=got_head,
@@ -255,10 +325,10 @@ def _apply_batch(u, landing, ins, heads) -> list:
         if sums is not None:
             sums.landed(g, came)
         u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-    dev.apply_many(together, flags, xp=xp)
+    many.apply_many(together, flags, sizes, xp=xp)
     for g, base in unpack:
         mover.unpack(g, base)
-    return "flags", landing, dev.to_host(flags, xp=xp), spent  # behind the units' device work
+    return "flags", landing, dev.to_host(state, xp=xp), spent, False  # behind the device work
 
 
 def _decoded_needed(u, g) -> bool:

@@ -9,7 +9,8 @@ them), one block of :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOC
   counts and places);
 - ``wb_delta_positions``, ``wb_delta_scatter_W``: one delta's places checked, then applied;
 - ``wb_delta_check_many``, ``wb_delta_scatter_many``: several deltas checked and applied by one
-  launch each, from a table of them.
+  launch each, from a table of them, each delta's header read on the device (the host reads
+  nothing before it applies them).
 
 The tests compile the same source for the host (one thread a block).
 """
@@ -163,13 +164,31 @@ extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int
     WB_WIDTHS(WB_COMPACT)
 }
 // Several BLOCKS deltas applied by two launches over all their blocks (block_job: each global
-// block's delta). A delta's row of ``tab``: its address, its target's, elements n, changes k,
-// element bytes w, blocks nb, where its counts and places start (bytes into the delta; its
-// values start at the 32-byte header), its flag in ``bad``, and its first block. The check finds each block's
-// first change (the counts before it, summed by the block), checks its places and the counts'
-// total, and keeps the start; the scatter then writes the changes of every delta whose flag
-// stayed clear.
-#define WB_TAB 10
+// block's delta), each reading its delta's header where it lies, so that the host reads nothing
+// first. A delta's row of ``tab``: its address, its target's, the target's bytes, the bytes its
+// receive holds, its blocks nb (of the element width the host expects), its flag in ``bad`` and
+// its size in ``sizes``, its first block. The check reads the header (wb_head: 2 where it is not
+// a BLOCKS delta of nb blocks for this target, for the host to apply; 1 where its sizes
+// disagree), finds each block's first change (the counts before it, summed by the block), checks
+// its places and the counts' total, and keeps the start; the scatter then writes the changes of
+// every delta whose flag stayed clear. Block 0 of a good header writes its size.
+#define WB_TAB 7
+struct WbHead { long long w, n, k, size, at; };
+__device__ unsigned int wb_head(const long long* r, WbHead* h) {
+    const unsigned char* d = (const unsigned char*)r[0];
+    const long long* q = (const long long*)d;
+    if (r[3] < 32) return 1;
+    long long w = d[1], t = r[2];
+    h->size = q[1]; h->n = q[2]; h->k = q[3]; h->w = w;
+    if (d[0] != 3) return 2;
+    if (!(w == 1 || w == 2 || w == 4 || w == 8) || h->n < 0 || h->n > t || h->n * w != t
+        || h->k < 0 || h->k > h->n) return 1;
+    long long nb = (h->n + 65535) / 65536;
+    if (nb != r[4]) return 2;
+    h->at = 32 + h->k * w + (4 - (32 + h->k * w) % 4) % 4;
+    if (h->size != h->at + 4 * nb + 2 * h->k || h->size > r[3]) return 1;
+    return 0;
+}
 __device__ long long wb_block_start(const unsigned int* counts, long long b, long long* part) {
     long long acc = 0;
     for (long long i = threadIdx.x; i < b; i += blockDim.x) acc += counts[i];
@@ -185,35 +204,43 @@ __device__ long long wb_block_start(const unsigned int* counts, long long b, lon
     return part[32];
 }
 extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* block_job,
-        long long* starts, unsigned int* bad) {
+        long long* starts, unsigned int* bad, long long* sizes) {
     __shared__ long long part[33];
-    int job = block_job[blockIdx.x];
-    const long long* r = tab + (long long)job * WB_TAB;
+    const long long* r = tab + (long long)block_job[blockIdx.x] * WB_TAB;
+    long long b = (long long)blockIdx.x - r[6], nb = r[4];
+    WbHead h;
+    unsigned int code = wb_head(r, &h);  // the same for every thread of the block
+    if (code) {
+        if (threadIdx.x == 0) atomicOr(bad + r[5], code);
+        return;
+    }
     const unsigned char* d = (const unsigned char*)r[0];
-    long long n = r[2], k = r[3], nb = r[5], b = (long long)blockIdx.x - r[9];
-    const unsigned int* counts = (const unsigned int*)(d + r[6]);
-    const unsigned short* places = (const unsigned short*)(d + r[7]);
+    long long n = h.n, k = h.k;
+    if (threadIdx.x == 0 && b == 0) sizes[r[5]] = h.size;
+    const unsigned int* counts = (const unsigned int*)(d + h.at);
+    const unsigned short* places = (const unsigned short*)(d + h.at + 4 * nb);
     long long s = wb_block_start(counts, b, part), e = s + counts[b];
     if (threadIdx.x == 0) {
-        if ((b == nb - 1 && e != k) || e > k) atomicOr(bad + r[8], 1u);
+        if ((b == nb - 1 && e != k) || e > k) atomicOr(bad + r[5], 1u);
         starts[blockIdx.x] = s;
     }
     if (e > k) e = k;
     long long first = b * 65536;
     for (long long j = s + threadIdx.x; j < e; j += blockDim.x)
         if (first + places[j] >= n || (j > s && places[j] <= places[j - 1]))
-            atomicOr(bad + r[8], 1u);
+            atomicOr(bad + r[5], 1u);
 }
 extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int* block_job,
         const long long* starts, const unsigned int* bad) {
-    int job = block_job[blockIdx.x];
-    const long long* r = tab + (long long)job * WB_TAB;
-    if (bad[r[8]]) return;
+    const long long* r = tab + (long long)block_job[blockIdx.x] * WB_TAB;
+    if (bad[r[5]]) return;
+    WbHead h;
+    wb_head(r, &h);  // good: its flag is clear
     const unsigned char* d = (const unsigned char*)r[0];
     unsigned char* t = (unsigned char*)r[1];
-    long long k = r[3], w = r[4], b = (long long)blockIdx.x - r[9];
-    const unsigned int* counts = (const unsigned int*)(d + r[6]);
-    const unsigned short* places = (const unsigned short*)(d + r[7]);
+    long long k = h.k, w = h.w, b = (long long)blockIdx.x - r[6];
+    const unsigned int* counts = (const unsigned int*)(d + h.at);
+    const unsigned short* places = (const unsigned short*)(d + h.at + 4 * r[4]);
     long long s = starts[blockIdx.x], e = s + counts[b], first = b * 65536;
     if (e > k) e = k;
     for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
@@ -227,7 +254,6 @@ extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int
     }
 }
 """
-
 
 
 def kernel_source() -> str:

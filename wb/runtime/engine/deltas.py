@@ -168,7 +168,7 @@ def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None
     the base of a converted unit.
 
     ``came``: the delta and its header's bytes on the host, where the caller read them
-    (:func:`~wb.runtime.engine.delta_device.received_many`). On a device, ``bad``: the flag a
+    (:func:`~wb.runtime.engine.delta_tables.received_many`). On a device, ``bad``: the flag a
     malformed delta sets (the caller reads it), and ``spent``: a list that takes the staging to
     give back once the device work passed (else the host waits for it here).
 

@@ -22,7 +22,7 @@ from wb.data.plan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
-from wb.runtime.engine import delta_device
+from wb.runtime.engine import delta_tables
 from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.digests import Routes
 from wb.runtime.engine.frames import Frame
@@ -453,7 +453,7 @@ class Program:
         self.version = -1  # a failure leaves part of the version (and of the bases) written
         if xp is not np and flat:
             with next(iter(flat.values())).device:  # see run: the buffers' own device
-                delta_device.prepare(xp)  # (compiled once, before the first delta)
+                delta_tables.prepare(xp)  # (compiled once, before the first delta)
                 stats = run_update(self, mover_for(self, flat, xp, ready), transport,
                                    delta=delta, **kw)
         else:

@@ -22,12 +22,14 @@ if _out:
 
     def patch():
         from wb.runtime.engine import deltas, delta_batches, delta_device, update, program, movers
+        from wb.runtime.engine import delta_tables
         from wb.runtime.transport import ucx
         for mod, names in [(deltas, ["land", "_settle", "keep"]),
-                           (delta_batches, ["take_parked", "_apply_batch",
+                           (delta_batches, ["take_parked", "_apply_batch", "_apply_direct", "_landed",
                                             "_encode_start", "_encode_finish", "_post"]),
-                           (delta_device, ["advance_many", "received_many", "apply", "apply_many",
-                                           "count_many", "write_many", "to_host"]),
+                           (delta_device, ["apply", "to_host"]),
+                           (delta_tables, ["advance_many", "received_many", "apply_many",
+                                           "count_many", "write_many"]),
                            (update, ["post_sends", "take_completions", "take_parked",
                                      "run_update"])]:
             for n in names:
