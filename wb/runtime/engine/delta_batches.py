@@ -290,7 +290,9 @@ def _landed(u, landing, state, direct: bool) -> list:
                 continue
             came = buf
             if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
-                came = buf.reshape(-1).view(xp.uint8)[:int(sizes[j])]
+                size = int(sizes[j])
+                came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
+                    buf.reshape(-1).view(xp.uint8)[:size]
                 keep(u, g, came, None)
             if sums is not None:
                 sums.landed(g, came)
