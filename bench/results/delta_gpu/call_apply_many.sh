@@ -1,7 +1,9 @@
 # Needs the ucxx wheels and crc32c's for Python 3.12 in .whl/ (carried).
-# After deltas are applied together (apply_many) and the codec is prepared before the first delta:
-# the delta GPU tests, then bench_fp8 --delta with the diagnostics site at 4 layers (time-sliced
-# and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS).
+# The delta GPU tests, then bench_fp8 --delta with the diagnostics site at 4 layers (time-sliced
+# and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS). Next call (after
+# the applies read their headers on the device):
+#   TEST_TIMEOUT=110 FP8_TIMEOUT=240 VERSIONS=4 RUNS="12:l12_mps 12:l12_timesliced 12:l12_prof_mps" \
+#     bash bench/results/delta_gpu/call_apply_many.sh
 source bench/gpu_common.sh
 [ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
   tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
