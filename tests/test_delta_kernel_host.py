@@ -193,6 +193,10 @@ def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing
     k_over_n = d.copy()
     k_over_n[24:32].view("<u8")[0] = base.nbytes + 1
     add(base, new, k_over_n, 1, 1)
+    add(base, new, d[:16], 1, 1)  # shorter than a header
+    odd = d.copy()
+    odd[0] = 7  # a kind no codec makes: the host's checks refuse it
+    add(base, new, odd, 1, 2)
     dense = codec.dense(new, itemsize=1)
     add(base, new, dense, 1, 2)
     third = new.copy()

@@ -19,7 +19,7 @@ from harness.threads import run_each
 from wb.data.plan import RankPlan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
-from wb.runtime.engine import delta_batches, delta_device, delta_tables, movers, program
+from wb.runtime.engine import delta_batches, delta_device, delta_tables, movers, program, update
 from wb.runtime.engine.deltas import DeltaPlan
 from wb.runtime.engine.executor import connect
 from wb.runtime.engine.program import Program
@@ -77,9 +77,17 @@ def on_the_host_device(tmp_path, monkeypatch):
     monkeypatch.setattr(delta_device, "kernel_module", lambda: Module(lib))
     delta_tables._prepared.cache_clear()
     delta_tables.prepare(xp)  # (as the first update would: before the steps are counted)
-    seen = {"advanced": 0, "applied together": 0, "by headers": 0}  # through the batched steps
+    seen = {"advanced": 0, "applied together": 0, "by headers": 0,  # through the batched steps
+            "landed after the kept copies": 0}
     count_many, apply_many = delta_tables.count_many, delta_tables.apply_many
-    by_headers = delta_batches._by_headers
+    by_headers, take_parked = delta_batches._by_headers, delta_batches.take_parked
+
+    kept = set()
+
+    def parked_spy(u):  # (asks no event: the harness's say "not yet" once)
+        kept.update(id(p) for p in u.parked if p[0] == "kept")
+        seen["landed after the kept copies"] = len(kept)
+        return take_parked(u)
 
     def advance_spy(jobs, **kw):
         seen["advanced"] += len(jobs)
@@ -94,6 +102,8 @@ def on_the_host_device(tmp_path, monkeypatch):
     monkeypatch.setattr(delta_tables, "count_many", advance_spy)
     monkeypatch.setattr(delta_tables, "apply_many", apply_spy)
     monkeypatch.setattr(delta_batches, "_by_headers", headers_spy)
+    monkeypatch.setattr(delta_batches, "take_parked", parked_spy)
+    monkeypatch.setattr(update, "take_parked", parked_spy)
     yield seen
     delta_tables._prepared.cache_clear()
 
@@ -121,5 +131,6 @@ def test_the_device_path_gives_every_rollout_the_dense_bytes(on_the_host_device,
             assert moved < full * 0.6, (v, moved, full)
     assert all(p.version == 5 for p in job.progs.values())
     # every kind of batch ran: sends encoded together, deltas applied by kernels that read their
-    # headers, and the deltas those left to the host (masks, at density 0.3) by their headers
+    # headers, the deltas those left to the host (masks, at density 0.3) by their headers, and
+    # receives whose deltas relays forward, landing once the copies kept of them had run
     assert all(on_the_host_device.values()), on_the_host_device

@@ -227,9 +227,9 @@ def take_parked(u) -> bool:
     (:func:`post_sends`): once a batch's counts are on the host its deltas are written, and
     once those are, the batch is posted. Receives (:func:`take_completions`): once a batch's
     flags and sizes are on the host, malformed deltas fail the update, the ones the host must
-    apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land; a
-    batch that went that way is applied once its headers are on the host, and lands once its
-    flags are. The host never waits for the device here: a batch not ready stays parked."""
+    apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land (once
+    the copies queued of what they brought for forwards have run); a batch that went that way
+    is applied once its headers are on the host, and lands once its flags are. The host never waits for the device here: a batch not ready stays parked."""
     moved, left = False, []
     for p in u.parked:
         if p[0] == "counts":  # (_, units, _encode_start's state, (counts, event, memory))
@@ -256,6 +256,14 @@ def take_parked(u) -> bool:
                 continue
             p = _apply_batch(u, p[1], p[2], heads[0] if heads is not None else None)
             moved = True
+        if p[0] == "kept":  # (_, receives, event): the copies the forwards keep have run
+            if not p[2].done:
+                left.append(p)
+                continue
+            for g, buf in p[1]:
+                u.landed(g, buf)
+            moved = True
+            continue
         _, landing, (state, ev, _), spent, direct = p
         if not ev.done:
             left.append(p)
@@ -263,18 +271,26 @@ def take_parked(u) -> bool:
         moved = True
         for old in spent:
             u.mover.release(old)
-        again = _landed(u, landing, state, direct)
+        again, ready, kept = _counted(u, landing, state, direct)
         if again:
             left.append(_by_headers(u, again))
+        fence = u.mover.fence() if kept else None
+        if fence is not None:  # their staging goes back once the copies they feed have run
+            left.append(("kept", ready, fence))
+            continue
+        for g, buf in ready:
+            u.landed(g, buf)
     u.parked = left
     return moved
 
 
-def _landed(u, landing, state, direct: bool) -> list:
+def _counted(u, landing, state, direct: bool) -> tuple[list, list, bool]:
     """A batch of receives whose flags and sizes (``state``'s host bytes) came: a malformed
-    delta fails the update; the rest land, but for the deltas a direct apply left to the host
-    (returned, to go the longer way). ``direct``: applied by :func:`_apply_direct` (what each
-    delta brought is counted and kept here, its size now known)."""
+    delta fails the update. Returns ``(again, ready, kept)``: the deltas a direct apply left to
+    the host (to go the longer way), the receives that may land, and whether copies of what they
+    brought were queued for forwards (``direct``: applied by :func:`_apply_direct`, so what each
+    delta brought is counted and kept here, its size now known; the staging then goes back only
+    once those copies have run)."""
     flags, sizes = many.read_flags(state, len(landing))
     for j in np.flatnonzero(flags == 1 if direct else flags):
         g = landing[int(j)][0]
@@ -282,23 +298,24 @@ def _landed(u, landing, state, direct: bool) -> list:
                             f"is malformed: its sizes disagree with its header or its message, "
                             f"its places are not ascending within the message, or its counts "
                             f"are not its header's")
-    again, sums, frm, xp = [], u.sums, u.delta.frm, u.mover.xp
+    if not direct:
+        return [], landing, False
+    again, ready, kept, sums, frm, xp = [], [], False, u.sums, u.delta.frm, u.mover.xp
     for j, (g, buf) in enumerate(landing):
-        if direct:
-            if flags[j] == 2:
-                again.append((g, buf))
-                continue
-            came = buf
-            if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
-                size = int(sizes[j])
-                came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
-                    buf.reshape(-1).view(xp.uint8)[:size]
-                keep(u, g, came, None)
-            if sums is not None:
-                sums.landed(g, came)
-            u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-        u.landed(g, buf)
-    return again
+        if flags[j] == 2:
+            again.append((g, buf))
+            continue
+        came = buf
+        if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
+            size = int(sizes[j])
+            came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
+                buf.reshape(-1).view(xp.uint8)[:size]
+            kept |= keep(u, g, came, None)
+        if sums is not None:
+            sums.landed(g, came)
+        u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        ready.append((g, buf))
+    return again, ready, kept
 
 
 def _apply_batch(u, landing, ins, heads) -> tuple:
@@ -317,7 +334,9 @@ def _apply_batch(u, landing, ins, heads) -> tuple:
         got_head = came_of.get(id(buf))
         head = codec.header(got_head[1]) if as_delta else None
         if as_delta and head[0] == codec.BLOCKS and not _decoded_needed(u, g) and head[3]:
-            together.append((_target(u, g, spent, unpack), buf, head[1], j))
+            target = _target(u, g, spent, unpack)
+            codec.checked(got_head[1], got_head[0].nbytes, target.nbytes)  # raises where not
+            together.append((target, buf, head[1], j))
             came, decoded = got_head[0], None
         else:
             came, decoded = land(prog, mover, g, buf, as_delta=as_delta, came=got_head,

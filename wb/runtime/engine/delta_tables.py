@@ -43,8 +43,10 @@ def apply_many(items, bad, sizes, *, xp) -> None:
     ``int64`` array). A delta is applied and its size written to ``sizes[j]``, or ``bad[j]`` is
     set and nothing of its target written (its size says nothing then): 1 where the delta is
     malformed (its sizes disagree with its header or the target, a place out of order or past
-    the end, counts not its own), 2 where it is not a BLOCKS delta of ``w``-byte elements (the
-    host applies it: :func:`~wb.runtime.engine.delta_device.apply`).
+    the end, counts not its own), 2 where it is not a BLOCKS delta, or its element width gives
+    the target another number of blocks than ``w`` does (the host applies it: :func:`~wb.
+    runtime.engine.delta_device.apply`; a delta of another width with as many blocks is applied
+    here, as the host codec would).
 
     Raises:
         ValueError: a target or receive is not contiguous, or a target is empty or not a

@@ -25,7 +25,7 @@ if _out:
         from wb.runtime.engine import delta_tables
         from wb.runtime.transport import ucx
         for mod, names in [(deltas, ["land", "_settle", "keep"]),
-                           (delta_batches, ["take_parked", "_apply_batch", "_apply_direct", "_landed",
+                           (delta_batches, ["take_parked", "_apply_batch", "_apply_direct", "_counted",
                                             "_encode_start", "_encode_finish", "_post"]),
                            (delta_device, ["apply", "to_host"]),
                            (delta_tables, ["advance_many", "received_many", "apply_many",
