@@ -229,7 +229,8 @@ def take_parked(u) -> bool:
     flags and sizes are on the host, malformed deltas fail the update, the ones the host must
     apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land (once
     the copies queued of what they brought for forwards have run); a batch that went that way
-    is applied once its headers are on the host, and lands once its flags are. The host never waits for the device here: a batch not ready stays parked."""
+    is applied once its headers are on the host, and lands once its flags are. The host never
+    waits for the device here: a batch not ready stays parked."""
     moved, left = False, []
     for p in u.parked:
         if p[0] == "counts":  # (_, units, _encode_start's state, (counts, event, memory))

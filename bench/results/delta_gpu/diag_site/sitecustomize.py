@@ -25,8 +25,9 @@ if _out:
         from wb.runtime.engine import delta_tables
         from wb.runtime.transport import ucx
         for mod, names in [(deltas, ["land", "_settle", "keep"]),
-                           (delta_batches, ["take_parked", "_apply_batch", "_apply_direct", "_counted",
-                                            "_encode_start", "_encode_finish", "_post"]),
+                           (delta_batches, ["take_parked", "_apply_batch", "_apply_direct",
+                                            "_counted", "_encode_start", "_encode_finish",
+                                            "_post"]),
                            (delta_device, ["apply", "to_host"]),
                            (delta_tables, ["advance_many", "received_many", "apply_many",
                                            "count_many", "write_many"]),
