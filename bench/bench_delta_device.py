@@ -1,4 +1,4 @@
-"""How long the delta codec takes on one GPU (:mod:`wb.runtime.engine.delta_device`, CuPy):
+"""How long the delta codec takes on one GPU (:mod:`wb.runtime.engine.deltas.device`, CuPy):
 encode (compare with the base, gather the changes, count them per block), the same with the base
 advanced to the new bytes (what an update runs: ``advance_many``) and apply (scatter) of
 one message of bfloat16 at several densities, beside a device copy of the message's bytes (what
@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     import cupy
 
     from wb.algorithms import delta as codec
-    from wb.runtime.engine import delta_device as dev
-    from wb.runtime.engine import delta_tables as many
+    from wb.runtime.engine.deltas import device as dev
+    from wb.runtime.engine.deltas import tables as many
 
     n = (a.mib << 20) // 2
     rng = np.random.default_rng(0)

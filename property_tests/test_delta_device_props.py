@@ -1,4 +1,4 @@
-"""The delta codec where the buffers are (wb.runtime.engine.delta_device), run here with numpy as
+"""The delta codec where the buffers are (wb.runtime.engine.deltas.device), run here with numpy as
 its array module: for any base and new bytes of any element width it makes the host codec's
 bytes exactly (wb.algorithms.delta), applies any delta the host codec makes to the same bytes,
 and refuses what the host codec refuses, nothing of the target written. The same functions on
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from test_delta_props import _pairs, several_blocks
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
-from wb.runtime.engine import delta_device as dev
+from wb.runtime.engine.deltas import device as dev
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,4 +1,4 @@
-"""The delta codec on CUDA memory (wb.runtime.engine.delta_device with CuPy): for messages of
+"""The delta codec on CUDA memory (wb.runtime.engine.deltas.device with CuPy): for messages of
 several blocks, every element width and densities from none to all, the device makes the host
 codec's bytes exactly and applies them bit for bit; corrupted deltas are refused with nothing
 written. Skips cleanly without a GPU."""
@@ -12,8 +12,8 @@ cupy = cupy_or_skip()
 
 from wb.algorithms import delta as codec  # noqa: E402
 from wb.errors import TransferError  # noqa: E402
-from wb.runtime.engine import delta_device as dev  # noqa: E402
-from wb.runtime.engine import delta_tables as many  # noqa: E402
+from wb.runtime.engine.deltas import device as dev  # noqa: E402
+from wb.runtime.engine.deltas import tables as many  # noqa: E402
 
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])

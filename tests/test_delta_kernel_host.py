@@ -1,4 +1,4 @@
-"""The delta codec's kernels (``wb.runtime.engine.delta_kernels``), their CUDA source compiled
+"""The delta codec's kernels (``wb.runtime.engine.deltas.kernels``), their CUDA source compiled
 for the host with one thread a block (``harness.host_device``), every block run in turn,
 against the host codec: the changes counted per block of 65,536 elements, and their values and
 places written in order, are the bytes of ``wb.algorithms.delta.encode``'s ``BLOCKS`` delta;
@@ -113,8 +113,8 @@ def test_the_apply_kernels_write_what_the_host_codec_applies_and_flag_bad_places
 def test_the_batched_device_steps_run_on_the_host_kernels(lib, monkeypatch):
     """advance_many's and apply's device branches (one read of all the counts, the bases advanced
     by the compaction, the flag of a bad delta), with the kernels compiled for the host."""
-    from wb.runtime.engine import delta_device as dev
-    from wb.runtime.engine import delta_tables as many
+    from wb.runtime.engine.deltas import device as dev
+    from wb.runtime.engine.deltas import tables as many
 
     monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp = _Xp()
@@ -153,8 +153,8 @@ def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing
     ones (a place out of order, counts over the header's k, sizes that disagree with the header
     or the target) flagged 1, the ones the host must apply (a mask, dense bytes, another element
     width) flagged 2; nothing of a flagged one's target written."""
-    from wb.runtime.engine import delta_device as dev
-    from wb.runtime.engine import delta_tables as many
+    from wb.runtime.engine.deltas import device as dev
+    from wb.runtime.engine.deltas import tables as many
 
     monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp, rng = _Xp(), np.random.default_rng(11)
@@ -222,8 +222,8 @@ def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing
 def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypatch):
     """prepare (what a delta job's first update on a device runs once) makes and applies tiny
     deltas of every kind and width without error, with the kernels compiled for the host."""
-    from wb.runtime.engine import delta_device as dev
-    from wb.runtime.engine import delta_tables as many
+    from wb.runtime.engine.deltas import device as dev
+    from wb.runtime.engine.deltas import tables as many
 
     monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
     xp = _Xp()

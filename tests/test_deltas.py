@@ -1,4 +1,4 @@
-"""Updates that send deltas (:mod:`wb.runtime.engine.deltas`): each rank's program run version
+"""Updates that send deltas (:mod:`wb.runtime.engine.deltas.units`): each rank's program run version
 after version, units as deltas between ranks that hold the same version, against an oracle that
 runs the same versions dense into other buffers. Every rollout byte equal, every version."""
 
@@ -12,7 +12,7 @@ from harness.deltas import Job, rollout_bufs, same, step, trainer_bufs
 from test_casts import converting_deployment
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine.deltas.units import DeltaPlan
 
 
 @pytest.fixture(scope="module")

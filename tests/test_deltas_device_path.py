@@ -19,8 +19,11 @@ from harness.threads import run_each
 from wb.data.plan import RankPlan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
-from wb.runtime.engine import delta_batches, delta_device, delta_tables, movers, program, update
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine import movers, program, update
+from wb.runtime.engine.deltas import batches as delta_batches
+from wb.runtime.engine.deltas import device as delta_device
+from wb.runtime.engine.deltas import tables as delta_tables
+from wb.runtime.engine.deltas.units import DeltaPlan
 from wb.runtime.engine.executor import connect
 from wb.runtime.engine.program import Program
 from wb.runtime.transport.local import LocalHub, LocalTransport

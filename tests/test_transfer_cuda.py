@@ -77,7 +77,7 @@ def test_receives_are_unpacked_from_the_senders_memory(tmp_path, monkeypatch, ch
 def test_versions_as_deltas_on_cuda_buffers(tmp_path, monkeypatch, mode, ipc):
     """Trainers with ``delta=True`` on CUDA buffers: every version after the first comes as what
     changed (about 2% of the elements a version), encoded and applied on the GPU
-    (:mod:`wb.runtime.engine.delta_device`); every rollout bit-identical to the trainers'
+    (:mod:`wb.runtime.engine.deltas.device`); every rollout bit-identical to the trainers'
     weights, every version. One-sided between the processes and over UCX tags."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

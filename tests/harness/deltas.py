@@ -1,5 +1,5 @@
 """Runs of a plan version after version, each rank's program kept, with or without deltas
-(:mod:`wb.runtime.engine.deltas`): what the delta tests and properties share."""
+(:mod:`wb.runtime.engine.deltas.units`): what the delta tests and properties share."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from harness.multiproc import buffers_for
 from harness.threads import run_each
 from wb.data.plan import RankPlan
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine.deltas.units import DeltaPlan
 from wb.runtime.engine.executor import connect
 from wb.runtime.engine.program import Program
 from wb.runtime.transport.local import LocalHub, LocalTransport

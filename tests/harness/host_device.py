@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from wb.runtime.engine.delta_kernels import kernel_source
+from wb.runtime.engine.deltas.kernels import kernel_source
 
 __all__ = ["compile_kernels", "Dev", "Xp", "Module"]
 

@@ -21,7 +21,7 @@ def run_versions(program, part, bufs, transport, xp, options: dict, result: dict
     """Runs ``options["versions"]`` (``{"count", "density", "delta"}``) through ``program``;
     fills ``result`` (``versions``: per version its start, end, bytes received and check;
     ``ok``, ``bit_identical``)."""
-    from wb.runtime.engine.deltas import DeltaPlan
+    from wb.runtime.engine.deltas.units import DeltaPlan
     from wb.runtime.engine.executor import connect
 
     spec = options["versions"]

@@ -1,6 +1,6 @@
 import time, numpy as np, cupy as cp
 from wb.algorithms import delta as codec
-from wb.runtime.engine import delta_device as dev
+from wb.runtime.engine.deltas import device as dev
 n=(128<<20)//2
 rng=np.random.default_rng(0); bh=rng.integers(0,1<<16,n,dtype=np.uint16); nh=bh.copy(); nh[rng.random(n)<0.0424]^=1
 b=cp.asarray(bh).view(cp.uint8); v=cp.asarray(nh).view(cp.uint8)

@@ -4,7 +4,7 @@ Every worker's weights follow :class:`wb.testing.versions.AdamById` (float32 mas
 Adam at learning rate ``LR``, cast to each buffer's dtype per version; every worker computes the
 same values for an id, so a rollout knows what it must hold). Per version, wb's plan runs twice
 in one rotation over the same emulated links: dense (``wb``) and as deltas (``wb-delta``: each
-unit as what changed since the version its receiver holds, :mod:`wb.runtime.engine.deltas`),
+unit as what changed since the version its receiver holds, :mod:`wb.runtime.engine.deltas.units`),
 each into its own rollout buffers, both checked bit for bit. The first version is dense in both
 (nobody holds one yet). A rollout's dense buffers are checked against Adam's values on a
 sample of their elements, its delta buffers against the dense ones in full (see
@@ -40,7 +40,7 @@ def run_deltas(c, barrier_start, result: dict) -> None:
     Trainers step Adam over every element they hold. A rollout (41 processes share the host's
     memory) steps it over one element in :data:`SAMPLE` of each buffer: its dense buffers must
     equal those values there, and its delta buffers the dense ones everywhere, bit for bit."""
-    from wb.runtime.engine.deltas import DeltaPlan
+    from wb.runtime.engine.deltas.units import DeltaPlan
     from wb.runtime.engine.program import Program
     from wb.testing.versions import AdamById
 

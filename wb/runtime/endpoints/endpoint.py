@@ -8,7 +8,7 @@ for the peers it exchanges bytes with; then its program runs with tags ``v << 32
 
 In a job that sends deltas (a :class:`wb.Sender` made with ``delta=True``; its announcement says
 so, and rollouts follow from the first version they see it), each worker's join record says the
-version its program holds (:mod:`wb.runtime.engine.deltas`), and the units between two workers
+version its program holds (:mod:`wb.runtime.engine.deltas.units`), and the units between two workers
 that hold the same one travel as deltas.
 """
 
@@ -29,7 +29,7 @@ from wb.runtime.engine.executor import connect
 from wb.runtime.membership.finish import Finisher, Roster
 from wb.runtime.membership.joining import Admission
 from wb.runtime.membership.liveness import Heartbeat, Watch
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine.deltas.units import DeltaPlan
 from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program

@@ -156,7 +156,7 @@ class Sender:
             ``buffers``, into buffers the Sender keeps (on the same devices); ``buffers`` are the
             worker's own.
         delta: send each version as what changed since the version each rollout holds
-            (:mod:`wb.runtime.engine.deltas`; one trainer's choice is the job's: give it to
+            (:mod:`wb.runtime.engine.deltas.units`; one trainer's choice is the job's: give it to
             every trainer, rollouts follow; plan with ``agree_parts(..., delta=True)``, whose
             larger messages suit deltas). Every worker then keeps a copy of the bytes it
             sends (a trainer: its part of the weights, in their travelling dtype; a forwarding

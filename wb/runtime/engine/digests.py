@@ -74,7 +74,7 @@ class Routes:
         aliased: forwards whose bytes are their parent's (their ``slot`` is the parent's).
         own: ``{aliased forward: index}`` of a CRC of its own, for an update in which it travels
             otherwise than its parent came (one a delta, the other dense:
-            :mod:`wb.runtime.engine.deltas`).
+            :mod:`wb.runtime.engine.deltas.units`).
     """
 
     def __init__(self, prog):

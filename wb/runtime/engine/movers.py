@@ -235,8 +235,8 @@ class HostMover:
 
     def gather(self, g):
         """New staging holding ``g``'s destination regions in order, as a receive wrote them
-        (the base a delta applies to: :mod:`wb.runtime.engine.deltas`); not for a unit this rank
-        converts."""
+        (the base a delta applies to: :mod:`wb.runtime.engine.deltas.units`); not for a unit this
+        rank converts."""
         buf = self.staging(g.nbytes)
         for member, at in (zip(g.members, g.offsets) if g.__class__ is Frame else ((g, 0),)):
             if member.zc_dst:

@@ -22,8 +22,8 @@ from wb.data.plan import RankPlan
 from wb.errors import TransferError
 from wb.runtime.engine.buffers import check_buffers, fixed_memory
 from wb.runtime.engine.casts import prepare, prepare_copies
-from wb.runtime.engine import delta_tables
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine.deltas import tables as delta_tables
+from wb.runtime.engine.deltas.units import DeltaPlan
 from wb.runtime.engine.digests import Routes
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.frames import frames as frames_of
@@ -284,7 +284,7 @@ class Program:
         #: device tables of messages packed in one launch, by their units, and the groups they
         #: are packed in (:meth:`~wb.runtime.engine.movers.DeviceMover.batches`)
         self.tables: dict = {}
-        #: deltas (:mod:`wb.runtime.engine.deltas`): the version this program last completed
+        #: deltas (:mod:`wb.runtime.engine.deltas.units`): the version this program last completed
         #: with its bases kept (-1: none), the bytes each unit it sends last carried, a copy of
         #: what each unit it converts on receipt last carried, and the buffers that version was
         #: written into (held weakly: a delta applies only to them)
@@ -408,7 +408,7 @@ class Program:
                 quantiser's, launched before this update): what is sent straight from it
                 leaves once the event has passed; the rest moves meanwhile.
             delta: the update runs in a job that sends deltas
-                (:class:`~wb.runtime.engine.deltas.DeltaPlan`): bases are kept, units with its
+                (:class:`~wb.runtime.engine.deltas.units.DeltaPlan`): bases are kept, units with its
                 peers travel as deltas, and once it completes this program holds its version
                 (host or device buffers).
 

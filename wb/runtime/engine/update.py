@@ -36,8 +36,8 @@ from typing import Any
 
 from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
-from wb.runtime.engine.delta_batches import post_sends, take_completions, take_parked
-from wb.runtime.engine.deltas import DeltaPlan
+from wb.runtime.engine.deltas.batches import post_sends, take_completions, take_parked
+from wb.runtime.engine.deltas.units import DeltaPlan
 from wb.runtime.engine.digests import Digests
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
@@ -79,7 +79,7 @@ def run_update(program, mover, transport, *, tag_base: int, staging_bytes: int,
     :class:`PeersLost` too, with no ranks. The caller (:mod:`wb.runtime.membership.finish`) goes on with
     the version another way.
 
-    ``delta``: the update runs in a job that sends deltas (:mod:`wb.runtime.engine.deltas`):
+    ``delta``: the update runs in a job that sends deltas (:mod:`wb.runtime.engine.deltas.units`):
     bases are kept, and units with the peers it names travel as deltas.
 
     Raises:
@@ -183,7 +183,7 @@ class _Update(Stalls):
         self.recv_budget = self.send_budget = max(staging_bytes // (2 if prog.n_out else 1), 1)
         self.staged_recv = self.staged_send = self.peak = 0  # staging bytes in use
         self.inflight = Inflight()
-        # deltas (wb.runtime.engine.deltas): every send keeps its base; receives of deltas go
+        # deltas (wb.runtime.engine.deltas.units): every send keeps its base; receives of deltas go
         # through staging, in schedule order with the others
         self.delta = delta
         self.came: dict[int, list] = {}  # parent -> [the delta it brought, relays still to send]

@@ -173,7 +173,7 @@ class Finisher:
         """Version ``v`` for this worker, over as many attempts as it takes (``ready``: device
         work still writing ``arrays``, see :meth:`Program.run
         <wb.runtime.engine.program.Program.run>`; later attempts find it done; ``delta``: the
-        first attempt's :class:`~wb.runtime.engine.deltas.DeltaPlan`, repairs go dense)."""
+        first attempt's :class:`~wb.runtime.engine.deltas.units.DeltaPlan`, repairs go dense)."""
         self._refused: ChecksumError | None = None
         stats = self._run(v, arrays, ready=ready, delta=delta)
         if self._refused is not None:

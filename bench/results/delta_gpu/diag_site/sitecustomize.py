@@ -21,8 +21,11 @@ if _out:
         return w
 
     def patch():
-        from wb.runtime.engine import deltas, delta_batches, delta_device, update, program, movers
-        from wb.runtime.engine import delta_tables
+        from wb.runtime.engine import movers, program, update
+        from wb.runtime.engine.deltas import batches as delta_batches
+        from wb.runtime.engine.deltas import device as delta_device
+        from wb.runtime.engine.deltas import tables as delta_tables
+        from wb.runtime.engine.deltas import units as deltas
         from wb.runtime.transport import ucx
         for mod, names in [(deltas, ["land", "_settle", "keep"]),
                            (delta_batches, ["take_parked", "_apply_batch", "_apply_direct",

@@ -1,4 +1,4 @@
-"""The CUDA source of the delta codec's kernels (:mod:`wb.runtime.engine.delta_device` launches
+"""The CUDA source of the delta codec's kernels (:mod:`wb.runtime.engine.deltas.device` launches
 them), one block of :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOCK` of elements:
 
 - ``wb_delta_count_W``: a message's changes counted per block (elements of ``W`` bytes);

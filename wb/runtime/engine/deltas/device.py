@@ -1,7 +1,7 @@
 """The delta codec on a device: :mod:`wb.algorithms.delta`'s bytes, made and applied where the
 buffers are, bit for bit what the host codec makes.
 
-On a CUDA device, kernels (:mod:`wb.runtime.engine.delta_kernels`), one block of
+On a CUDA device, kernels (:mod:`wb.runtime.engine.deltas.kernels`), one block of
 :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOCK` of elements:
 
 - encode (:func:`advance_many`: the deltas of a turn's sends at once): each block counts its
@@ -38,8 +38,8 @@ import numpy as np
 
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
-from wb.runtime.engine import delta_kernels
-from wb.runtime.engine.delta_kernels import THREADS, kernel_source
+from wb.runtime.engine.deltas import kernels as delta_kernels
+from wb.runtime.engine.deltas.kernels import THREADS, kernel_source
 
 __all__ = ["encode", "of_changes", "dense", "apply", "to_host", "sized", "changed", "received",
            "elements", "address", "kernel_module", "kernels_of", "kernel_source", "WIDTHS",
@@ -119,7 +119,7 @@ def encode(base, new, *, itemsize: int, xp):
 
 
 def kernel_module():
-    """The codec's compiled kernels (:func:`wb.runtime.engine.delta_kernels.module`); the tests
+    """The codec's compiled kernels (:func:`wb.runtime.engine.deltas.kernels.module`); the tests
     put the host-compiled ones here."""
     return delta_kernels.module()
 

@@ -1,9 +1,9 @@
-"""A delta update's steps over many units at once (:mod:`wb.runtime.engine.deltas` says what a
+"""A delta update's steps over many units at once (:mod:`wb.runtime.engine.deltas.units` says what a
 unit's delta is and how it lands): the sends a turn takes, encoded together, and the receives a
 turn completed, applied together.
 
 On the host each unit goes in turn (numpy's codec). On a device a few launches serve a whole
-batch (:mod:`wb.runtime.engine.delta_device`), and the host waits for the device nowhere: a
+batch (:mod:`wb.runtime.engine.deltas.device`), and the host waits for the device nowhere: a
 batch of sends is parked while its counts come to the host behind the stream, then while its
 deltas are written, and is posted after; a batch of receives is applied at once (the kernels
 read each delta's header on the device) and parked while its flags and sizes come, landing
@@ -17,9 +17,9 @@ import numpy as np
 
 from wb.algorithms import delta as codec
 from wb.errors import TransferError
-from wb.runtime.engine import delta_device as dev
-from wb.runtime.engine import delta_tables as many
-from wb.runtime.engine.deltas import alike, encode_one, encode_send, keep, land, width
+from wb.runtime.engine.deltas import device as dev
+from wb.runtime.engine.deltas import tables as many
+from wb.runtime.engine.deltas.units import alike, encode_one, encode_send, keep, land, width
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["post_sends", "take_completions", "take_parked"]
@@ -29,7 +29,7 @@ def _encode_start(prog, mover, gs, *, to, came: dict, cut: dict):
     """The encoding of units ``gs`` on a device up to the changes counted (the deltas of the
     units that keep a base are made together, a zero-copy unit's base advanced by the
     compaction): ``(outs, counted, jobs, spent, queued)``: the payloads known already (``None``
-    for the deltas to make), what :func:`~wb.runtime.engine.delta_tables.count_many` gave (or
+    for the deltas to make), what :func:`~wb.runtime.engine.deltas.tables.count_many` gave (or
     ``None``), the deltas to make, the bases to give back once the device work passed, whether
     any device work was queued."""
     xp = mover.xp
@@ -84,7 +84,7 @@ def _encode_finish(mover, state, host) -> tuple[list, bool]:
 def post_sends(u, gs) -> None:
     """Posts the sends of units ``gs`` of update ``u`` (:class:`~wb.runtime.engine.update.
     _Update`) in a job that sends deltas, encoded together (on the host one by one:
-    :func:`~wb.runtime.engine.deltas.encode_send`). Each was
+    :func:`~wb.runtime.engine.deltas.units.encode_send`). Each was
     counted in the send budget as staged (its unit's bytes) when it was taken; once encoded it
     counts what its payload holds, and one that leaves from its own buffer nothing. On a
     device the host waits for nothing: the batch is parked while its counts come to the host,
@@ -204,7 +204,7 @@ def _target(u, g, spent: list, unpack: list):
 
 def _apply_direct(u, landing) -> tuple:
     """A batch's deltas applied by two launches that read their headers on the device
-    (:func:`~wb.runtime.engine.delta_tables.apply_many`), its dense receives unpacked. Returns
+    (:func:`~wb.runtime.engine.deltas.tables.apply_many`), its dense receives unpacked. Returns
     the batch parked on its flags' and sizes' copy to the host: ``("flags", landing, (state,
     event, memory), staging to give back, True)``."""
     prog, mover, frm = u.prog, u.mover, u.delta.frm
@@ -322,7 +322,7 @@ def _counted(u, landing, state, direct: bool) -> tuple[list, list, bool]:
 def _apply_batch(u, landing, ins, heads) -> tuple:
     """A batch's deltas applied, its dense receives unpacked, once their headers are on the
     host: the BLOCKS deltas whose changes no forward needs decoded together (:func:`~wb.
-    runtime.engine.delta_tables.apply_many`), the rest one by one (:func:`land`). Returns the
+    runtime.engine.deltas.tables.apply_many`), the rest one by one (:func:`land`). Returns the
     batch parked on its flags' copy to the host: ``("flags", landing, (state, event, memory),
     staging to give back, False)``."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover

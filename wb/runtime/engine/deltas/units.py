@@ -22,9 +22,9 @@ delta was made against, so the delta applies there alike; where the parent came 
 sends the new bytes as a delta of the dense kind. Other forwards are encoded against the
 forwarder's own bases.
 
-On a device the same steps run where the buffers are (:mod:`wb.runtime.engine.delta_device`, the
+On a device the same steps run where the buffers are (:mod:`wb.runtime.engine.deltas.device`, the
 host codec's bytes made by kernels on the update's stream), many units at once and without the
-host waiting for the device (:mod:`wb.runtime.engine.delta_batches`).
+host waiting for the device (:mod:`wb.runtime.engine.deltas.batches`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from wb.algorithms import delta as codec
 from wb.data.dtypes import dtype_info
 from wb.errors import TransferError
-from wb.runtime.engine import delta_device as dev
+from wb.runtime.engine.deltas import device as dev
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["DeltaPlan", "width", "encode_send", "encode_one", "land", "keep", "alike"]
@@ -109,7 +109,7 @@ def encode_send(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
 
 def encode_one(prog, mover, g, *, as_delta: bool, came: dict, cut: dict):
     """:func:`encode_send` without waiting for the device (its caller waits, or queues the wait
-    behind an event: :mod:`wb.runtime.engine.delta_batches`)."""
+    behind an event: :mod:`wb.runtime.engine.deltas.batches`)."""
     xp = mover.xp
     at = prog.sliced.get(g.m)
     if at is not None or g.m in prog.relays:
@@ -168,7 +168,7 @@ def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None
     the base of a converted unit.
 
     ``came``: the delta and its header's bytes on the host, where the caller read them
-    (:func:`~wb.runtime.engine.delta_tables.received_many`). On a device, ``bad``: the flag a
+    (:func:`~wb.runtime.engine.deltas.tables.received_many`). On a device, ``bad``: the flag a
     malformed delta sets (the caller reads it), and ``spent``: a list that takes the staging to
     give back once the device work passed (else the host waits for it here).
 

@@ -1,5 +1,5 @@
-"""The delta codec over many messages at once on a CUDA device (:mod:`wb.runtime.engine.
-delta_device` makes and applies one): each step one launch over every block of every message,
+"""The delta codec over many messages at once on a CUDA device (:mod:`wb.runtime.engine.deltas.
+device` makes and applies one): each step one launch over every block of every message,
 driven by a table of them that the host writes once.
 
 - encode (:func:`advance_many`: the deltas of a turn's sends): ``wb_delta_count_many`` counts
@@ -25,8 +25,8 @@ import functools
 import numpy as np
 
 from wb.algorithms import delta as codec
-from wb.runtime.engine import delta_device as one
-from wb.runtime.engine.delta_kernels import THREADS
+from wb.runtime.engine.deltas import device as one
+from wb.runtime.engine.deltas.kernels import THREADS
 
 __all__ = ["advance_many", "count_many", "write_many", "apply_many", "flags_and_sizes",
            "read_flags", "headers", "received_many", "prepare"]
@@ -45,7 +45,7 @@ def apply_many(items, bad, sizes, *, xp) -> None:
     malformed (its sizes disagree with its header or the target, a place out of order or past
     the end, counts not its own), 2 where it is not a BLOCKS delta, or its element width gives
     the target another number of blocks than ``w`` does (the host applies it: :func:`~wb.
-    runtime.engine.delta_device.apply`; a delta of another width with as many blocks is applied
+    runtime.engine.deltas.device.apply`; a delta of another width with as many blocks is applied
     here, as the host codec would).
 
     Raises:
