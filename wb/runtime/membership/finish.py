@@ -1,38 +1,38 @@
 """How a version finishes when rollouts die during it: attempts, repair plans, membership.
 
-A version runs in *attempts*; attempt 0 is the plan's. Each worker marks in the store that its
-part of an attempt is done. The *leader*, the lowest trainer rank, waits after its own part until
-every worker of the attempt is done. A worker that stays missing and stops beating (dead or hung:
-:mod:`wb.runtime.membership.liveness`) makes it open the next attempt: it names the dead, takes the surviving
-rollouts not done yet (the *need*: their buffers are partial), plans the trainers -> need transfer
-(the planner's ordinary plan over those rollouts: what the dead were to forward comes from a
-trainer, or from another rollout in need), and publishes each worker's part and the attempt's
-record. Every trainer and every rollout in need then runs its part of the new attempt into the
-same buffers (a rollout's staging or live buffers, written whole again: the same bytes), under
-tags of its own. A worker whose attempt is stalled, on a silent peer or on a live one that waits
-for the dead, cancels what it has in flight (the connections stay) and goes on with the new one.
-Once every worker of the last attempt is done, the leader writes the version's *final* record:
-the rollouts of the next version (the dead removed) and, when they changed, each worker's part of
-the plan without the dead, which every worker takes up at its next join.
+A version runs in *attempts*; attempt 0 is the plan's. Each worker marks in the store that its part
+of an attempt is done. The *leader*, the lowest trainer rank, waits after its own part until every
+worker of the attempt is done. A worker that stays missing and stops beating (dead or hung:
+:mod:`wb.runtime.membership.liveness`) makes it open the next attempt: it names the dead, takes the
+surviving rollouts not done yet (the *need*: their buffers are partial), plans the trainers -> need
+transfer (the planner's ordinary plan over those rollouts: what the dead were to forward comes from
+a trainer, or from another rollout in need), and publishes each worker's part and the attempt's
+record. Every trainer and every rollout in need then runs its part of the new attempt into the same
+buffers (a rollout's staging or live buffers, written whole again: the same bytes), under tags of
+its own. A worker whose attempt is stalled, on a silent peer or on a live one that waits for the
+dead, cancels what it has in flight (the connections stay) and goes on with the new one. Once every
+worker of the last attempt is done, the leader writes the version's *final* record: the rollouts of
+the next version (the dead removed) and, when they changed, each worker's part of the plan without
+the dead, which every worker takes up at its next join.
 
 Trainers keep the version (their staging, or the live weights: ``push`` without staging blocks)
-until the final record, since they may have to send it again. A rollout whose part is done
-returns at once, unless a repair is under way: the leader marks its *intent* before it reads who
-is done, and a rollout reads the intent after marking its own done, so one of the two always sees
-the other. A trainer that dies fails the version for everyone: rollouts keep the previous
-version.
+until the final record, since they may have to send it again. A rollout whose part is done returns
+at once, unless a repair is under way: the leader marks its *intent* before it reads who is done,
+and a rollout reads the intent after marking its own done, so one of the two always sees the other.
+A trainer that dies fails the version for everyone: rollouts keep the previous version.
 
-Membership is by version: a rollout that asks to join (:func:`wb.runtime.membership.joining.request_join`,
-a new replica or a restarted one) is admitted by the leader when it pushes the next version
-(:meth:`Finisher.admit`, before announcing it: a *start* record names the epoch that version
-runs), and receives that version whole. In it the joiner is *fed apart*: it gets everything it
-needs from the trainers and forwards nothing, the others' routes are planned as if it were not
-there, and nobody waits for it to join; from the version after, a plan with everyone (at the
-bound) takes over. So the others are not disturbed and never wait for a joiner.
+Membership is by version: a rollout that asks to join
+(:func:`wb.runtime.membership.joining.request_join`, a new replica or a restarted one) is admitted
+by the leader when it pushes the next version (:meth:`Finisher.admit`, before announcing it: a
+*start* record names the epoch that version runs), and receives that version whole. In it the
+joiner is *fed apart*: it gets everything it needs from the trainers and forwards nothing, the
+others' routes are planned as if it were not there, and nobody waits for it to join; from the
+version after, a plan with everyone (at the bound) takes over. So the others are not disturbed and
+never wait for a joiner.
 
 Planning again needs every worker's layout (a :class:`Roster`): from the whole plan, or from the
-store where :func:`wb.agree_parts` put it; without one a rollout's death fails the version and
-no joiner is admitted. Cancelling needs a transport with ``cancel`` (UCX's, the local one).
+store where :func:`wb.agree_parts` put it; without one a rollout's death fails the version and no
+joiner is admitted. Cancelling needs a transport with ``cancel`` (UCX's, the local one).
 
 A rollout whose bytes failed their checksums (:class:`wb.ChecksumError`) counts as done: the
 version finishes for all, then :meth:`Finisher.run` raises it to that rollout.
@@ -48,27 +48,22 @@ from typing import NamedTuple
 from wb.algorithms import planner
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan
-from wb.errors import ChecksumError, PeersLost, PlanError, TransferError
+from wb.errors import ChecksumError, PeersLost, TransferError
 from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
 from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import ExecStats
 from wb.runtime.membership.joining import Admissions
 from wb.runtime.membership.records import fetch_part, gather_layouts, publish_parts
+from wb.runtime.membership.repairs import ATTEMPT_BITS, plan_ahead, publish_repair
 from wb.runtime.transport.stores import read_record, set_record
 
 __all__ = ["Finisher", "Roster", "tag_base", "ATTEMPT_BITS"]
 
 log = logging.getLogger(__name__)
 
-#: Bits of a tag for the message index within an attempt; the attempt sits above them and the
-#: version above ``32``.
-ATTEMPT_BITS = 27
 _POLL_S = 0.004  # how often the store is read for records and done keys
 _ASK_S = 0.25  # how often heartbeats are read (a peer is dead only after seconds anyway)
-#: A worker silent this long (a third of the liveness grace) is suspected: the leader plans the
-#: repair for its death ahead, so that calling it dead only has to publish the record.
-SUSPECT_AFTER = 1 / 3
 _PEEK_S = 0.001  # a store lookup that does not wait
 
 
@@ -132,7 +127,8 @@ class Finisher:
         self.admissions = Admissions(self, peek=self._has)  # the leader's side of joining
         self.deaths: list[dict] = []  # the leader's: whom it called dead, in which version, when
         self._watched: set[int] = set()  # workers whose incarnation the watch knows
-        self._ahead: tuple | None = None  # (v, attempt, dead, left): a repair published ahead
+        self.ahead: dict = {}  # (v, attempt, rollouts left): where a repair planned ahead lies
+        self._asked = 0.0  # when the leader, stalled in its own part, last read the heartbeats
         self.apart: set[int] = set()  # this epoch's rollouts fed apart (its joiners)
         self._top_epoch = epoch  # the highest epoch the leader has handed out
         self._epochs = threading.Lock()  # handed out by the pushing thread and the joins' one
@@ -223,8 +219,8 @@ class Finisher:
             a += 1
             self.repairs.append(nxt)
             if self.is_trainer or end.rank in nxt["need"]:
-                part = fetch_part(end.store, end.rank, name=self._key(v, "part", a),
-                                  timeout=self._patience)
+                part = fetch_part(end.store, end.rank, timeout=self._patience,
+                                  name=nxt.get("parts") or self._key(v, "part", a))
                 _call(end.transport, "add_peers", part.peers)
                 prog = Program(part, stage_receives=end.stage_receives,
                                frames=framing(end.transport),
@@ -237,8 +233,7 @@ class Finisher:
                                     f"(called dead after {nxt['dead']}); it holds part of it")
 
     def _beats_done(self, v: int, a: int, r: int) -> bool:
-        """Whether worker ``r``'s beats say it is done with attempt ``a`` of version ``v`` (for a
-        done key the store lost)."""
+        """Whether worker ``r``'s beats say it is done with attempt ``a`` of version ``v``."""
         return self.end.watch.status(r) == f"{v}.{a}"
 
     @property
@@ -248,10 +243,18 @@ class Finisher:
 
     def _stop(self, v: int, a: int) -> bool:
         """Whether a stalled attempt ``a`` should give up: the leader opened the next one, or
-        (for the leader) a worker reported a lost peer."""
-        if self.end.rank == self.leader:
-            return self._has(self._key(v, "lost", a)) is not None
-        return self._has(self._key(v, "intent", a + 1)) is not None
+        (for the leader) a worker reported a lost peer. The leader stalled in its own part plans
+        repairs ahead meanwhile, as it does once its part is done (:mod:`~wb.runtime.membership.
+        repairs`)."""
+        if self.end.rank != self.leader:
+            return self._has(self._key(v, "intent", a + 1)) is not None
+        if time.monotonic() - self._asked > _ASK_S:
+            self._asked = time.monotonic()
+            need = self.rollouts if a == 0 else self.repairs[-1]["need"]
+            missing = [r for r in need if self._has(self._key(v, "done", a, r)) is None]
+            if missing:
+                plan_ahead(self, v, a, need, missing)
+        return self._has(self._key(v, "lost", a)) is not None
 
     def _await(self, v: int, a: int) -> dict | None:
         """Waits for the version's final record (None) or attempt ``a + 1``'s record; fails if
@@ -306,7 +309,7 @@ class Finisher:
                 missing = [r for r in workers if r not in done]
                 silent = end.watch.silent([r for r in missing if r != end.rank])
                 if missing and not silent:  # plan ahead for those that look dead
-                    self._plan_ahead(v, a, need, missing)
+                    plan_ahead(self, v, a, need, missing)
             if not missing:
                 self._finish(v, set())
                 return None
@@ -340,52 +343,17 @@ class Finisher:
                    f"with wb.agree_parts under this session's name (without quantize=)")
             set_record(store, self._key(v, "attempt", a + 1), {"failed": msg})
             raise TransferError(f"version {v} failed: {msg}")
-        ahead = self._ahead == (v, a + 1, tuple(dead_all), tuple(left))
-        if not ahead:
-            self._publish_repair(v, a + 1, left)
+        ahead = self.ahead.get((v, a + 1, tuple(left)))
+        parts = ahead or self._key(v, "part", a + 1)
+        if ahead is None:
+            publish_repair(self, left, parts)
         rec = {"version": v, "attempt": a + 1, "dead": dead_all, "need": left, "detected_s": detected,
-               "planned_s": time.time() - detected, "planned_ahead": ahead}
+               "planned_s": time.time() - detected, "planned_ahead": ahead is not None,
+               "parts": parts}
         set_record(store, self._key(v, "attempt", a + 1), rec)
         log.warning("version %d: rollouts %s stopped beating; attempt %d sends again to %s",
                     v, sorted(dead), a + 1, left)
         return rec
-
-    def _publish_repair(self, v: int, a: int, left: list[int]) -> None:
-        """Plans attempt ``a`` of version ``v`` (the trainers -> ``left`` transfer) and publishes
-        each worker's part (read only once the attempt's record is written)."""
-        repair = planner.plan([self.layouts[t] for t in self.trainers],
-                           [self.layouts[r] for r in left], self.cluster,
-                           chunk_bytes=self.chunk_bytes)
-        if repair.messages.stage.size >= 1 << ATTEMPT_BITS:
-            raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
-                            f"2**{ATTEMPT_BITS} fit a tag")
-        publish_parts(self.end.store, repair, name=self._key(v, "part", a))
-
-    def _plan_ahead(self, v: int, a: int, need: list[int], missing: list[int]) -> None:
-        """While workers of attempt ``a`` are missing, before the liveness grace calls any dead:
-        the repair for the death of those silent for :data:`SUSPECT_AFTER` of the grace, planned
-        and its parts published now (no record: nobody reads them until one is written). Calling
-        them dead later then only writes the record, if the dead and the rollouts left are the
-        same; otherwise the repair is planned again then."""
-        if not self.can_plan:
-            return
-        end = self.end
-        suspects = end.watch.silent([r for r in missing if r != end.rank],
-                                    grace=end.watch.grace * SUSPECT_AFTER)
-        if not suspects or any(r in self.trainers for r in suspects):
-            return
-        done = {r for r in need if r not in missing}
-        dead_all = tuple(sorted(set(suspects) | self._dead_in(v)))
-        left = tuple(r for r in need if r not in done and r not in suspects)
-        key = (v, a + 1, dead_all, left)
-        if not left or key == self._ahead:
-            return
-        try:
-            self._publish_repair(v, a + 1, list(left))
-        except PlanError as e:  # planned again when called dead, and raised then
-            log.debug("version %d: planning ahead failed: %s", v, e)
-            return
-        self._ahead = key
 
     def _finish(self, v: int, dead: set[int]) -> None:
         """The final record of version ``v``. With dead rollouts, or joiners fed apart in it,
