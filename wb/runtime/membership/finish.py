@@ -233,7 +233,8 @@ class Finisher:
                                     f"(called dead after {nxt['dead']}); it holds part of it")
 
     def _beats_done(self, v: int, a: int, r: int) -> bool:
-        """Whether worker ``r``'s beats say it is done with attempt ``a`` of version ``v``."""
+        """Whether worker ``r``'s beats say it is done with attempt ``a`` of version ``v`` (for a
+        done key the store lost)."""
         return self.end.watch.status(r) == f"{v}.{a}"
 
     @property
