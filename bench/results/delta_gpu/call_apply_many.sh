@@ -4,6 +4,7 @@
 # the applies read their headers on the device):
 #   TEST_TIMEOUT=110 FP8_TIMEOUT=240 VERSIONS=4 RUNS="12:l12_mps 12:l12_timesliced 12:l12_prof_mps" \
 #     bash bench/results/delta_gpu/call_apply_many.sh
+# and in a second call: SKIP_TESTS=1 RUNS=" " GPU_BENCH_REPLICAS="1 4" bash ...
 source bench/gpu_common.sh
 [ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
   tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
@@ -35,12 +36,22 @@ grep -iE "error|Traceback" $OUT/fp8_delta_$2.err | tail -3
 # RUNS: "layers:name" pairs; a name ending in _mps runs under MPS (default: 4 layers both ways,
 # then 12 where the card has room). SKIP_TESTS=1 skips the GPU tests. A run whose name holds
 # "prof" writes a profile of each process's later delta updates (prof_<name>_<pid>.txt).
-if [ -z "$RUNS" ]; then
+if [ -z "${RUNS+set}" ]; then
   RUNS="4:l4_timesliced 4:l4_mps"
   [ "${MEM:-0}" -gt 100000 ] && RUNS="$RUNS 12:l12_timesliced 12:l12_mps"
 fi
 for r in $RUNS; do
   case ${r#*:} in *_mps) mps_on; run ${r%%:*} ${r#*:}; mps_off;; *) run ${r%%:*} ${r#*:};; esac
+done
+# GPU_BENCH_REPLICAS="1 4": `python -m wb bench --cuda 0 --profile gpu --delta 1e-6` under MPS
+# (the emulated links; the issue's <= 0.3x dense), one run per replica count
+for R in $GPU_BENCH_REPLICAS; do
+  mps_on
+  timeout ${BENCH_TIMEOUT:-240} python3 -m wb bench --cuda 0 --profile gpu --replicas $R \
+    --delta 1e-6 --json --out $OUT/gpu_bench_delta_r$R > $OUT/gpu_bench_delta_r$R.out \
+    2> $OUT/gpu_bench_delta_r$R.err
+  mps_off
+  tail -c 1500 $OUT/gpu_bench_delta_r$R.out; grep -iE "error|Traceback" $OUT/gpu_bench_delta_r$R.err | tail -3
 done
 # what comes back is a few files: the runs' files in one archive
 (cd $OUT && tar czf runs.tgz --exclude=runs.tgz --exclude=device.txt . && \
