@@ -231,39 +231,3 @@ def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypat
     many.prepare(xp)
     assert many._prepared.cache_info().currsize == 1
     many._prepared.cache_clear()
-
-
-def test_deltas_kept_for_relays_are_copied_as_many_bytes_as_each_holds(lib, monkeypatch):
-    """copy_sized after apply_many: a good delta's first ``size`` bytes copied (across the
-    kernel's 64 KiB blocks), nothing after them, nothing of a flagged one."""
-    from wb.runtime.engine.deltas import device as dev
-    from wb.runtime.engine.deltas import tables as many
-
-    monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
-    xp, rng = _Xp(), np.random.default_rng(5)
-    n = 8 * codec.BLOCK
-    base = rng.integers(0, 256, n, dtype=np.uint8)
-    new = base.copy()
-    new[rng.random(n) < 0.05] ^= 1
-    good = codec.encode(base, new, itemsize=1)
-    assert codec.kind_of(good) == "blocks" and good.nbytes > 1 << 16
-    bad_places = good.copy()
-    last = bad_places[-4:].view("<u2")
-    last[1] = last[0]  # the last two places alike: out of order
-    recvs, items, copies = [], [], []
-    for j, d in enumerate([good, bad_places, codec.dense(new, itemsize=1)]):
-        buf = np.full(d.nbytes + 5000, 0xAB, np.uint8)  # a receive holds more than came
-        buf[:d.nbytes] = d
-        recvs.append(buf.view(_Dev))
-        items.append((base.copy().view(_Dev), recvs[-1], 1, j))
-        copies.append((recvs[-1], np.zeros(buf.nbytes, np.uint8).view(_Dev), j))
-    bad = np.zeros(3, np.uint32).view(_Dev)
-    sizes = np.zeros(3, np.int64).view(_Dev)
-    many.apply_many(items, bad, sizes, xp=xp)
-    many.copy_sized(copies, bad, sizes, xp=xp)
-    assert bad.tolist() == [0, 1, 2]
-    _, got, _ = copies[0]
-    assert got[:good.nbytes].tobytes() == good.tobytes() and not got[good.nbytes:].any()
-    assert not copies[1][1].any() and not copies[2][1].any()
-    with pytest.raises(ValueError, match="as large"):
-        many.copy_sized([(recvs[0], copies[0][1][:10], 0)], bad, sizes, xp=xp)

@@ -19,7 +19,7 @@ from harness.threads import run_each
 from wb.data.plan import RankPlan
 from wb.layouts import megatron_trainer, vllm_rollout
 from wb.layouts.presets import TINY
-from wb.runtime.engine import movers, program
+from wb.runtime.engine import movers, program, update
 from wb.runtime.engine.deltas import batches as delta_batches
 from wb.runtime.engine.deltas import device as delta_device
 from wb.runtime.engine.deltas import tables as delta_tables
@@ -81,9 +81,16 @@ def on_the_host_device(tmp_path, monkeypatch):
     delta_tables._prepared.cache_clear()
     delta_tables.prepare(xp)  # (as the first update would: before the steps are counted)
     seen = {"advanced": 0, "applied together": 0, "by headers": 0,  # through the batched steps
-            "copied for relays": 0}
+            "landed after the kept copies": 0}
     count_many, apply_many = delta_tables.count_many, delta_tables.apply_many
-    by_headers, copy_sized = delta_batches._by_headers, delta_tables.copy_sized
+    by_headers, take_parked = delta_batches._by_headers, delta_batches.take_parked
+
+    kept = set()
+
+    def parked_spy(u):  # (asks no event: the harness's say "not yet" once)
+        kept.update(id(p) for p in u.parked if p[0] == "kept")
+        seen["landed after the kept copies"] = len(kept)
+        return take_parked(u)
 
     def advance_spy(jobs, **kw):
         seen["advanced"] += len(jobs)
@@ -92,18 +99,14 @@ def on_the_host_device(tmp_path, monkeypatch):
     def apply_spy(items, bad, sizes, **kw):
         seen["applied together"] += len(items)
         return apply_many(items, bad, sizes, **kw)
-
-    def copy_spy(items, bad, sizes, **kw):
-        seen["copied for relays"] += len(items)
-        return copy_sized(items, bad, sizes, **kw)
-
     def headers_spy(u, landing):
         seen["by headers"] += len(landing)
         return by_headers(u, landing)
     monkeypatch.setattr(delta_tables, "count_many", advance_spy)
     monkeypatch.setattr(delta_tables, "apply_many", apply_spy)
     monkeypatch.setattr(delta_batches, "_by_headers", headers_spy)
-    monkeypatch.setattr(delta_tables, "copy_sized", copy_spy)
+    monkeypatch.setattr(delta_batches, "take_parked", parked_spy)
+    monkeypatch.setattr(update, "take_parked", parked_spy)
     yield seen
     delta_tables._prepared.cache_clear()
 
@@ -132,5 +135,5 @@ def test_the_device_path_gives_every_rollout_the_dense_bytes(on_the_host_device,
     assert all(p.version == 5 for p in job.progs.values())
     # every kind of batch ran: sends encoded together, deltas applied by kernels that read their
     # headers, the deltas those left to the host (masks, at density 0.3) by their headers, and
-    # the deltas relays forward copied on the device, as many bytes as each holds
+    # receives whose deltas relays forward, landing once the copies kept of them had run
     assert all(on_the_host_device.values()), on_the_host_device

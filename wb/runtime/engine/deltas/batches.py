@@ -19,8 +19,7 @@ from wb.algorithms import delta as codec
 from wb.errors import TransferError
 from wb.runtime.engine.deltas import device as dev
 from wb.runtime.engine.deltas import tables as many
-from wb.runtime.engine.deltas.units import (alike, encode_one, encode_send, keep, land, relays,
-                                            width)
+from wb.runtime.engine.deltas.units import alike, encode_one, encode_send, keep, land, width
 from wb.runtime.engine.frames import Frame
 
 __all__ = ["post_sends", "take_completions", "take_parked"]
@@ -205,29 +204,22 @@ def _target(u, g, spent: list, unpack: list):
 
 def _apply_direct(u, landing) -> tuple:
     """A batch's deltas applied by two launches that read their headers on the device
-    (:func:`~wb.runtime.engine.deltas.tables.apply_many`), those that relays send on copied
-    after them as many bytes as each holds (:func:`~wb.runtime.engine.deltas.tables.
-    copy_sized`), its dense receives unpacked. Returns the batch parked on its flags' and sizes'
-    copy to the host: ``("flags", landing, (state, event, memory), staging to give back,
-    {j: (copy, relays)})``."""
+    (:func:`~wb.runtime.engine.deltas.tables.apply_many`), its dense receives unpacked. Returns
+    the batch parked on its flags' and sizes' copy to the host: ``("flags", landing, (state,
+    event, memory), staging to give back, True)``."""
     prog, mover, frm = u.prog, u.mover, u.delta.frm
     xp = mover.xp
     state, flags, sizes = many.flags_and_sizes(len(landing), xp=xp)
-    spent, together, unpack, copies, kept = [], [], [], [], {}
+    spent, together, unpack = [], [], []
     for j, (g, buf) in enumerate(landing):
-        if g.peer not in frm:
+        if g.peer in frm:
+            together.append((_target(u, g, spent, unpack), buf, width(g), j))
+        else:
             land(prog, mover, g, buf, as_delta=False, spent=spent)
-            continue
-        together.append((_target(u, g, spent, unpack), buf, width(g), j))
-        n = relays(u, g)
-        if n:
-            kept[j] = (xp.empty(buf.nbytes, xp.uint8), n)
-            copies.append((buf, kept[j][0], j))
     many.apply_many(together, flags, sizes, xp=xp)
-    many.copy_sized(copies, flags, sizes, xp=xp)
     for g, base in unpack:
         mover.unpack(g, base)
-    return "flags", landing, dev.to_host(state, xp=xp), spent, kept
+    return "flags", landing, dev.to_host(state, xp=xp), spent, True
 
 
 def take_parked(u) -> bool:
@@ -235,9 +227,9 @@ def take_parked(u) -> bool:
     (:func:`post_sends`): once a batch's counts are on the host its deltas are written, and
     once those are, the batch is posted. Receives (:func:`take_completions`): once a batch's
     flags and sizes are on the host, malformed deltas fail the update, the ones the host must
-    apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land; a
-    batch that went that way is applied once its headers are on the host, and lands once its
-    flags are. The host never
+    apply (not BLOCKS deltas) go the longer way (:func:`_by_headers`), and the rest land (once
+    the copies queued of what they brought for forwards have run); a batch that went that way
+    is applied once its headers are on the host, and lands once its flags are. The host never
     waits for the device here: a batch not ready stays parked."""
     moved, left = False, []
     for p in u.parked:
@@ -265,53 +257,66 @@ def take_parked(u) -> bool:
                 continue
             p = _apply_batch(u, p[1], p[2], heads[0] if heads is not None else None)
             moved = True
-        _, landing, (state, ev, _), spent, kept = p
+        if p[0] == "kept":  # (_, receives, event): the copies the forwards keep have run
+            if not p[2].done:
+                left.append(p)
+                continue
+            for g, buf in p[1]:
+                u.landed(g, buf)
+            moved = True
+            continue
+        _, landing, (state, ev, _), spent, direct = p
         if not ev.done:
             left.append(p)
             continue
         moved = True
         for old in spent:
             u.mover.release(old)
-        again = _counted(u, landing, state, kept)
+        again, ready, kept = _counted(u, landing, state, direct)
         if again:
             left.append(_by_headers(u, again))
+        fence = u.mover.fence() if kept else None
+        if fence is not None:  # their staging goes back once the copies they feed have run
+            left.append(("kept", ready, fence))
+            continue
+        for g, buf in ready:
+            u.landed(g, buf)
     u.parked = left
     return moved
 
 
-def _counted(u, landing, state, kept) -> list:
+def _counted(u, landing, state, direct: bool) -> tuple[list, list, bool]:
     """A batch of receives whose flags and sizes (``state``'s host bytes) came: a malformed
-    delta fails the update, the rest land, but for the deltas a direct apply left to the host,
-    returned to go the longer way. ``kept``: ``None`` for a batch applied by its headers
-    (:func:`_apply_batch`, which counted and kept what each delta brought); else the batch was
-    applied directly (:func:`_apply_direct`) and what each delta brought is counted here, its
-    size now known, the copies for relays (``kept``) cut to it."""
+    delta fails the update. Returns ``(again, ready, kept)``: the deltas a direct apply left to
+    the host (to go the longer way), the receives that may land, and whether copies of what they
+    brought were queued for forwards (``direct``: applied by :func:`_apply_direct`, so what each
+    delta brought is counted and kept here, its size now known; the staging then goes back only
+    once those copies have run)."""
     flags, sizes = many.read_flags(state, len(landing))
-    direct = kept is not None
     for j in np.flatnonzero(flags == 1 if direct else flags):
         g = landing[int(j)][0]
         raise TransferError(f"rank {u.prog.rank}: the delta for {g.label()} from rank {g.peer} "
                             f"is malformed: its sizes disagree with its header or its message, "
                             f"its places are not ascending within the message, or its counts "
                             f"are not its header's")
-    again, sums, frm, xp = [], u.sums, u.delta.frm, u.mover.xp
+    if not direct:
+        return [], landing, False
+    again, ready, kept, sums, frm, xp = [], [], False, u.sums, u.delta.frm, u.mover.xp
     for j, (g, buf) in enumerate(landing):
-        if direct and flags[j] == 2:
+        if flags[j] == 2:
             again.append((g, buf))
             continue
-        if direct:
-            came = buf
-            if g.peer in frm:
-                size = int(sizes[j])
-                came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
-                    buf.reshape(-1).view(xp.uint8)[:size]
-                if j in kept:  # for the relays that send it on (see units.encode_send)
-                    u.came[g.m] = [kept[j][0][:size], kept[j][1]]
-            if sums is not None:
-                sums.landed(g, came)
-            u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
-        u.landed(g, buf)
-    return again
+        came = buf
+        if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
+            size = int(sizes[j])
+            came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
+                buf.reshape(-1).view(xp.uint8)[:size]
+            kept |= keep(u, g, came, None)
+        if sums is not None:
+            sums.landed(g, came)
+        u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        ready.append((g, buf))
+    return again, ready, kept
 
 
 def _apply_batch(u, landing, ins, heads) -> tuple:
@@ -319,7 +324,7 @@ def _apply_batch(u, landing, ins, heads) -> tuple:
     host: the BLOCKS deltas whose changes no forward needs decoded together (:func:`~wb.
     runtime.engine.deltas.tables.apply_many`), the rest one by one (:func:`land`). Returns the
     batch parked on its flags' copy to the host: ``("flags", landing, (state, event, memory),
-    staging to give back, None)``."""
+    staging to give back, False)``."""
     sums, delta, prog, mover = u.sums, u.delta, u.prog, u.mover
     xp = mover.xp
     came_of = dict(zip((id(b) for b in ins), dev.sized(ins, heads, xp=xp))) if ins else {}
@@ -345,7 +350,7 @@ def _apply_batch(u, landing, ins, heads) -> tuple:
     many.apply_many(together, flags, sizes, xp=xp)
     for g, base in unpack:
         mover.unpack(g, base)
-    return "flags", landing, dev.to_host(state, xp=xp), spent, None  # behind the device work
+    return "flags", landing, dev.to_host(state, xp=xp), spent, False  # behind the device work
 
 
 def _decoded_needed(u, g) -> bool:

@@ -10,8 +10,7 @@ them), one block of :data:`THREADS` threads per :data:`~wb.algorithms.delta.BLOC
 - ``wb_delta_positions``, ``wb_delta_scatter_W``: one delta's places checked, then applied;
 - ``wb_delta_check_many``, ``wb_delta_scatter_many``: several deltas checked and applied by one
   launch each, from a table of them, each delta's header read on the device (the host reads
-  nothing before it applies them); ``wb_delta_copy_sized``: those kept for forwards copied, each
-  as many bytes as its header says.
+  nothing before it applies them).
 
 The tests compile the same source for the host (one thread a block).
 """
@@ -253,22 +252,6 @@ extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int
             default: ((unsigned long long*)t)[p] = ((const unsigned long long*)(d + 32))[j];
         }
     }
-}
-// The deltas a batch applied, copied for the forwards that send them on, each as many bytes as
-// its size says (written by the check), none where its flag is set. A row of ``tab``: the
-// receive's address, the copy's, the receive's bytes, the flag and size index j, its first
-// block; a block copies 65,536 bytes.
-#define WB_COPY_TAB 5
-extern "C" __global__ void wb_delta_copy_sized(const long long* tab, const int* block_job,
-        const unsigned int* bad, const long long* sizes) {
-    const long long* r = tab + (long long)block_job[blockIdx.x] * WB_COPY_TAB;
-    if (bad[r[3]]) return;
-    long long start = ((long long)blockIdx.x - r[4]) * 65536, end = sizes[r[3]];
-    if (end > r[2]) end = r[2];
-    if (end > start + 65536) end = start + 65536;
-    const unsigned char* src = (const unsigned char*)r[0];
-    unsigned char* dst = (unsigned char*)r[1];
-    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
 }
 """
 

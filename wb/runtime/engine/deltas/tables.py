@@ -28,8 +28,8 @@ from wb.algorithms import delta as codec
 from wb.runtime.engine.deltas import device as one
 from wb.runtime.engine.deltas.kernels import THREADS
 
-__all__ = ["advance_many", "count_many", "write_many", "apply_many", "copy_sized",
-           "flags_and_sizes", "read_flags", "headers", "received_many", "prepare"]
+__all__ = ["advance_many", "count_many", "write_many", "apply_many", "flags_and_sizes",
+           "read_flags", "headers", "received_many", "prepare"]
 
 
 def apply_many(items, bad, sizes, *, xp) -> None:
@@ -71,25 +71,6 @@ def apply_many(items, bad, sizes, *, xp) -> None:
     m = one.kernel_module()
     m.get_function("wb_delta_check_many")((total,), (THREADS,), args + (starts, bad, sizes))
     m.get_function("wb_delta_scatter_many")((total,), (THREADS,), args + (starts, bad))
-
-
-def copy_sized(items, bad, sizes, *, xp) -> None:
-    """Copies of deltas :func:`apply_many` applied, by one launch (``wb_delta_copy_sized``):
-    ``items`` are ``(receive, copy, j)``, ``copy`` as large as ``receive``, which takes the
-    receive's first ``sizes[j]`` bytes once the apply has written the size, nothing where
-    ``bad[j]`` is set. Queued on the current stream, after the apply."""
-    rows, nbs, total = [], [], 0
-    for buf, dst, j in items:
-        if not (buf.flags.c_contiguous and dst.flags.c_contiguous) or dst.nbytes < buf.nbytes:
-            raise ValueError("delta: copy_sized takes contiguous copies as large as the receives")
-        nb = -(-buf.nbytes // _COPY_BYTES)
-        rows.append((one.address(buf), one.address(dst), buf.nbytes, j, total))
-        nbs.append(nb)
-        total += nb
-    if total:
-        tab, block_job = _table(xp, rows, nbs)
-        one.kernel_module().get_function("wb_delta_copy_sized")(
-            (total,), (THREADS,), (tab, block_job, bad, sizes))
 
 
 def flags_and_sizes(n: int, *, xp):
@@ -134,8 +115,6 @@ def _prepared(xp, device: int) -> None:
         else:
             one.apply(xp.asarray(base), got, xp=xp, head=head)
     apply_many(together, bad, sizes, xp=xp)
-    copy_sized([(got, xp.empty(got.nbytes, xp.uint8), j) for j, (got, _) in enumerate(heads)],
-               bad, sizes, xp=xp)
     state.get()
 
 
@@ -216,8 +195,6 @@ def count_many(jobs, *, xp):
     return counts, views, nbs, first
 
 
-#: Bytes a block of ``wb_delta_copy_sized`` copies.
-_COPY_BYTES = 1 << 16
 #: Where each of a batch's deltas starts in their one buffer: a multiple of this many bytes.
 _ALIGN = 256
 

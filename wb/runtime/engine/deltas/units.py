@@ -39,7 +39,7 @@ from wb.errors import TransferError
 from wb.runtime.engine.deltas import device as dev
 from wb.runtime.engine.frames import Frame
 
-__all__ = ["DeltaPlan", "width", "encode_send", "encode_one", "land", "keep", "relays", "alike"]
+__all__ = ["DeltaPlan", "width", "encode_send", "encode_one", "land", "keep", "alike"]
 
 
 class DeltaPlan(NamedTuple):
@@ -214,26 +214,25 @@ def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None
     return got, decoded
 
 
-def relays(u, g) -> int:
-    """How many relays of update ``u`` send on the delta that came for unit ``g``."""
-    prog, to, units = u.prog, u.delta.to, u.prog.units
-    return sum(1 for c in prog.children.get(g.m, ()) if c in prog.relays and units[c].peer in to)
-
-
-def keep(u, g, came, decoded) -> None:
+def keep(u, g, came, decoded) -> bool:
     """Keeps what a delta for unit ``g`` brought for as long as forwards of this update will send
     it on: the delta itself for relays, the decoded changes of a frame for forwards of its
-    members (copies: the staging goes back to the pool)."""
+    members (copies: the staging goes back to the pool). Returns whether it kept anything (on a
+    device the copies are queued: the staging may go back once they have run)."""
     prog, to, units = u.prog, u.delta.to, u.prog.units
-    n = relays(u, g)
+    kids, kept = prog.children, False
+    n = sum(1 for c in kids.get(g.m, ()) if c in prog.relays and units[c].peer in to)
     if n:
         u.came[g.m] = [came.copy(), n]
+        kept = True
     if g.__class__ is Frame:
-        n = sum(1 for x in g.members for c in prog.children.get(x.m, ())
+        n = sum(1 for x in g.members for c in kids.get(x.m, ())
                 if c in prog.sliced and units[c].peer in to)
         if n:
             pos, vals = decoded
             u.cut[g.m] = [(None if pos is None else pos.copy(), vals.copy()), n]
+            kept = True
+    return kept
 
 
 def alike(u, g) -> bool:
