@@ -231,3 +231,23 @@ def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypat
     many.prepare(xp)
     assert many._prepared.cache_info().currsize == 1
     many._prepared.cache_clear()
+
+
+def test_advance_many_with_numpy_makes_the_host_codec_s_deltas_and_advances_the_bases():
+    """advance_many on host arrays (numpy as the array module): each delta the host codec's,
+    each base then holding its new bytes."""
+    from wb.runtime.engine.deltas import tables as many
+
+    rng = np.random.default_rng(3)
+    jobs, olds, news = [], [], []
+    for w, n in [(2, 3000), (4, 777), (1, 5)]:
+        base = rng.integers(0, 256, n * w, dtype=np.uint8)
+        new = base.copy()
+        new.reshape(n, w)[rng.random(n) < 0.1, 0] ^= 1
+        olds.append(base.copy())
+        news.append(new)
+        jobs.append((base, new, w))
+    made = many.advance_many(jobs, xp=np)
+    for (base, new, w), old, d in zip(jobs, olds, made):
+        assert d.tobytes() == codec.encode(old, new, itemsize=w).tobytes()
+        assert base.tobytes() == new.tobytes()

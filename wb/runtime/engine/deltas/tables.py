@@ -137,7 +137,7 @@ def advance_many(jobs, *, xp):
     """The deltas of several messages at once, each base then holding its new bytes.
 
     ``jobs``: ``(base, new, itemsize)`` byte arrays of one size each. Returns each job's delta,
-    the bytes :func:`encode` makes. On a CUDA device: one launch counts the changes of every
+    the bytes :func:`~wb.runtime.engine.deltas.device.encode` makes. On a CUDA device: one launch counts the changes of every
     block of every message, the host reads the counts (its one read) and writes one table, and
     one launch writes every :data:`~wb.algorithms.delta.BLOCKS` delta whole, each base taking
     the changed elements as they are read (a message's base costs no copy); a mask or a dense
@@ -147,7 +147,7 @@ def advance_many(jobs, *, xp):
     if xp is np:
         out = []
         for base, new, w in jobs:
-            out.append(encode(base, new, itemsize=w, xp=xp))
+            out.append(one.encode(base, new, itemsize=w, xp=xp))
             base.reshape(-1).view(xp.uint8)[:] = new.reshape(-1).view(xp.uint8)
         return out
     counted = count_many(jobs, xp=xp)
