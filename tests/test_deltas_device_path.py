@@ -81,7 +81,7 @@ def on_the_host_device(tmp_path, monkeypatch):
     delta_tables._prepared.cache_clear()
     delta_tables.prepare(xp)  # (as the first update would: before the steps are counted)
     seen = {"advanced": 0, "applied together": 0, "by headers": 0,  # through the batched steps
-            "landed after the kept copies": 0}
+            "landed after the kept copies": 0, "applied where packed units lie": 0}
     count_many, apply_many = delta_tables.count_many, delta_tables.apply_many
     by_headers, take_parked = delta_batches._by_headers, delta_batches.take_parked
 
@@ -99,6 +99,13 @@ def on_the_host_device(tmp_path, monkeypatch):
     def apply_spy(items, bad, sizes, **kw):
         seen["applied together"] += len(items)
         return apply_many(items, bad, sizes, **kw)
+    spread = movers.HostMover.spread
+
+    def spread_spy(self, g):
+        seen["applied where packed units lie"] += 1
+        return spread(self, g)
+    monkeypatch.setattr(movers.HostMover, "spread", spread_spy)
+
     def headers_spy(u, landing):
         seen["by headers"] += len(landing)
         return by_headers(u, landing)
@@ -135,5 +142,6 @@ def test_the_device_path_gives_every_rollout_the_dense_bytes(on_the_host_device,
     assert all(p.version == 5 for p in job.progs.values())
     # every kind of batch ran: sends encoded together, deltas applied by kernels that read their
     # headers, the deltas those left to the host (masks, at density 0.3) by their headers, and
-    # receives whose deltas relays forward, landing once the copies kept of them had run
+    # receives whose deltas relays forward, landing once the copies kept of them had run, and
+    # deltas of packed units applied where their regions lie
     assert all(on_the_host_device.values()), on_the_host_device

@@ -9,10 +9,14 @@ source bench/gpu_common.sh
 [ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
   tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+script() {  # a name holding "pack<N>": the delta run's plan packs ranges below N MiB
+  case $1 in *pack*) N=${1##*pack}; echo bench/results/delta_gpu/delta_packed.py ${N%%_*};;
+    *) echo bench/bench_fp8.py;; esac
+}
 run() {  # $1 layers, $2 name
 PYTHONPATH=$PWD/bench/results/delta_gpu/diag_site:$PYTHONPATH WB_DIAG=$OUT/diag_$2.jsonl \
   WB_PROF=$(case $2 in *prof*) echo $OUT/prof_$2;; esac) \
-  timeout ${FP8_TIMEOUT:-150} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 --layers $1 \
+  timeout ${FP8_TIMEOUT:-150} python3 $(script $2) --cuda 0 --hidden 2048 --layers $1 \
   --experts 64 --delta 1e-6 --versions ${VERSIONS:-3} --json --out $OUT/fp8_delta_$2.json \
   > $OUT/fp8_delta_$2.out 2> $OUT/fp8_delta_$2.err
 NAME=$2 python3 - <<'PY'

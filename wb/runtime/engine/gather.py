@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["table", "stacked", "copy", "kernel_source", "PIECE", "FIELDS", "TILE", "PAIRED",
-           "STAGES"]
+__all__ = ["Regions", "table", "stacked", "copy", "kernel_source", "PIECE", "FIELDS", "TILE",
+           "PAIRED", "STAGES"]
 
 #: Most elements one row of a table copies (longer regions are cut at row or element bounds).
 PIECE = 1 << 16
@@ -53,6 +53,24 @@ PAIRED = 64
 _THREADS = 256
 _BLOCKS_PER_ROW = 16  # CUDA blocks along a row of the table (PIECE / 256 / 16 = 16 per thread)
 _BLOCKS, _MAX_BLOCKS_PER_ROW = 2048, 256  # blocks a launch has at least, as rows allow
+
+
+class Regions(NamedTuple):
+    """A message's regions of the buffers as one thing a kernel writes element by element (a
+    delta applied where a unit received packed lies, with no gathering into staging and no
+    unpacking after: :func:`wb.runtime.engine.deltas.tables.apply_many`).
+
+    Attributes:
+        table: the regions' device table in message order (:func:`table`; elements of the
+            message's width).
+        ptrs: the device array of the buffers' addresses by the table's slots.
+        nbytes: the bytes of the message the regions hold.
+    """
+
+    table: Any
+    ptrs: Any
+    nbytes: int
+
 
 _SOURCE = r"""
 #define TILE 32

@@ -91,6 +91,7 @@ class HostMover:
         # views of the buffers by message, kept while the program runs on the same buffers
         self.cache = prog.view_cache
         self.fence = fencer(xp)
+        self.ptrs = None  # this rank's buffer addresses by slot (:meth:`_ptrs`), on first use
 
     def _range(self, g, *, src: bool):
         """The buffer and first element of a zero-copy message's range."""
@@ -248,6 +249,31 @@ class HostMover:
                 at += n
         return buf
 
+    def spread(self, g):
+        """Received unit ``g``'s destination regions as a delta's target that a kernel writes
+        element by element (:class:`~wb.runtime.engine.gather.Regions`: the regions'
+        table, made once, and this rank's buffer addresses by slot); not for a unit this rank
+        converts."""
+        if g.table is None:
+            g.table = self.xp.asarray(gather.table(self._spans(g)))
+        return gather.Regions(g.table, self._ptrs(), g.nbytes)
+
+    def _spans(self, g) -> list:
+        """A message's spans, or a frame's members' one after another."""
+        prog = self.prog
+        return ([sp for member in g.members for sp in prog.spans(member)]
+                if g.__class__ is Frame else prog.spans(g))
+
+    def _ptrs(self):
+        """This rank's buffer addresses by slot, as an array of the buffers' module (another
+        rank's slots: 0), made once per mover."""
+        if self.ptrs is None:
+            prog = self.prog
+            ptrs = [_address(self.flat[b]) if int(r) == prog.rank else 0
+                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
+            self.ptrs = self.xp.asarray(np.array(ptrs, np.uint64))
+        return self.ptrs
+
     def copy_local(self, g) -> None:
         dtype_of = self.prog.dtype_of
         for sp, (src, dst) in zip(self.prog.spans(g), self.regions(g)):
@@ -263,7 +289,6 @@ class DeviceMover(HostMover):
 
     def __init__(self, prog, flat: dict[str, Any], xp, ready: dict | None = None):
         super().__init__(prog, flat, xp, ready)
-        self.ptrs = None  # this rank's buffer addresses by slot, on the device (fused copies)
         self.writers: dict[int, list] = {}  # by message: the ready events of what it reads
 
     def _after_writers(self, g) -> None:
@@ -324,6 +349,13 @@ class DeviceMover(HostMover):
                 gather.stacked([gather.table(self._spans(g)) for g in gs]))
         gather.copy(self._ptrs(), tab, bufs, dtype_info(gs[0].wire).itemsize, scatter=False)
         return bufs
+
+    def gather(self, g):
+        if g.conv:
+            return super().gather(g)
+        buf = self.staging(g.nbytes)
+        self._fused(g, buf, scatter=False)  # (a received unit's table is of its destination)
+        return buf
 
     def copy_local(self, g) -> None:
         if self.ready:
@@ -399,25 +431,16 @@ class DeviceMover(HostMover):
             g.table = self.xp.asarray(gather.table(self._spans(g)))
         gather.copy(self._ptrs(), g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
 
-    def _spans(self, g) -> list:
-        """A message's spans, or a frame's members' one after another."""
-        prog = self.prog
-        return ([sp for member in g.members for sp in prog.spans(member)]
-                if g.__class__ is Frame else prog.spans(g))
-
-    def _ptrs(self):
-        """This rank's buffer addresses by slot, on the device (another rank's slots: 0)."""
-        if self.ptrs is None:
-            prog = self.prog
-            ptrs = [self.flat[b].data.ptr if int(r) == prog.rank else 0
-                    for b, r in zip(prog.slot_buf, prog.slot_rank)]
-            self.ptrs = self.xp.asarray(np.array(ptrs, np.uint64))
-        return self.ptrs
 
 
 #: Stacked unpack tables a program keeps (:meth:`DeviceMover.unpack_all`): the sets of receives
 #: that completed together, which repeat from one update to the next.
 UNPACK_TABLES = 256
+
+
+def _address(a) -> int:
+    """An array's address: a CuPy array's on the device, a numpy array's on the host."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
 def mover_for(prog, flat: dict[str, Any], xp, ready: dict | None = None) -> HostMover:

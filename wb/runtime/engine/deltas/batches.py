@@ -184,8 +184,8 @@ def _by_headers(u, landing) -> tuple:
 
 def _target(u, g, spent: list, unpack: list):
     """Where a delta for unit ``g`` applies on a device: its base (a converted unit: unpacked
-    after), its destination (zero-copy), or staging gathered from its destination (unpacked
-    after, then given back)."""
+    after), its destination: one range (zero-copy), or its regions where they lie (a packed
+    unit: :class:`~wb.runtime.engine.gather.Regions`)."""
     prog, mover = u.prog, u.mover
     if g.conv:
         target = prog.recv_bases.get(g.m)
@@ -196,10 +196,7 @@ def _target(u, g, spent: list, unpack: list):
         return target
     if g.zc_dst:
         return mover.array(g, src=False)
-    target = mover.gather(g)
-    spent.append(target)
-    unpack.append((g, target))
-    return target
+    return mover.spread(g)
 
 
 def _apply_direct(u, landing) -> tuple:

@@ -171,8 +171,12 @@ extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int
 // a BLOCKS delta of nb blocks for this target, for the host to apply; 1 where its sizes
 // disagree), finds each block's first change (the counts before it, summed by the block), checks
 // its places and the counts' total, and keeps the start; the scatter then writes the changes of
-// every delta whose flag stayed clear. Block 0 of a good header writes its size.
-#define WB_TAB 7
+// every delta whose flag stayed clear. Block 0 of a good header writes its size. A target that is
+// regions of buffers rather than one range (a unit received packed) has its regions' gather
+// table (wb.runtime.engine.gather: fields slot, f0, na, nb, fa, fb, at, a row each, rows in
+// message order), its row count and the buffers' addresses by slot in the row's last three
+// words (the target's address then says nothing; no table: zero rows).
+#define WB_TAB 10
 struct WbHead { long long w, n, k, size, at; };
 __device__ unsigned int wb_head(const long long* r, WbHead* h) {
     const unsigned char* d = (const unsigned char*)r[0];
@@ -230,6 +234,28 @@ extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* 
         if (first + places[j] >= n || (j > s && places[j] <= places[j - 1]))
             atomicOr(bad + r[5], 1u);
 }
+// Where element p of a message lies in regions of buffers (a gather table of ``rows`` rows,
+// ``ptrs`` the buffers' addresses by slot; elements of w bytes): the last row that starts at or
+// before p (``*row``: -1 to search for it, else a row at or before it to walk on from).
+__device__ unsigned char* wb_region(const long long* tab, long long rows,
+                                    const unsigned long long* ptrs, long long p, long long* row,
+                                    long long w) {
+    const long long* at = tab + 6 * rows;
+    long long k = *row;
+    if (k < 0) {
+        long long lo = 0, hi = rows - 1;
+        while (lo < hi) {
+            long long mid = (lo + hi + 1) / 2;
+            if (at[mid] <= p) lo = mid; else hi = mid - 1;
+        }
+        k = lo;
+    }
+    while (k + 1 < rows && at[k + 1] <= p) ++k;
+    *row = k;
+    long long q = p - at[k], nb = tab[3 * rows + k];
+    return (unsigned char*)ptrs[tab[k]]
+        + (tab[rows + k] + q / nb * tab[4 * rows + k] + q % nb * tab[5 * rows + k]) * w;
+}
 extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int* block_job,
         const long long* starts, const unsigned int* bad) {
     const long long* r = tab + (long long)block_job[blockIdx.x] * WB_TAB;
@@ -243,8 +269,14 @@ extern "C" __global__ void wb_delta_scatter_many(const long long* tab, const int
     const unsigned short* places = (const unsigned short*)(d + h.at + 4 * r[4]);
     long long s = starts[blockIdx.x], e = s + counts[b], first = b * 65536;
     if (e > k) e = k;
+    const long long* rt = (const long long*)r[7];
+    long long rows = r[8], row = -1;
     for (long long j = s + threadIdx.x; j < e; j += blockDim.x) {
         long long p = first + places[j];
+        if (rows) {  // a thread's places ascend: its row found once, then walked forward
+            t = wb_region(rt, rows, (const unsigned long long*)r[9], p, &row, w);
+            p = 0;
+        }
         switch (w) {
             case 1: t[p] = d[32 + j]; break;
             case 2: ((unsigned short*)t)[p] = ((const unsigned short*)(d + 32))[j]; break;
