@@ -299,19 +299,21 @@ def _counted(u, landing, state, direct: bool) -> tuple[list, list, bool]:
     if not direct:
         return [], landing, False
     again, ready, kept, sums, frm, xp = [], [], False, u.sums, u.delta.frm, u.mover.xp
+    prog = u.prog
     for j, (g, buf) in enumerate(landing):
         if flags[j] == 2:
             again.append((g, buf))
             continue
-        came = buf
+        came, size = buf, buf.nbytes
         if g.peer in frm:  # kept for the forwards that send it on (see deltas.encode_send)
             size = int(sizes[j])
-            came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
-                buf.reshape(-1).view(xp.uint8)[:size]
-            kept |= keep(u, g, came, None)
+            if sums is not None or g.m in prog.children:  # (a slice costs a device array)
+                came = buf[:size] if buf.ndim == 1 and buf.dtype == np.uint8 else \
+                    buf.reshape(-1).view(xp.uint8)[:size]
+                kept |= keep(u, g, came, None)
         if sums is not None:
             sums.landed(g, came)
-        u.bytes_received += came.nbytes - g.nbytes  # landed() counts g.nbytes
+        u.bytes_received += size - g.nbytes  # landed() counts g.nbytes
         ready.append((g, buf))
     return again, ready, kept
 
