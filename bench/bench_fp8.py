@@ -71,6 +71,10 @@ def main() -> None:
                          "placed by hash), sent dense and as deltas, each version timed: per "
                          "version the fraction changed, the bytes and EWTT of deltas over dense")
     ap.add_argument("--versions", type=int, default=4, help="with --delta (the first is dense)")
+    ap.add_argument("--delta-pack-mb", type=float, default=None,
+                    help="with --delta: the deltas' plan packs contiguous ranges below this "
+                         "(MiB; default: what agree_parts(delta=True) plans, DELTA_PACK_BELOW; "
+                         "dense: wb.plan's default)")
     ap.add_argument("--delta-chunk-mb", type=float, default=None,
                     help="with --delta: the deltas' plan piece size (default: what "
                          "agree_parts(delta=True) plans, DELTA_CHUNK_BYTES; dense: --chunk-mb)")
@@ -153,12 +157,14 @@ def _deltas(a, kw: dict) -> dict:
     first = gen.weights()
     gen.step()
     density = changed_fraction({"w": first}, {"w": gen.weights()})
-    from wb.algorithms.planner import DELTA_CHUNK_BYTES
+    from wb.algorithms.planner import DELTA_CHUNK_BYTES, DELTA_PACK_BELOW
 
     kw = {k: v for k, v in kw.items() if k not in ("repeat", "warmup")}
     dense = run(versions={"count": a.versions, "density": density, "delta": False}, **kw)
     kw["chunk"] = (int(a.delta_chunk_mb * 2**20) if a.delta_chunk_mb is not None
                    else DELTA_CHUNK_BYTES)
+    kw["pack_below"] = (int(a.delta_pack_mb * 2**20) if a.delta_pack_mb is not None
+                        else DELTA_PACK_BELOW)
     delta = run(versions={"count": a.versions, "density": density, "delta": True}, **kw)
     rows = []
     for d, x in zip(dense["versions"], delta["versions"]):
@@ -170,6 +176,7 @@ def _deltas(a, kw: dict) -> dict:
     return {"lr": a.delta, "density": density, "by_version": rows,
             "device": "cuda" if a.cuda is not None else "cpu",
             "dense_chunk_bytes": int(a.chunk_mb * 2**20), "delta_chunk_bytes": kw["chunk"],
+            "delta_pack_below": kw["pack_below"],
             "processes": delta["processes"], "bit_identical": True}
 
 

@@ -71,7 +71,7 @@ def retyped(layouts, dtype: str):
 def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, chunk=8 << 20,
         staging=None, cuda_device=None, shape="tp2", dtypes=None, fp8=None, before=False,
         trace_out=None, warmup=0, polling=None, checksums=True, timeout=120.0,
-        profile_out=None, versions=None) -> dict:
+        profile_out=None, versions=None, pack_below=None) -> dict:
     """``dtypes``: ``(trainers', rollouts')`` buffer dtypes instead of the model's (a plan that
     converts when they differ; rollouts are checked against the converted weights). ``fp8``: an
     :class:`wb.FP8Blocks`: the rollouts serve those tensors block-scaled (their layouts from
@@ -91,7 +91,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
     waits for. ``profile_out``: a folder for each process's :mod:`cProfile` of its measured
     update (``<run>_r<rank>.prof``; read with :mod:`pstats`). ``versions``: instead, successive
     versions (``{"count", "density", "delta"}``: :mod:`harness.versions_run`), each timed on its
-    own; returns :func:`_versions_report`."""
+    own; returns :func:`_versions_report`. ``pack_below``: the plan's (``wb.plan``; None: its
+    default)."""
     import wb
 
     # the multi-process harness of the tests (tests/harness) runs the plan's ranks
@@ -113,7 +114,8 @@ def run(*, hidden=1024, layers=4, experts=16, replicas=2, repeat=3, tls=None, ch
         trainers = list(q.trainers)
         fp8_opt = {"quantized": q, "own": {t.worker.rank: t for t in own},
                    "held": own[0].buffers[next(iter(own[0].buffers))].dtype, "before": before}
-    p = wb.plan(trainers, rollouts, chunk_bytes=chunk)
+    p = wb.plan(trainers, rollouts, chunk_bytes=chunk,
+                **({} if pack_below is None else {"pack_below": pack_below}))
     work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     p.save(work / "plan.npz")
     ranks = [lay.worker.rank for lay in (*trainers, *rollouts)]

@@ -33,6 +33,8 @@ def _plan(which: str):
         return wb.plan(*converting_deployment(), chunk_bytes=2048)
     trainers = megatron_trainer(TINY, tp=2, pp=1, ep=2, nodes=["t0"], gpus_per_node=2)
     rollouts = vllm_rollout(TINY, tp=2, ep=2, replicas=2, gpus_per_node=2, first_rank=2)
+    if which == "packed":  # as a job that sends deltas plans it: every range packed
+        return wb.plan(trainers, rollouts, chunk_bytes=64 << 10, pack_below=64 << 10)
     return wb.plan(trainers, rollouts, chunk_bytes=4096)
 
 
@@ -51,7 +53,7 @@ def _scribble(arrays, rng) -> None:
 
 @pytest.mark.timeout(600)
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(["tiny", "converting"]), st.lists(_event, min_size=2, max_size=6),
+@given(st.sampled_from(["tiny", "converting", "packed"]), st.lists(_event, min_size=2, max_size=6),
        st.integers(0, 2**16))
 def test_every_rollout_is_the_dense_update_after_every_version(which, events, seed):
     plan = _plan(which)

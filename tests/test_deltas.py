@@ -130,16 +130,23 @@ def test_a_session_with_deltas_serves_the_trainers_weights_and_moves_less(tiny_p
 
 
 def test_a_job_that_sends_deltas_plans_larger_pieces(tiny_plan):
-    """``agree_parts(delta=True)`` plans pieces of ``DELTA_CHUNK_BYTES`` (a message carries only
-    what changed of it); a ``chunk_bytes`` given wins, and without ``delta`` the default stays."""
-    from wb.algorithms.planner import DEFAULT_CHUNK_BYTES, DELTA_CHUNK_BYTES
+    """``agree_parts(delta=True)`` plans pieces of ``DELTA_CHUNK_BYTES`` and packs every range
+    below them (a message carries only what changed of it); a ``chunk_bytes`` given wins, and
+    without ``delta`` the defaults stay. The roster the leader plans repairs from says the same."""
+    from wb.algorithms.planner import (DEFAULT_CHUNK_BYTES, DELTA_CHUNK_BYTES, DELTA_PACK_BELOW,
+                                       SMALL_RUN_BYTES)
+    from wb.runtime.transport.stores import get_record
 
     layouts = list(tiny_plan.trainers) + list(tiny_plan.rollouts)
     world = len(layouts)
-    for kwargs, chunk in (({"delta": True}, DELTA_CHUNK_BYTES), ({}, DEFAULT_CHUNK_BYTES),
-                          ({"delta": True, "chunk_bytes": 4096}, 4096)):
-        planned = []
-        mine = wb.agree_parts(wb.MemoryStore(), layouts, world=world, planned=planned, **kwargs)
+    for kwargs, chunk, packed in (({"delta": True}, DELTA_CHUNK_BYTES, DELTA_PACK_BELOW),
+                                  ({}, DEFAULT_CHUNK_BYTES, SMALL_RUN_BYTES),
+                                  ({"delta": True, "chunk_bytes": 4096}, 4096, 4096)):
+        planned, store = [], wb.MemoryStore()
+        mine = wb.agree_parts(store, layouts, world=world, planned=planned, **kwargs)
         assert sorted(mine) == list(range(world)) and planned[0].chunk_bytes == chunk
+        assert planned[0].pack_below == packed
+        roster = get_record(store, "wb/roster", 5.0)
+        assert (roster["chunk_bytes"], roster["pack_below"]) == (chunk, packed)
         planned[0].verify()
     assert DELTA_CHUNK_BYTES > DEFAULT_CHUNK_BYTES

@@ -126,6 +126,12 @@ def test_save_load_round_trip_without_pickle(good):
     back = wb.Plan.load(f)
     assert back == good
     back.verify()
+    packed = wb.plan(*deployment(), chunk_bytes=64, pack_below=64)  # what it packs comes back
+    f2 = io.BytesIO()
+    packed.save(f2)
+    f2.seek(0)
+    again = wb.Plan.load(f2)
+    assert again == packed and again.pack_below == 64 and again != good.replace(pack_below=64)
     from wb.data.sealed import unseal
     payload = unseal("plan", f.getvalue(), where="test")  # the sealed file holds an npz
     with np.load(io.BytesIO(payload), allow_pickle=False) as z:
@@ -289,3 +295,17 @@ def test_small_ranges_travel_packed_large_ones_in_place():
         s.update()
     np.testing.assert_array_equal(rb[2]["s"], values[small])
     np.testing.assert_array_equal(rb[2]["b"], values[big])
+    # packing below 2 MiB (as a job that sends deltas packs below its pieces): one message per
+    # trainer, its small rows and its large range together, received packed
+    p = wb.plan(trainers, [rollout], pack_below=2 * SMALL_RUN_BYTES)
+    prog = Program(RankPlan.of(p, 2))
+    got = sorted((g.peer, g.zc_dst, g.nbytes) for g in prog.messages.values())
+    assert got == [(0, False, small.size * 2 + SMALL_RUN_BYTES),
+                   (1, False, small.size * 2 + SMALL_RUN_BYTES)]
+    rb[2] = {k: np.zeros_like(a) for k, a in rb[2].items()}
+    with wb.LocalSession(p, tb, rb) as s:
+        s.update()
+    np.testing.assert_array_equal(rb[2]["s"], values[small])
+    np.testing.assert_array_equal(rb[2]["b"], values[big])
+    with pytest.raises(wb.PlanError, match="pack_below"):
+        wb.plan(trainers, [rollout], pack_below=-1)

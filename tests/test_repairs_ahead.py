@@ -41,7 +41,8 @@ def _finisher(silence: dict, *, can_plan: bool = True):
                           key=lambda *parts: "/".join(("job", *map(str, parts))))
     return SimpleNamespace(
         can_plan=can_plan, end=end, trainers=[0, 1], ahead={}, cluster=plan.cluster,
-        chunk_bytes=1024, layouts={lay.worker.rank: lay for lay in (*trainers, *rollouts)})
+        chunk_bytes=1024, pack_below=1 << 20,
+        layouts={lay.worker.rank: lay for lay in (*trainers, *rollouts)})
 
 
 def test_repairs_for_all_suspects_and_each_alone_are_published_under_names_of_their_own():

@@ -43,7 +43,8 @@ def run_plan(preset: str, *, plot: str | None = None, verify: bool = True, quiet
     if delta_density is not None:  # as a job that sends deltas plans it: agree_parts(delta=True)
         with console.status("planning and simulating it as deltas..."):
             pd = planner.plan(dep.trainers, dep.rollouts, cluster,
-                              chunk_bytes=planner.DELTA_CHUNK_BYTES)
+                              chunk_bytes=planner.DELTA_CHUNK_BYTES,
+                              pack_below=planner.DELTA_PACK_BELOW)
             delta, delta_dense = simulate(pd, delta_density=delta_density), simulate(pd)
             delta_here = simulate(p, delta_density=delta_density)
     verify_s = None

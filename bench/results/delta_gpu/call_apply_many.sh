@@ -10,7 +10,7 @@ source bench/gpu_common.sh
   tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 script() {  # a name holding "pack<N>": the delta run's plan packs ranges below N MiB
-  case $1 in *pack*) N=${1##*pack}; echo bench/results/delta_gpu/delta_packed.py ${N%%_*};;
+  case $1 in *pack*) N=${1##*pack}; echo bench/bench_fp8.py --delta-pack-mb ${N%%_*};;
     *) echo bench/bench_fp8.py;; esac
 }
 run() {  # $1 layers, $2 name

@@ -33,10 +33,11 @@ The modules, in the order a plan is made:
 
 from wb.algorithms.planner.bound import bound_parts, lower_bound, traffic_ratio
 from wb.algorithms.planner.fed_apart import APART
-from wb.algorithms.planner.messages import SMALL_RUN_BYTES
-from wb.algorithms.planner.planning import (DEFAULT_CHUNK_BYTES, DELTA_CHUNK_BYTES, plan,
-                                             plan_from_routes)
+from wb.algorithms.planner.planning import (DEFAULT_CHUNK_BYTES, DELTA_CHUNK_BYTES,
+                                             DELTA_PACK_BELOW, plan, plan_from_routes)
 from wb.algorithms.planner.routes import Routes
+from wb.data.plan.plan import SMALL_RUN_BYTES
 
 __all__ = ["plan", "lower_bound", "plan_from_routes", "Routes", "DEFAULT_CHUNK_BYTES",
-           "DELTA_CHUNK_BYTES", "traffic_ratio", "bound_parts", "APART", "SMALL_RUN_BYTES"]
+           "DELTA_CHUNK_BYTES", "DELTA_PACK_BELOW", "traffic_ratio", "bound_parts", "APART",
+           "SMALL_RUN_BYTES"]

@@ -9,10 +9,7 @@ import numpy as np
 from wb.algorithms.planner.routes import Routes
 from wb.data.correspondence import Correspondence
 from wb.data.plan import Messages, Pieces, Transfers
-
-#: Contiguous ranges smaller than this travel packed with others of their pair of ranks, not each
-#: in a message of its own: a message costs tens of microseconds, more than such a range's bytes.
-SMALL_RUN_BYTES = 1 << 20
+from wb.data.plan.plan import SMALL_RUN_BYTES
 
 
 class Moves(NamedTuple):
@@ -34,7 +31,8 @@ class Moves(NamedTuple):
 
 
 def transfers_and_messages(corr: Correspondence, table, routes: Routes, pieces: Pieces,
-                           chunk_bytes: int) -> tuple[Transfers, Messages]:
+                           chunk_bytes: int, pack_below: int = SMALL_RUN_BYTES
+                           ) -> tuple[Transfers, Messages]:
     """Routes x pieces -> transfers in execution order, grouped into messages.
 
     Args:
@@ -43,13 +41,14 @@ def transfers_and_messages(corr: Correspondence, table, routes: Routes, pieces: 
         routes: how each needed cell travels.
         pieces: every needed cell cut into pieces, sorted by cell.
         chunk_bytes: largest piece, in bytes; a message is cut where it passes this many.
+        pack_below: contiguous ranges of fewer bytes travel packed (:func:`pack_small_ranges`).
 
     Returns:
         ``(transfers, messages)``.
     """
     moves = expand_routes(corr, table, routes, pieces)
     order, message, message_parent = message_order(moves, table.dtype[moves.dst_slot], pieces,
-                                                   chunk_bytes)
+                                                   chunk_bytes, pack_below)
     n_moves = moves.piece.size
     position = np.empty(n_moves, np.int64)
     position[order] = np.arange(n_moves)
@@ -100,8 +99,8 @@ def expand_routes(corr: Correspondence, table, routes: Routes, pieces: Pieces) -
         nbytes=pieces.nbytes[piece])
 
 
-def message_order(moves: Moves, dst_dtype: np.ndarray, pieces: Pieces, chunk_bytes: int
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def message_order(moves: Moves, dst_dtype: np.ndarray, pieces: Pieces, chunk_bytes: int,
+                  pack_below: int = SMALL_RUN_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The moves in execution order and their messages, numbered level by level (a forwarded
     message names the message it waits for, numbered at the level before).
 
@@ -135,7 +134,8 @@ def message_order(moves: Moves, dst_dtype: np.ndarray, pieces: Pieces, chunk_byt
             dst_rank = moves.dst_rank[at]
             starts_group = np.r_[True, (parent[1:] != parent[:-1])
                                  | (dst_rank[1:] != dst_rank[:-1])]
-        at, starts, parent = pack_small_ranges(at, starts_group, parent, moves, dst_dtype, pieces)
+        at, starts, parent = pack_small_ranges(at, starts_group, parent, moves, dst_dtype, pieces,
+                                               pack_below)
         # A message is cut every chunk_bytes of its pieces, at a piece's start.
         nbytes = moves.nbytes[at]
         offset = np.cumsum(nbytes) - nbytes
@@ -151,14 +151,15 @@ def message_order(moves: Moves, dst_dtype: np.ndarray, pieces: Pieces, chunk_byt
 
 
 def pack_small_ranges(at: np.ndarray, starts_group: np.ndarray, parent: np.ndarray, moves: Moves,
-                      dst_dtype: np.ndarray, pieces: Pieces
+                      dst_dtype: np.ndarray, pieces: Pieces, pack_below: int = SMALL_RUN_BYTES
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where messages start within groups of moves (a pair of ranks, or a parent message and a
     destination rank), each group's moves in destination order.
 
     A message ends where the destination stops being one contiguous range (another buffer, or a
     gap): such a message is received in place, without staging. Ranges of less than
-    :data:`SMALL_RUN_BYTES` would each cost a message of their own (a scale tensor per expert, a
+    ``pack_below`` bytes (:data:`~wb.data.plan.plan.SMALL_RUN_BYTES` unless told) would each
+    cost a message of their own (a scale tensor per expert, a
     bias, a norm: thousands per rank where each costs more than its bytes), so they go after the
     group's large ranges, packed together into staged messages of one travelling and one
     destination dtype (a message packs and unpacks aligned in one of each).
@@ -170,6 +171,7 @@ def pack_small_ranges(at: np.ndarray, starts_group: np.ndarray, parent: np.ndarr
         moves: all moves.
         dst_dtype: ``(t,) int64`` destination dtype code of every move.
         pieces: the pieces.
+        pack_below: see above.
 
     Returns:
         ``(at, starts_message, parent)``: ``at`` and ``parent`` reordered (small ranges after
@@ -183,7 +185,7 @@ def pack_small_ranges(at: np.ndarray, starts_group: np.ndarray, parent: np.ndarr
                          | (dst_f0[1:] != dst_f0[:-1] + elements[:-1])
                          | (wire_dtype[1:] != wire_dtype[:-1]))
     range_of_move = np.cumsum(starts_range) - 1
-    small = (np.bincount(range_of_move, weights=moves.nbytes[at]) < SMALL_RUN_BYTES)[range_of_move]
+    small = (np.bincount(range_of_move, weights=moves.nbytes[at]) < pack_below)[range_of_move]
     group = np.cumsum(starts_group) - 1
     order = np.lexsort((np.arange(at.size), np.where(small, dst_dtype, -1),
                         np.where(small, wire_dtype, -1), small, group))

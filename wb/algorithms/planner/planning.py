@@ -15,6 +15,7 @@ from wb.algorithms.planner.three_stages import add_three_stage_routes
 from wb.data.correspondence import Correspondence, correspond
 from wb.data.layout import Cluster, Layout
 from wb.data.plan import Plan, slot_table
+from wb.data.plan.plan import SMALL_RUN_BYTES
 from wb.errors import PlanError
 
 #: Piece size: large enough that per-message costs vanish, small enough to pipeline stages.
@@ -25,10 +26,15 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 #: messages to about 5,100, at the price of a coarser balance for versions that go dense
 #: (simulated: 1.07x the ideal instead of 1.004x; ``python -m wb plan --delta-density``).
 DELTA_CHUNK_BYTES = 128 << 20
+#: What a job that sends deltas packs (``plan(..., pack_below=)``): every range below its pieces'
+#: size, so that a rank's messages are about its bytes over the piece size (a Kimi-K2-sized
+#: model's rollout rank: a few hundred), not its tensors.
+DELTA_PACK_BELOW = DELTA_CHUNK_BYTES
 
 
 def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluster | None = None,
-         *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, apart: Collection[int] = ()) -> Plan:
+         *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, apart: Collection[int] = (),
+         pack_below: int = SMALL_RUN_BYTES) -> Plan:
     """Plans the transfer of every id the rollouts need, at the traffic lower bound.
 
     Args:
@@ -43,6 +49,11 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
             job). In the plan each is a node of its own (``"<node>~apart<rank>"``), as
             ``traffic()`` and ``verify()`` count it: bytes into every node stay at the bound,
             and the trainers send what the ranks fed apart need once more (above ``M``).
+        pack_below: contiguous ranges of fewer bytes travel packed with others of their pair of
+            ranks (a message of its own costs more than their bytes); larger ones each in a
+            message that is sent and received in place. A job that sends deltas packs all but
+            the largest (``agree_parts(..., delta=True)``: ``chunk_bytes``): a delta's receive is
+            staged anyway, and its fixed costs are what its update pays.
 
     Returns:
         A :class:`wb.Plan` whose ``traffic()`` equals :func:`lower_bound` (trainer bytes = M,
@@ -82,12 +93,13 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
     apart_nodes = [i for i, n in enumerate(nodes) if APART in n] if apart else []
     routes = _route(corr, table, nodes, cluster, chunk_bytes, apart_nodes=apart_nodes)
     return plan_from_routes(trainers, rollouts, routes, corr=corr, table=table, cluster=cluster,
-                            chunk_bytes=chunk_bytes)
+                            chunk_bytes=chunk_bytes, pack_below=pack_below)
 
 
 def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], routes: Routes, *,
                      corr: Correspondence, table, cluster: Cluster | None = None,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Plan:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     pack_below: int = SMALL_RUN_BYTES) -> Plan:
     """The plan that moves every needed cell along ``routes``: cells cut into pieces of at most
     ``chunk_bytes`` that follow their cell's routes, packed into messages per pair of ranks.
     :func:`plan` passes its three-stage routes; the baselines of ``wb bench`` their own.
@@ -101,6 +113,7 @@ def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], rou
         table: ``slot_table(corr.slots, trainers, rollouts)[0]`` (:mod:`wb.data.plan`).
         cluster: bandwidths (default :class:`wb.Cluster`).
         chunk_bytes: largest piece, in bytes.
+        pack_below: as for :func:`plan`.
 
     Returns:
         The :class:`wb.Plan`.
@@ -110,10 +123,15 @@ def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], rou
     """
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if isinstance(pack_below, bool) or not isinstance(pack_below, (int, np.integer)) \
+            or pack_below < 0:
+        raise PlanError(f"pack_below must be a number of bytes (an int >= 0), got "
+                        f"{pack_below!r}")
     pieces = cut_into_pieces(corr, table, chunk_bytes)
-    transfers, messages = transfers_and_messages(corr, table, routes, pieces, chunk_bytes)
+    transfers, messages = transfers_and_messages(corr, table, routes, pieces, chunk_bytes,
+                                                 pack_below)
     return Plan(tuple(trainers), tuple(rollouts), cluster or Cluster(), int(chunk_bytes), corr,
-                pieces, transfers, messages)
+                pieces, transfers, messages, int(pack_below))
 
 
 def _route(corr: Correspondence, table, nodes: list[str], cluster: Cluster, chunk_bytes: int, *,

@@ -57,6 +57,7 @@ def save_plan(plan, path) -> None:
     arrays["slots.buffer"] = np.array([names.setdefault(s.buffer, len(names)) for s in slots],
                                       np.int64)
     header = {"version": PLAN_FORMAT, "chunk_bytes": plan.chunk_bytes,
+              "pack_below": plan.pack_below,
               "cluster": {"nic_gbps": plan.cluster.nic_gbps,
                           "nvlink_GBps": plan.cluster.nvlink_GBps,
                           "nodes": dict(plan.cluster.nodes)},
@@ -142,7 +143,9 @@ def _fields(stream, where: str) -> dict:
     c = header["cluster"]
     return dict(trainers=trainers, rollouts=rollouts,
                 cluster=Cluster(c["nic_gbps"], c["nvlink_GBps"], c["nodes"]),
-                chunk_bytes=header["chunk_bytes"], corr=corr, pieces=group(Pieces, "pieces"),
+                chunk_bytes=header["chunk_bytes"],  # (files made before pack_below: 1 MiB)
+                pack_below=header.get("pack_below", 1 << 20),
+                corr=corr, pieces=group(Pieces, "pieces"),
                 transfers=group(Transfers, "transfers"), messages=group(Messages, "messages"))
 
 

@@ -22,7 +22,12 @@ from wb.data.plan.schedule import hops, schedule
 from wb.data.plan.verify import verify_plan
 from wb.errors import PlanError
 
-__all__ = ["Plan", "need_plan"]
+__all__ = ["Plan", "need_plan", "SMALL_RUN_BYTES"]
+
+#: Contiguous ranges smaller than this travel packed with others of their pair of ranks, not each
+#: in a message of its own (a plan's :attr:`Plan.pack_below` unless the planner was told
+#: otherwise): a message costs tens of microseconds, more than such a range's bytes.
+SMALL_RUN_BYTES = 1 << 20
 
 
 def need_plan(plan, who: str) -> None:
@@ -50,6 +55,9 @@ class Plan:
     pieces: Pieces  # sub-rectangles of cells, one per moved chunk
     transfers: Transfers  # each piece moved from one region to another, with its stage
     messages: Messages  # transfers grouped into sends between two ranks
+    #: contiguous ranges smaller than this travel packed with others of their pair of ranks
+    #: (bytes; larger ones in messages of their own, which a rank sends and receives in place)
+    pack_below: int = SMALL_RUN_BYTES
 
     # --- derived views -------------------------------------------------------------------------
     @property
@@ -190,6 +198,7 @@ class Plan:
         if not isinstance(other, Plan):
             return NotImplemented
         same = (self.chunk_bytes == other.chunk_bytes and self.cluster == other.cluster
+                and self.pack_below == other.pack_below
                 and self.corr.slots == other.corr.slots
                 and [lay.worker for lay in self.trainers + self.rollouts]
                 == [lay.worker for lay in other.trainers + other.rollouts])

@@ -66,8 +66,9 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
             :data:`~wb.algorithms.planner.DEFAULT_CHUNK_BYTES`, or
             :data:`~wb.algorithms.planner.DELTA_CHUNK_BYTES` with ``delta``).
         delta: the trainers will send deltas (``wb.Sender(..., delta=True)``): plan larger
-            pieces, since each message then carries only what changed of it. The job runs
-            either way; this is the message size only.
+            pieces, and pack every range below their size (``wb.plan``'s ``pack_below``), since
+            each message then carries only what changed of it. The job runs either way; this is
+            the messages' size only.
 
     Returns:
         ``{rank: RankPlan}`` of this process's workers: what :class:`wb.Sender`,
@@ -96,8 +97,9 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         raise TransferError(f"agree_parts: layouts must be wb.Layout values, got {bad[0]}")
     if chunk_bytes is None:
         chunk_bytes = planner.DELTA_CHUNK_BYTES if delta else planner.DEFAULT_CHUNK_BYTES
+    pack_below = chunk_bytes if delta else planner.SMALL_RUN_BYTES
     p = _plan_here(store, layouts, world=world, name=name, timeout=timeout, quantize=quantize,
-                   cluster=cluster, chunk_bytes=chunk_bytes)
+                   cluster=cluster, chunk_bytes=chunk_bytes, pack_below=pack_below)
     if p is not None:
         if planned is not None:
             planned.append(p)
@@ -105,7 +107,8 @@ def agree_parts(store, layouts, *, world: int, name: str = "wb", timeout: float 
         # are in the store already (wb.runtime.membership.finish)
         c = p.cluster
         set_record(store, f"{name}/roster", {
-            "world": world, "chunk_bytes": p.chunk_bytes, "quantized": quantize is not None,
+            "world": world, "chunk_bytes": p.chunk_bytes, "pack_below": p.pack_below,
+            "quantized": quantize is not None,
             "cluster": [c.nic_gbps, c.nvlink_GBps, dict(c.nodes)]})
         mine = {lay.worker.rank for lay in layouts}
         out = {}

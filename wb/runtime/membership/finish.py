@@ -48,6 +48,7 @@ from typing import NamedTuple
 from wb.algorithms import planner
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan
+from wb.data.plan.plan import SMALL_RUN_BYTES
 from wb.errors import ChecksumError, PeersLost, TransferError
 from wb.runtime.engine.digests import checksumming
 from wb.runtime.engine.frames import framing
@@ -68,18 +69,19 @@ _PEEK_S = 0.001  # a store lookup that does not wait
 
 
 class Roster(NamedTuple):
-    """What the trainers' leader needs to plan again: every worker's layout, the link rates and
-    the piece size of the plan."""
+    """What the trainers' leader needs to plan again: every worker's layout, the link rates, the
+    piece size of the plan and what it packs."""
 
     layouts: dict[int, Layout]  # {rank: layout} of every worker of the plan
     cluster: Cluster  # link rates the plan was balanced for
     chunk_bytes: int  # the plan's largest piece, bytes
+    pack_below: int = SMALL_RUN_BYTES  # ranges of fewer bytes travel packed (wb.plan's)
 
     @classmethod
     def of(cls, plan: Plan) -> Roster:
         """The roster of a whole plan."""
         return cls({lay.worker.rank: lay for lay in (*plan.trainers, *plan.rollouts)},
-                   plan.cluster, plan.chunk_bytes)
+                   plan.cluster, plan.chunk_bytes, plan.pack_below)
 
 
 def tag_base(v: int, attempt: int) -> int:
@@ -118,6 +120,7 @@ class Finisher:
             self.rollouts = sorted(r for r, lay in self.layouts.items()
                                    if lay.worker.role == Role.ROLLOUT)
             self.cluster, self.chunk_bytes = roster.cluster, roster.chunk_bytes
+            self.pack_below = roster.pack_below
             self.can_plan = True
         self.leader = self.trainers[0]
         self.is_trainer = end.rank in self.trainers
@@ -152,7 +155,8 @@ class Finisher:
                                   timeout=self._patience)
         nic, nvlink, nodes = record["cluster"]
         return Roster({lay.worker.rank: lay for lay in everyone}, Cluster(nic, nvlink, nodes),
-                      int(record["chunk_bytes"]))
+                      int(record["chunk_bytes"]),
+                      int(record.get("pack_below", SMALL_RUN_BYTES)))
 
     # --- the store --------------------------------------------------------------------------------
     def _key(self, v: int, *parts) -> str:
@@ -370,7 +374,7 @@ class Finisher:
             t0 = time.time()
             nxt = planner.plan([self.layouts[t] for t in self.trainers],
                             [self.layouts[r] for r in rollouts], self.cluster,
-                            chunk_bytes=self.chunk_bytes)
+                            chunk_bytes=self.chunk_bytes, pack_below=self.pack_below)
             rec["epoch"] = self.new_epoch()
             rec["planned_s"] = time.time() - t0
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))

@@ -353,13 +353,13 @@ class _Planning:
         self.planned_s = 0.0
         trainers = [fin.layouts[t] for t in fin.trainers]
         rollouts = [fin.layouts[r] for r in self.rollouts]
-        cluster, chunk, end = fin.cluster, fin.chunk_bytes, fin.end
+        cluster, chunk, end, packed = fin.cluster, fin.chunk_bytes, fin.end, fin.pack_below
 
         def run():
             t0 = time.time()
             try:
                 nxt = planner.plan(trainers, rollouts, cluster, chunk_bytes=chunk,
-                                apart=sorted(self.joiners))
+                                   apart=sorted(self.joiners), pack_below=packed)
                 publish_parts(end.store, nxt, name=end.key("epoch", self.epoch))
             except BaseException as e:  # noqa: BLE001 - the push that takes it up refuses them
                 self.error = e

@@ -35,7 +35,7 @@ def publish_repair(fin, left: list[int], name: str) -> None:
     """
     repair = planner.plan([fin.layouts[t] for t in fin.trainers],
                           [fin.layouts[r] for r in left], fin.cluster,
-                          chunk_bytes=fin.chunk_bytes)
+                          chunk_bytes=fin.chunk_bytes, pack_below=fin.pack_below)
     if repair.messages.stage.size >= 1 << ATTEMPT_BITS:
         raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
                         f"2**{ATTEMPT_BITS} fit a tag")
