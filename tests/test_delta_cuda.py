@@ -99,3 +99,13 @@ def test_a_flagged_delta_writes_nothing_and_the_flag_says_so():
         dev.apply(out, cupy.asarray(delta), xp=cupy, bad=bad)  # raises nothing: the flag tells
         assert int(bad.get()[0]) == flagged
         assert cupy.asnumpy(out).tobytes() == (base if flagged else new).tobytes()
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_a_delta_applies_where_a_packed_unit_s_regions_lie_on_the_device(w):
+    """``harness.regions.check`` on the GPU (1,024 threads a block, each finding its changes'
+    regions): every change where its element lies, nothing else written, a malformed delta
+    writes nothing."""
+    from harness.regions import check
+
+    check(cupy, cupy.asarray, cupy.asnumpy, lambda a: a.data.ptr, w)

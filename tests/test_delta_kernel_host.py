@@ -222,61 +222,13 @@ def test_several_deltas_are_applied_by_two_launches_and_a_bad_one_writes_nothing
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
 def test_a_delta_applies_where_a_packed_unit_s_regions_lie(lib, monkeypatch, w):
     """apply_many with a target that is regions of buffers (``gather.Regions``: a unit received
-    packed, its regions' table, the buffers' addresses by slot): every element the delta changes
-    lands where the message's element lies (rows and columns, transposed regions, regions of a
-    few elements, so that a block of the delta crosses many of them, and regions longer than a
-    table row), as the host codec applied to the gathered message and scattered back gives; no
-    other byte of the buffers changes; a malformed delta writes nothing."""
-    from wb.runtime.engine import gather
+    packed) on the host kernels: ``harness.regions.check`` (every change where its element lies,
+    nothing else written, a malformed delta writes nothing)."""
+    from harness.regions import check
     from wb.runtime.engine.deltas import device as dev
-    from wb.runtime.engine.deltas import tables as many
 
     monkeypatch.setattr(dev, "kernel_module", lambda: _Module(lib))
-    xp, rng = _Xp(), np.random.default_rng(w)
-    dt = np.dtype(f"u{w}")
-    bufs = [rng.integers(0, 1 << 8 * w - 1, size, dtype=np.uint64).astype(dt).view(_Dev)
-            for size in (300_000, 90_000)]
-    # (slot, f0, na, nb, fa, fb): row runs, a transposed block, tiny pieces, one long range
-    spans = [(0, 10, 40, 100, 120, 1), (1, 5, 30, 20, 1, 40)]
-    spans += [(int(rng.integers(2)), 20_000 + 7 * i, 1, 3, 3, 1) for i in range(300)]
-    spans += [(0, 150_000, 1, 140_000, 140_000, 1), (1, 60_000, 50, 7, 300, 1)]
-
-    def regions_of(bs):
-        return [b[f0:][:(na - 1) * fa + (nb - 1) * fb + 1] for b, (_, f0, na, nb, fa, fb) in
-                ((bs[s[0]], s) for s in spans)]
-
-    def gathered(bs):  # the message: every region's elements, row by row
-        out = []
-        for b, (_, f0, na, nb, fa, fb) in ((bs[s[0]], s) for s in spans):
-            i, j = np.meshgrid(np.arange(na), np.arange(nb), indexing="ij")
-            out.append(np.asarray(b)[f0 + i * fa + j * fb].reshape(-1))
-        return np.concatenate(out)
-
-    assert regions_of(bufs)  # (the regions lie inside their buffers)
-    old = gathered(bufs)
-    new = old.copy()
-    new[rng.random(new.size) < 0.05] ^= 1
-    new[-1] ^= 2
-    d = codec.encode(old.view(np.uint8), new.view(np.uint8), itemsize=w)
-    assert codec.kind_of(d) == "blocks"
-    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64).view(_Dev)
-    target = gather.Regions(np.asarray(gather.table(spans, piece=4096)).view(_Dev), ptrs,
-                            old.nbytes)
-    before = [b.copy() for b in bufs]
-    bad, sizes = np.zeros(2, np.uint32).view(_Dev), np.zeros(2, np.int64).view(_Dev)
-    broken = d.copy()
-    broken[-2:].view("<u2")[0] = 0  # the last block's last place before the one ahead of it
-    many.apply_many([(target, d.view(_Dev), w, 0), (target, broken.view(_Dev), w, 1)], bad,
-                    sizes, xp=xp)
-    assert bad.tolist() == [0, 1] and sizes[0] == d.nbytes
-    assert np.array_equal(gathered(bufs), new)
-    # nothing outside the regions changed: put the old message back and compare whole buffers
-    for b, (_, f0, na, nb, fa, fb), part in zip(
-            (bufs[s[0]] for s in spans), spans,
-            np.split(old, np.cumsum([s[2] * s[3] for s in spans])[:-1])):
-        i, j = np.meshgrid(np.arange(na), np.arange(nb), indexing="ij")
-        np.asarray(b)[f0 + i * fa + j * fb] = part.reshape(na, nb)
-    assert all(np.array_equal(b, c) for b, c in zip(bufs, before))
+    check(_Xp(), lambda a: np.array(a).view(_Dev), np.asarray, lambda a: a.ctypes.data, w)
 
 
 def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypatch):
