@@ -39,7 +39,7 @@ import numpy as np
 from wb.errors import TransferError
 
 __all__ = ["DENSE", "MASK", "BLOCKS", "BLOCK", "HEADER", "encode", "of_changes", "dense", "apply",
-           "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes", "choose",
+           "changes", "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes", "choose",
            "values_pad", "header", "checked"]
 
 DENSE, MASK, BLOCKS = 0, 1, 3
@@ -273,27 +273,44 @@ def _positions(kind: int, tail: np.ndarray, n: int, k: int, itemsize: int) -> np
     return pos
 
 
+def changes(delta: np.ndarray, nbytes: int):
+    """What ``delta`` writes into a message of ``nbytes`` bytes, checked, writing nothing (for a
+    caller that writes the values where the message's elements lie: :func:`apply` does into one
+    array).
+
+    Returns:
+        ``(positions, values)``: the changed elements' positions (ascending) and their values
+        (unsigned integers of the delta's element width, a view of ``delta``), or ``(None,
+        values)`` for a delta of the dense kind (every element's value).
+
+    Raises:
+        TransferError: ``delta`` is malformed or made for a message of another size or element
+            width.
+    """
+    d = np.asarray(delta).reshape(-1).view(np.uint8)
+    kind, itemsize, n, k = checked(d, d.nbytes, nbytes)
+    at = HEADER.size
+    if kind == DENSE:
+        return None, d[at:].view(f"<u{itemsize}")
+    vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
+    return _positions(kind, d[at + k * itemsize:], n, k, itemsize), vals
+
+
 def apply(target: np.ndarray, delta: np.ndarray):
     """Turns ``target`` (a writable byte array holding the delta's base) into the new bytes, in
     place.
 
     Returns:
-        ``(positions, values)`` it wrote: the changed elements' positions (ascending) and their
-        values (unsigned integers of the delta's element width, a view of ``delta``), or
-        ``(None, values)`` for a delta of the dense kind (every element's value).
+        ``(positions, values)`` it wrote, as :func:`changes` gives them.
 
     Raises:
         TransferError: ``delta`` is malformed or made for a message of another size or element
             width (nothing of ``target`` is written then).
     """
-    d = np.asarray(delta).reshape(-1).view(np.uint8)
     t = target.reshape(-1).view(np.uint8)
-    kind, itemsize, n, k = checked(d, d.nbytes, t.nbytes)
-    at = HEADER.size
-    if kind == DENSE:
-        t[:] = d[at:]
-        return None, d[at:].view(f"<u{itemsize}")
-    vals = d[at:at + k * itemsize].view(f"<u{itemsize}")
-    pos = _positions(kind, d[at + k * itemsize:], n, k, itemsize)
-    t.view(f"<u{itemsize}")[pos] = vals
+    pos, vals = changes(delta, t.nbytes)
+    if pos is None:
+        t[:] = vals.view(np.uint8)
+    else:
+        t.view(vals.dtype)[pos] = vals
     return pos, vals

@@ -258,6 +258,28 @@ class HostMover:
             g.table = self.xp.asarray(gather.table(self._spans(g)))
         return gather.Regions(g.table, self._ptrs(), g.nbytes)
 
+    def scatter(self, g, pos, values) -> bool:
+        """Received unit ``g``'s message elements at ``pos`` (ascending) set to ``values``
+        (unsigned integers of the unit's element width), where they lie in its destination
+        regions (a delta applied in place, on the host); ``pos`` None: every element. Returns
+        False, writing nothing, where it cannot: a unit this rank converts, or values of
+        another width than its elements'."""
+        width = dtype_info(g.wire).itemsize if g.wire else 1
+        if g.conv or values.dtype.itemsize != width:
+            return False
+        if pos is None:
+            self.unpack(g, values.view(np.uint8))
+            return True
+        spans = self._spans(g)
+        starts = np.cumsum([0] + [sp.na * sp.nb for sp in spans])
+        cuts = np.searchsorted(pos, starts).tolist()
+        for sp, at, i0, i1 in zip(spans, starts.tolist(), cuts, cuts[1:]):
+            if i1 > i0:
+                q = pos[i0:i1] - at
+                idx = sp.f0 + q // sp.nb * sp.fa + q % sp.nb * sp.fb
+                self.flat[self.prog.slot_buf[sp.slot]].view(values.dtype)[idx] = values[i0:i1]
+        return True
+
     def _spans(self, g) -> list:
         """A message's spans, or a frame's members' one after another."""
         prog = self.prog

@@ -199,6 +199,10 @@ def land(prog, mover, g, buf, *, as_delta: bool, came=None, bad=None, spent=None
         return got, None
     if g.zc_dst:
         return got, _apply(xp, mover.array(g, src=False), got, head, bad)
+    if xp is np:  # written where the unit's regions lie (no gathering and unpacking)
+        decoded = codec.changes(got, g.nbytes)
+        if mover.scatter(g, *decoded):
+            return got, decoded
     base = mover.gather(g)
     if spent is not None:
         spent.append(base)
