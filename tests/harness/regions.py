@@ -34,7 +34,8 @@ def check(xp, on, back, address, w: int) -> None:
     and a delta of it (5% of its elements changed, the last too): applied through the regions'
     table, every change lands where the message's element lies (as the host codec applied to
     the message gathered says); no other byte changes; a malformed copy of the delta (a place
-    out of order) is flagged and writes nothing."""
+    out of order) is flagged 1, a delta of the same bytes in another element width flagged 2
+    (the host applies it: the regions are in their own width), and neither writes anything."""
     rng = np.random.default_rng(w)
     dt = np.dtype(f"u{w}")
     host = [rng.integers(0, 1 << 8 * w - 1, size, dtype=np.uint64).astype(dt)
@@ -47,12 +48,21 @@ def check(xp, on, back, address, w: int) -> None:
     assert codec.kind_of(d) == "blocks"
     broken = d.copy()
     broken[-2:].view("<u2")[0] = 0  # the last block's last place before the one ahead of it
+    # the same bytes in another width: for the first two regions alone (4,600 elements), so
+    # that it has as many blocks as the regions' width gives (one)
+    few = _message(host, _SPANS[:2])
+    changed = few.copy()
+    changed[::97] ^= 1
+    other = codec.encode(few.view(np.uint8), changed.view(np.uint8), itemsize=1 if w > 1 else 2)
+    assert codec.kind_of(other) == "blocks"
     bufs = [on(h) for h in host]
     ptrs = on(np.array([address(b) for b in bufs], np.uint64))
-    target = gather.Regions(on(gather.table(_SPANS, piece=4096)), ptrs, old.nbytes)
-    bad, sizes = on(np.zeros(2, np.uint32)), on(np.zeros(2, np.int64))
-    many.apply_many([(target, on(d), w, 0), (target, on(broken), w, 1)], bad, sizes, xp=xp)
-    assert back(bad).tolist() == [0, 1] and int(back(sizes)[0]) == d.nbytes
+    target = gather.Regions(on(gather.table(_SPANS, piece=4096)), ptrs, old.nbytes, w)
+    first = gather.Regions(on(gather.table(_SPANS[:2])), ptrs, few.nbytes, w)
+    bad, sizes = on(np.zeros(3, np.uint32)), on(np.zeros(3, np.int64))
+    many.apply_many([(target, on(d), w, 0), (target, on(broken), w, 1),
+                     (first, on(other), w, 2)], bad, sizes, xp=xp)
+    assert back(bad).tolist() == [0, 1, 2] and int(back(sizes)[0]) == d.nbytes
     got = [back(b) for b in bufs]
     assert np.array_equal(_message(got), new)
     for h, (_, f0, na, nb, fa, fb), part in zip(  # the old message put back: the old buffers

@@ -62,7 +62,8 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
     Raises:
         PlanError: an id needed by a rollout is held by no trainer, dtypes disagree, the
             rollouts need no id at all (no rollouts, no buffers, or maps that are all ``-1``),
-            or ``apart`` names a rank that is no rollout.
+            or ``apart`` names a rank that is no rollout; ``chunk_bytes`` is not positive or
+            ``pack_below`` not a size.
 
     Examples:
         >>> import numpy as np, wb
@@ -73,8 +74,7 @@ def plan(trainers: Sequence[Layout], rollouts: Sequence[Layout], cluster: Cluste
         >>> p.verify(); p.traffic().trainer_out, p.traffic().node_in
         ({0: 128}, {'r0': 128, 'r1': 128})
     """
-    if chunk_bytes < 1:
-        raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    _check_sizes(chunk_bytes, pack_below)
     cluster = cluster or Cluster()
     trainers, rollouts = tuple(trainers), tuple(rollouts)
     if apart:
@@ -119,19 +119,23 @@ def plan_from_routes(trainers: Sequence[Layout], rollouts: Sequence[Layout], rou
         The :class:`wb.Plan`.
 
     Raises:
-        PlanError: ``chunk_bytes`` is not positive.
+        PlanError: ``chunk_bytes`` is not positive, or ``pack_below`` not a size.
     """
+    _check_sizes(chunk_bytes, pack_below)
+    pieces = cut_into_pieces(corr, table, chunk_bytes)
+    transfers, messages = transfers_and_messages(corr, table, routes, pieces, chunk_bytes,
+                                                 pack_below)
+    return Plan(tuple(trainers), tuple(rollouts), cluster or Cluster(), int(chunk_bytes), corr,
+                pieces, transfers, messages, int(pack_below))
+
+
+def _check_sizes(chunk_bytes, pack_below) -> None:
     if chunk_bytes < 1:
         raise PlanError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if isinstance(pack_below, bool) or not isinstance(pack_below, (int, np.integer)) \
             or pack_below < 0:
         raise PlanError(f"pack_below must be a number of bytes (an int >= 0), got "
                         f"{pack_below!r}")
-    pieces = cut_into_pieces(corr, table, chunk_bytes)
-    transfers, messages = transfers_and_messages(corr, table, routes, pieces, chunk_bytes,
-                                                 pack_below)
-    return Plan(tuple(trainers), tuple(rollouts), cluster or Cluster(), int(chunk_bytes), corr,
-                pieces, transfers, messages, int(pack_below))
 
 
 def _route(corr: Correspondence, table, nodes: list[str], cluster: Cluster, chunk_bytes: int, *,

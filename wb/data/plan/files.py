@@ -144,7 +144,7 @@ def _fields(stream, where: str) -> dict:
     return dict(trainers=trainers, rollouts=rollouts,
                 cluster=Cluster(c["nic_gbps"], c["nvlink_GBps"], c["nodes"]),
                 chunk_bytes=header["chunk_bytes"],  # (files made before pack_below: 1 MiB)
-                pack_below=header.get("pack_below", 1 << 20),
+                pack_below=int(header.get("pack_below", 1 << 20)),
                 corr=corr, pieces=group(Pieces, "pieces"),
                 transfers=group(Transfers, "transfers"), messages=group(Messages, "messages"))
 

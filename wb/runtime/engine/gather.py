@@ -65,11 +65,13 @@ class Regions(NamedTuple):
             message's width).
         ptrs: the device array of the buffers' addresses by the table's slots.
         nbytes: the bytes of the message the regions hold.
+        itemsize: the bytes of an element of the table (the message's travelling dtype's).
     """
 
     table: Any
     ptrs: Any
     nbytes: int
+    itemsize: int
 
 
 _SOURCE = r"""
@@ -207,7 +209,7 @@ def kernel_source(itemsize: int) -> str:
 
 
 def table(spans: Sequence, piece: int = PIECE) -> np.ndarray:
-    """The ``(7, rows)`` int64 table (:data:`FIELDS`) of a message's regions in message order
+    """The ``(8, rows)`` int64 table (:data:`FIELDS`) of a message's regions in message order
     (:class:`wb.runtime.engine.program.Span`, or any tuples starting ``slot, f0, na, nb, fa, fb``), each
     cut into pieces of at most ``piece`` elements: whole rows at a time, or stretches of one row
     when a row is longer. A transposed region (``fa == 1``, ``fb != 1``) is cut into whole rows

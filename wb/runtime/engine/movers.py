@@ -256,7 +256,8 @@ class HostMover:
         converts."""
         if g.table is None:
             g.table = self.xp.asarray(gather.table(self._spans(g)))
-        return gather.Regions(g.table, self._ptrs(), g.nbytes)
+        return gather.Regions(g.table, self._ptrs(), g.nbytes,
+                              dtype_info(g.wire).itemsize if g.wire else 1)
 
     def scatter(self, g, pos, values) -> bool:
         """Received unit ``g``'s message elements at ``pos`` (ascending) set to ``values``
@@ -452,7 +453,6 @@ class DeviceMover(HostMover):
         if g.table is None:
             g.table = self.xp.asarray(gather.table(self._spans(g)))
         gather.copy(self._ptrs(), g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
-
 
 
 #: Stacked unpack tables a program keeps (:meth:`DeviceMover.unpack_all`): the sets of receives

@@ -333,7 +333,8 @@ def _apply_batch(u, landing, ins, heads) -> tuple:
         as_delta = g.peer in delta.frm
         got_head = came_of.get(id(buf))
         head = codec.header(got_head[1]) if as_delta else None
-        if as_delta and head[0] == codec.BLOCKS and not _decoded_needed(u, g) and head[3]:
+        if as_delta and head[0] == codec.BLOCKS and not _decoded_needed(u, g) and head[3] \
+                and (g.zc_dst or g.conv or head[1] == width(g)):  # (regions: in their width)
             target = _target(u, g, spent, unpack)
             codec.checked(got_head[1], got_head[0].nbytes, target.nbytes)  # raises where not
             together.append((target, buf, head[1], j))

@@ -175,7 +175,8 @@ extern "C" __global__ void wb_delta_compact_many(const long long* tab, const int
 // regions of buffers rather than one range (a unit received packed) has its regions' gather
 // table (wb.runtime.engine.gather: fields slot, f0, na, nb, fa, fb, at, a row each, rows in
 // message order), its row count and the buffers' addresses by slot in the row's last three
-// words (the target's address then says nothing; no table: zero rows).
+// words, and the table's element width in place of the target's address (no table: zero rows;
+// a delta of another width is the host's to apply: 2).
 #define WB_TAB 10
 struct WbHead { long long w, n, k, size, at; };
 __device__ unsigned int wb_head(const long long* r, WbHead* h) {
@@ -188,7 +189,7 @@ __device__ unsigned int wb_head(const long long* r, WbHead* h) {
     if (!(w == 1 || w == 2 || w == 4 || w == 8) || h->n < 0 || h->n > t || h->n * w != t
         || h->k < 0 || h->k > h->n) return 1;
     long long nb = (h->n + 65535) / 65536;
-    if (nb != r[4]) return 2;
+    if (nb != r[4] || (r[8] && w != r[1])) return 2;
     h->at = 32 + h->k * w + (4 - (32 + h->k * w) % 4) % 4;
     if (h->size != h->at + 4 * nb + 2 * h->k || h->size > r[3]) return 1;
     return 0;

@@ -29,7 +29,8 @@ from wb.runtime.engine.deltas import device as one
 from wb.runtime.engine.deltas.kernels import THREADS
 from wb.runtime.engine.gather import Regions
 
-__all__ = ["advance_many", "count_many", "write_many", "apply_many", "flags_and_sizes", "read_flags", "headers", "received_many", "prepare"]
+__all__ = ["advance_many", "count_many", "write_many", "apply_many", "flags_and_sizes",
+           "read_flags", "headers", "received_many", "prepare"]
 
 
 def apply_many(items, bad, sizes, *, xp) -> None:
@@ -38,8 +39,9 @@ def apply_many(items, bad, sizes, *, xp) -> None:
     each reading its delta's header on the device: the host reads nothing.
 
     ``items``: ``(target, buf, w, j)``: a receive ``buf`` with a delta at its start (it may hold
-    more), for ``target`` (contiguous, or :class:`Regions`; of elements of ``w`` bytes as the
-    host expects them);
+    more), for ``target`` (contiguous, or :class:`Regions`: a delta of another element width
+    than the regions' is left to the host, flag 2; of elements of ``w`` bytes as the host
+    expects them);
     ``j`` its place in ``bad`` (a device ``uint32`` array of zeros) and in ``sizes`` (a device
     ``int64`` array). A delta is applied and its size written to ``sizes[j]``, or ``bad[j]`` is
     set and nothing of its target written (its size says nothing then): 1 where the delta is
@@ -63,7 +65,7 @@ def apply_many(items, bad, sizes, *, xp) -> None:
             raise ValueError(f"delta: apply_many takes targets of whole {w}-byte elements, not "
                              f"{t:,} bytes")
         nb = -(-(t // w) // codec.BLOCK)
-        rows.append((one.address(buf), 0, t, buf.nbytes, nb, j, total,
+        rows.append((one.address(buf), target.itemsize, t, buf.nbytes, nb, j, total,
                      one.address(target.table), target.table.shape[1], one.address(target.ptrs))
                     if spread else
                     (one.address(buf), one.address(target), t, buf.nbytes, nb, j, total, 0, 0, 0))
