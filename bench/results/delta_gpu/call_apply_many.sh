@@ -6,8 +6,9 @@
 #     bash bench/results/delta_gpu/call_apply_many.sh
 # and in a second call: SKIP_TESTS=1 RUNS=" " GPU_BENCH_REPLICAS="1 4" bash ...
 source bench/gpu_common.sh
+# TESTS: a pytest -k expression over them (default: every delta test)
 [ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
-  tests/test_transfer_cuda.py -k "delta" 2>&1 | tail -4 | tee $OUT/tests.txt
+  tests/test_transfer_cuda.py -k "${TESTS:-delta}" 2>&1 | tail -4 | tee $OUT/tests.txt
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 script() {  # a name holding "pack<N>": the delta run's plan packs ranges below N MiB
   case $1 in *pack*) N=${1##*pack}; echo bench/bench_fp8.py --delta-pack-mb ${N%%_*};;
