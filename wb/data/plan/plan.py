@@ -55,9 +55,7 @@ class Plan:
     pieces: Pieces  # sub-rectangles of cells, one per moved chunk
     transfers: Transfers  # each piece moved from one region to another, with its stage
     messages: Messages  # transfers grouped into sends between two ranks
-    #: contiguous ranges smaller than this travel packed with others of their pair of ranks
-    #: (bytes; larger ones in messages of their own, which a rank sends and receives in place)
-    pack_below: int = SMALL_RUN_BYTES
+    pack_below: int = SMALL_RUN_BYTES  # bytes: contiguous ranges below it travel packed
 
     # --- derived views -------------------------------------------------------------------------
     @property
