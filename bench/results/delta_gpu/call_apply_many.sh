@@ -1,10 +1,12 @@
 # Needs the ucxx wheels and crc32c's for Python 3.12 in .whl/ (carried).
 # The delta GPU tests, then bench_fp8 --delta with the diagnostics site at 4 layers (time-sliced
-# and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS). Next call (after
-# the applies read their headers on the device):
-#   TEST_TIMEOUT=110 FP8_TIMEOUT=240 VERSIONS=4 RUNS="12:l12_mps 12:l12_timesliced 12:l12_prof_mps" \
+# and under MPS), then 12 layers where the GPU has room (time-sliced, then MPS). Next call (the
+# delta job's plan packs every range below its pieces; deltas land where packed units lie; a
+# name holding "pack1" runs the delta plan of before, ranges of 1 MiB and more each a message):
+#   TEST_TIMEOUT=130 FP8_TIMEOUT=200 VERSIONS=4 RUNS="12:l12_timesliced 12:l12_mps" \
 #     bash bench/results/delta_gpu/call_apply_many.sh
-# and in a second call: SKIP_TESTS=1 RUNS=" " GPU_BENCH_REPLICAS="1 4" bash ...
+# then SKIP_TESTS=1 RUNS="12:l12_pack1_mps 12:l12_prof_mps" bash ..., and
+# SKIP_TESTS=1 RUNS=" " GPU_BENCH_REPLICAS="1 4" bash ... (the emulated links)
 source bench/gpu_common.sh
 # TESTS: a pytest -k expression over them (default: every delta test)
 [ -n "$SKIP_TESTS" ] || timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -x -p no:cacheprovider tests/test_delta_cuda.py \
