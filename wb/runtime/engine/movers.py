@@ -271,8 +271,7 @@ class HostMover:
         if pos is None:
             self.unpack(g, values.view(np.uint8))
             return True
-        spans = self._spans(g)
-        starts = np.cumsum([0] + [sp.na * sp.nb for sp in spans])
+        spans, starts = self._starts(g)
         cuts = np.searchsorted(pos, starts).tolist()
         for sp, at, i0, i1 in zip(spans, starts.tolist(), cuts, cuts[1:]):
             if i1 > i0:
@@ -280,6 +279,16 @@ class HostMover:
                 idx = sp.f0 + q // sp.nb * sp.fa + q % sp.nb * sp.fb
                 self.flat[self.prog.slot_buf[sp.slot]].view(values.dtype)[idx] = values[i0:i1]
         return True
+
+    def _starts(self, g) -> tuple[list, np.ndarray]:
+        """Unit ``g``'s spans and where each starts in its message (elements; the end last),
+        worked out once per program."""
+        kept = self.prog.tables.setdefault("starts", {})
+        got = kept.get(g.m)
+        if got is None:
+            spans = self._spans(g)
+            got = kept[g.m] = (spans, np.cumsum([0] + [sp.na * sp.nb for sp in spans]))
+        return got
 
     def _spans(self, g) -> list:
         """A message's spans, or a frame's members' one after another."""
