@@ -1,6 +1,7 @@
 """A delta applied where a unit received packed lies (``wb.runtime.engine.gather.Regions``
 targets of ``deltas.tables.apply_many``), checked on whichever memory the kernels run on: the
-host-compiled ones (``tests/test_delta_kernel_host.py``) or a GPU's (``tests/test_delta_cuda.py``)."""
+host-compiled ones (``tests/test_delta_kernel_host.py``) or a GPU's
+(``tests/test_delta_cuda.py``)."""
 
 from __future__ import annotations
 

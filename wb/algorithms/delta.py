@@ -39,8 +39,8 @@ import numpy as np
 from wb.errors import TransferError
 
 __all__ = ["DENSE", "MASK", "BLOCKS", "BLOCK", "HEADER", "encode", "of_changes", "dense", "apply",
-           "changes", "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes", "choose",
-           "values_pad", "header", "checked"]
+           "changes", "changed", "kind_of", "size_of", "max_bytes", "sizes", "expected_bytes",
+           "choose", "values_pad", "header", "checked"]
 
 DENSE, MASK, BLOCKS = 0, 1, 3
 _NAMES = {DENSE: "dense", MASK: "mask", BLOCKS: "blocks"}

@@ -159,10 +159,10 @@ def pack_small_ranges(at: np.ndarray, starts_group: np.ndarray, parent: np.ndarr
     A message ends where the destination stops being one contiguous range (another buffer, or a
     gap): such a message is received in place, without staging. Ranges of less than
     ``pack_below`` bytes (:data:`~wb.data.plan.plan.SMALL_RUN_BYTES` unless told) would each
-    cost a message of their own (a scale tensor per expert, a
-    bias, a norm: thousands per rank where each costs more than its bytes), so they go after the
-    group's large ranges, packed together into staged messages of one travelling and one
-    destination dtype (a message packs and unpacks aligned in one of each).
+    cost a message of their own (a scale tensor per expert, a bias, a norm: thousands per rank
+    where each costs more than its bytes), so they go after the group's large ranges, packed
+    together into staged messages of one travelling and one destination dtype (a message packs
+    and unpacks aligned in one of each).
 
     Args:
         at: ``(k,) int64`` moves, group after group, each in destination order.

@@ -143,8 +143,8 @@ def _fields(stream, where: str) -> dict:
     c = header["cluster"]
     return dict(trainers=trainers, rollouts=rollouts,
                 cluster=Cluster(c["nic_gbps"], c["nvlink_GBps"], c["nodes"]),
-                chunk_bytes=header["chunk_bytes"],  # (files made before pack_below: 1 MiB)
-                pack_below=int(header.get("pack_below", 1 << 20)),
+                chunk_bytes=header["chunk_bytes"],
+                pack_below=int(header.get("pack_below", 1 << 20)),  # (a file without it: 1 MiB)
                 corr=corr, pieces=group(Pieces, "pieces"),
                 transfers=group(Transfers, "transfers"), messages=group(Messages, "messages"))
 
