@@ -254,9 +254,7 @@ class HostMover:
         element by element (:class:`~wb.runtime.engine.gather.Regions`: the regions'
         table, made once, and this rank's buffer addresses by slot); not for a unit this rank
         converts."""
-        if g.table is None:
-            g.table = self.xp.asarray(gather.table(self._spans(g)))
-        return gather.Regions(g.table, self._ptrs(), g.nbytes,
+        return gather.Regions(self._table(g), self._ptrs(), g.nbytes,
                               dtype_info(g.wire).itemsize if g.wire else 1)
 
     def scatter(self, g, pos, values) -> bool:
@@ -289,6 +287,13 @@ class HostMover:
             spans = self._spans(g)
             got = kept[g.m] = (spans, np.cumsum([0] + [sp.na * sp.nb for sp in spans]))
         return got
+
+    def _table(self, g):
+        """Unit ``g``'s regions as a table of the buffers' module (:func:`~wb.runtime.engine.
+        gather.table`: its source's for a send, its destination's for a receive), made once."""
+        if g.table is None:
+            g.table = self.xp.asarray(gather.table(self._spans(g)))
+        return g.table
 
     def _spans(self, g) -> list:
         """A message's spans, or a frame's members' one after another."""
@@ -459,9 +464,7 @@ class DeviceMover(HostMover):
         """Packs ``g`` (a message or a frame) into ``buf`` (or, with ``scatter``, unpacks
         ``buf``) in one launch: a frame's members' regions lie one after another, as its
         members do."""
-        if g.table is None:
-            g.table = self.xp.asarray(gather.table(self._spans(g)))
-        gather.copy(self._ptrs(), g.table, buf, dtype_info(g.wire).itemsize, scatter=scatter)
+        gather.copy(self._ptrs(), self._table(g), buf, dtype_info(g.wire).itemsize, scatter=scatter)
 
 
 #: Stacked unpack tables a program keeps (:meth:`DeviceMover.unpack_all`): the sets of receives

@@ -45,7 +45,6 @@ import threading
 import time
 from typing import NamedTuple
 
-from wb.algorithms import planner
 from wb.data.layout import Cluster, Layout, Role
 from wb.data.plan import Plan
 from wb.data.plan.plan import SMALL_RUN_BYTES
@@ -56,7 +55,7 @@ from wb.runtime.engine.program import Program
 from wb.runtime.engine.update import ExecStats
 from wb.runtime.membership.joining import Admissions
 from wb.runtime.membership.records import fetch_part, gather_layouts, publish_parts
-from wb.runtime.membership.repairs import ATTEMPT_BITS, plan_ahead, publish_repair
+from wb.runtime.membership.repairs import ATTEMPT_BITS, plan_ahead, plan_for, publish_repair
 from wb.runtime.transport.stores import read_record, set_record
 
 __all__ = ["Finisher", "Roster", "tag_base", "ATTEMPT_BITS"]
@@ -372,9 +371,7 @@ class Finisher:
             if not rollouts:
                 raise TransferError(f"version {v}: every rollout died")
             t0 = time.time()
-            nxt = planner.plan([self.layouts[t] for t in self.trainers],
-                            [self.layouts[r] for r in rollouts], self.cluster,
-                            chunk_bytes=self.chunk_bytes, pack_below=self.pack_below)
+            nxt = plan_for(self, rollouts)
             rec["epoch"] = self.new_epoch()
             rec["planned_s"] = time.time() - t0
             publish_parts(self.end.store, nxt, name=self.end.key("epoch", rec["epoch"]))

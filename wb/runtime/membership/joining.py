@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from wb.algorithms import planner
 from wb.data.layout import Layout, layouts_from_bytes, layouts_to_bytes
 from wb.data.plan import RankPlan
 from wb.errors import PlanError, SpecError, TransferError
 from wb.runtime.transport.keyed import keyed
 from wb.runtime.membership.liveness import new_incarnation, repeat
 from wb.runtime.membership.records import fetch_part, publish_parts
+from wb.runtime.membership.repairs import plan_for
 from wb.runtime.transport.stores import get_large, read_record, set_large, set_record
 
 __all__ = ["Admission", "request_join", "request_joins", "Admissions", "JOIN_RANGE",
@@ -351,15 +351,12 @@ class _Planning:
         self.epoch = fin.new_epoch()
         self.error: BaseException | None = None
         self.planned_s = 0.0
-        trainers = [fin.layouts[t] for t in fin.trainers]
-        rollouts = [fin.layouts[r] for r in self.rollouts]
-        cluster, chunk, end, packed = fin.cluster, fin.chunk_bytes, fin.end, fin.pack_below
+        end = fin.end
 
         def run():
             t0 = time.time()
             try:
-                nxt = planner.plan(trainers, rollouts, cluster, chunk_bytes=chunk,
-                                   apart=sorted(self.joiners), pack_below=packed)
+                nxt = plan_for(fin, self.rollouts, apart=sorted(self.joiners))
                 publish_parts(end.store, nxt, name=end.key("epoch", self.epoch))
             except BaseException as e:  # noqa: BLE001 - the push that takes it up refuses them
                 self.error = e

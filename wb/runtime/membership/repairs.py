@@ -15,7 +15,7 @@ from wb.algorithms import planner
 from wb.errors import PlanError
 from wb.runtime.membership.records import publish_parts
 
-__all__ = ["ATTEMPT_BITS", "SUSPECT_AFTER", "publish_repair", "plan_ahead"]
+__all__ = ["ATTEMPT_BITS", "SUSPECT_AFTER", "plan_for", "publish_repair", "plan_ahead"]
 
 #: Bits of a tag for the message index within an attempt; the attempt sits above them and the
 #: version above ``32``.
@@ -26,6 +26,14 @@ SUSPECT_AFTER = 1 / 3
 _ALONE = 4
 
 
+def plan_for(fin, rollouts: list[int], apart=()):
+    """The trainers -> ``rollouts`` plan of the finisher ``fin``'s job, made as its first plan was
+    (its roster's layouts, link rates, piece size and packing); ``apart``: as :func:`wb.plan`'s."""
+    return planner.plan([fin.layouts[t] for t in fin.trainers],
+                        [fin.layouts[r] for r in rollouts], fin.cluster,
+                        chunk_bytes=fin.chunk_bytes, pack_below=fin.pack_below, apart=apart)
+
+
 def publish_repair(fin, left: list[int], name: str) -> None:
     """Plans the trainers -> ``left`` transfer of the finisher ``fin``'s job (its roster) and
     publishes each worker's part under ``name``.
@@ -33,9 +41,7 @@ def publish_repair(fin, left: list[int], name: str) -> None:
     Raises:
         PlanError: the plan has more messages than a tag's :data:`ATTEMPT_BITS` hold.
     """
-    repair = planner.plan([fin.layouts[t] for t in fin.trainers],
-                          [fin.layouts[r] for r in left], fin.cluster,
-                          chunk_bytes=fin.chunk_bytes, pack_below=fin.pack_below)
+    repair = plan_for(fin, left)
     if repair.messages.stage.size >= 1 << ATTEMPT_BITS:
         raise PlanError(f"a repair plan of {repair.messages.stage.size} messages: more than "
                         f"2**{ATTEMPT_BITS} fit a tag")

@@ -125,31 +125,34 @@ def _prepared(xp, device: int) -> None:
     state.get()
 
 
+def _heads(bufs, xp):
+    """The headers at the start of ``bufs``, one after another in one device array."""
+    return xp.concatenate([b.reshape(-1).view(xp.uint8)[:codec.HEADER.size] for b in bufs])
+
+
 def headers(bufs, *, xp):
     """The headers of the deltas at the start of ``bufs`` (receives), gathered on the device and
     copied to the host without waiting (:func:`to_host`); :func:`sized` reads them."""
-    return one.to_host(xp.concatenate([b.reshape(-1).view(xp.uint8)[:codec.HEADER.size]
-                                   for b in bufs]), xp=xp)
+    return one.to_host(_heads(bufs, xp), xp=xp)
 
 
 def received_many(bufs, *, xp):
     """:func:`received` for several receives, their headers read by the host in one go."""
     if xp is np or not bufs:
         return [one.received(b, xp=xp) for b in bufs]
-    return one.sized(bufs, xp.concatenate([b.reshape(-1).view(xp.uint8)[:codec.HEADER.size]
-                                       for b in bufs]).get(), xp=xp)
+    return one.sized(bufs, _heads(bufs, xp).get(), xp=xp)
 
 
 def advance_many(jobs, *, xp):
     """The deltas of several messages at once, each base then holding its new bytes.
 
     ``jobs``: ``(base, new, itemsize)`` byte arrays of one size each. Returns each job's delta,
-    the bytes :func:`~wb.runtime.engine.deltas.device.encode` makes. On a CUDA device: one launch counts the changes of every
-    block of every message, the host reads the counts (its one read) and writes one table, and
-    one launch writes every :data:`~wb.algorithms.delta.BLOCKS` delta whole, each base taking
-    the changed elements as they are read (a message's base costs no copy); a mask or a dense
-    delta (most elements changed) is written apart. The deltas are queued on the current
-    stream: the caller waits for it before they leave.
+    the bytes :func:`~wb.runtime.engine.deltas.device.encode` makes. On a CUDA device: one
+    launch counts the changes of every block of every message, the host reads the counts (its
+    one read) and writes one table, and one launch writes every :data:`~wb.algorithms.delta.
+    BLOCKS` delta whole, each base taking the changed elements as they are read (a message's
+    base costs no copy); a mask or a dense delta (most elements changed) is written apart. The
+    deltas are queued on the current stream: the caller waits for it before they leave.
     """
     if xp is np:
         out = []
