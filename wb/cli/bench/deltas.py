@@ -2,10 +2,12 @@
 
 Every worker's weights follow :class:`wb.testing.versions.AdamById` (float32 masters stepped by
 Adam at learning rate ``LR``, cast to each buffer's dtype per version; every worker computes the
-same values for an id, so a rollout knows what it must hold). Per version, wb's plan runs twice
-in one rotation over the same emulated links: dense (``wb``) and as deltas (``wb-delta``: each
-unit as what changed since the version its receiver holds, :mod:`wb.runtime.engine.deltas.units`),
-each into its own rollout buffers, both checked bit for bit. The first version is dense in both
+same values for an id, so a rollout knows what it must hold). Per version, wb's plans run in one
+rotation over the same emulated links: dense (``wb``, the plan of a dense job) and as deltas
+(``wb-delta``, the plan of a delta job, ``agree_parts(delta=True)``'s: every range below a piece
+packed; each unit as what changed since the version its receiver holds,
+:mod:`wb.runtime.engine.deltas.units`), each into its own rollout buffers, both checked bit for
+bit. The first version is dense in both
 (nobody holds one yet). A rollout's dense buffers are checked against Adam's values on a
 sample of their elements, its delta buffers against the dense ones in full (see
 :func:`run_deltas`).
@@ -45,7 +47,10 @@ def run_deltas(c, barrier_start, result: dict) -> None:
     from wb.testing.versions import AdamById
 
     job, xp = c.job, c.xp
-    part = c.plans["wb"]
+    # each method's part of its plan: deltas go by the plan a delta job makes (every range below
+    # a piece packed, as agree_parts(delta=True)), dense updates by the dense one
+    parts = {"wb": c.plans["wb"], "wb-delta": c.plans.get("wb-delta") or c.plans["wb"]}
+    part = parts["wb"]
     lay = part.layout if part is not None else None
     role = lay.worker.role.value if lay is not None else None
     step = 1 if role == "trainer" else SAMPLE
@@ -54,12 +59,12 @@ def run_deltas(c, barrier_start, result: dict) -> None:
              for k, b in lay.buffers.items()} if lay is not None else {})
     kept = {}
     for method in METHODS:  # each with its own transports, program and rollout buffers
-        t = c.transport(f"delta/{method}", part, checksums=True)
+        t = c.transport(f"delta/{method}", parts[method], checksums=True)
         bufs = ({k: _here(xp, g.weights()).reshape(lay.buffers[k].shape) for k, g in gens.items()}
                 if role == "trainer" else
                 {k: _here(xp, np.zeros(b.shape, dtype_info(b.dtype).numpy))
                  for k, b in lay.buffers.items()} if role == "rollout" else {})
-        kept[method] = (t, None if t is None else Program(part, checksums=True), bufs)
+        kept[method] = (t, None if t is None else Program(parts[method], checksums=True), bufs)
     dense = kept["wb"][2]
     records = result.setdefault("delta", [])
     for v in range(job["delta_versions"]):
@@ -76,7 +81,8 @@ def run_deltas(c, barrier_start, result: dict) -> None:
         times = {}
         for method in METHODS[v % 2:] + METHODS[:v % 2]:
             t, program, bufs = kept[method]
-            peers = frozenset(part.peers) if (part is not None and v) else frozenset()
+            peers = (frozenset(parts[method].peers) if (part is not None and v)
+                     else frozenset())
             plan = DeltaPlan(v, peers, peers) if method == "wb-delta" else None
             t0 = barrier_start(f"delta/{v}/{method}")
             stats = (program.run(bufs, t, tag_base=(v + 1) << 32, timeout=c.timeout,

@@ -219,6 +219,9 @@ def _one(cfg, spec, G, R, prof, cluster, modes, cuda, console, timeout, *, devic
              "p2p": p2p_plan(trainers, rollouts, cluster, chunk_bytes=chunk)}
     plans["gather"], plans["bcast"] = broadcast_plans(spec, trainers, rollouts, cluster,
                                                       gather_rank=gather_rank, chunk_bytes=chunk)
+    if prof.get("delta"):  # as agree_parts(delta=True) plans: every range below a piece packed
+        plans["wb-delta"] = wb.plan(trainers, rollouts, cluster, chunk_bytes=chunk,
+                                    pack_below=chunk)
     plans["wb"].verify()
     console.log(f"plans ready: {plans['wb'].messages.nbytes.size:,} wb messages, "
                 f"{plans['bcast'].messages.nbytes.size:,} broadcast messages")
