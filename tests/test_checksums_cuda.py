@@ -1,7 +1,8 @@
 """Checksums on the GPU: the CRC32C kernel (``wb.runtime.engine.crc``) on device buffers equals
-the host library, many buffers of any length and alignment in one launch; and a real transfer of
-CUDA buffers over UCX with one bit flipped on the wire is refused where it lands, the others
-bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
+the host library, many buffers of any length and alignment in one launch, and copies what it
+hashes where a row says; and a real transfer of CUDA buffers over UCX (copied out of their
+senders' memory and hashed in one pass) with one bit flipped on the wire is refused where it
+lands, the others bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
 
 import json
 
@@ -56,6 +57,33 @@ def test_thousands_of_short_buffers_in_one_launch(sub):
         assert int(got[k]) == crc.host(host[a:a + b]), (a, b)
 
 
+@pytest.mark.parametrize("sub", [crc.SUB, 7])
+def test_rows_with_a_destination_are_copied_as_they_are_hashed(sub):
+    """Rows ``(pointer, bytes, slot, destination)`` at every pair of alignments, on a stream of
+    their own: each destination holds its source's bytes, nothing around it is written, and
+    the CRCs are the library's."""
+    rng = np.random.default_rng(sub + 2)
+    host = rng.integers(0, 256, 24 << 20, dtype=np.uint8)
+    src = cupy.asarray(host)
+    dst = cupy.zeros(src.size + (1 << 20), cupy.uint8)
+    lens = [0, 1, 15, 17, 1000, 4097, 1 << 20, (3 << 20) + 5]
+    rows, at, to, want = [], 0, 0, np.zeros(dst.size, np.uint8)
+    for i, n in enumerate(lens):
+        a, b = at + i % 16, to + (3 * i) % 16
+        rows.append((src.data.ptr + a, n, i, dst.data.ptr + b))
+        want[b:b + n] = host[a:a + n]
+        at, to = a + n + 64, b + n + 64
+    out = cupy.zeros(len(lens), cupy.uint32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    crc.Launcher(cupy, len(rows), sub=sub).launch(rows, out, stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(dst.get(), want)
+    got = out.get()
+    for i, (p0, n, _, _) in enumerate(rows):
+        a = p0 - src.data.ptr
+        assert int(got[i]) == crc.host(host[a:a + n]), n
+
+
 @pytest.mark.timeout(300)
 def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
     import sys
@@ -84,3 +112,6 @@ def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
         else:
             assert res["ok"], res
             assert r < len(trainers) or res["bit_identical"], res
+    # the rollouts that passed took their checks as they copied (one pass over the bytes)
+    assert sum(run.results[r]["hashed"] for r in ranks[len(trainers):]
+               if r not in reached) > 0

@@ -49,16 +49,18 @@ def kernel(tmp_path_factory):
     return ctypes.CDLL(str(so))
 
 
-def _launch(lib, bufs, sub):
+def _launch(lib, bufs, sub, dsts=None):
     """The kernel over views ``bufs`` (uint8 arrays), each into its own slot, from the rows a
-    :class:`crc.Launcher` writes (pointer, length, slot, first stretch; buffers of no bytes left
-    out, as it leaves them out)."""
+    :class:`crc.Launcher` writes (pointer, length, slot, first stretch, destination; buffers of
+    no bytes left out, as it leaves them out); ``dsts``: views each buffer is copied to."""
     n = len(bufs)
     slots = np.arange(n, dtype=np.int64)[::-1].copy()  # slots need not follow the buffers
     live = [k for k, b in enumerate(bufs) if b.nbytes]
-    rows = np.zeros((max(len(live), 1), 4), np.int64)
+    rows = np.zeros((max(len(live), 1), 5), np.int64)
     for i, k in enumerate(live):
         rows[i, :3] = (bufs[k].ctypes.data, bufs[k].nbytes, slots[k])
+        if dsts is not None:
+            rows[i, 4] = dsts[k].ctypes.data
     stretches = -(-rows[:, 1] // sub)
     rows[:, 3] = np.cumsum(stretches) - stretches
     out = np.zeros(n, np.uint32)
@@ -108,6 +110,34 @@ def test_groups_of_words_at_any_alignment(kernel):
             backing[start:start + 4000], backing[start + 16:start + 16 + 256]]
     assert _launch(kernel, bufs, 256) == [crc.host(b) for b in bufs]
     assert _launch(kernel, bufs, 1024) == [crc.host(b) for b in bufs]
+
+
+@needs_cxx
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 15), st.integers(0, 15)),
+                min_size=1, max_size=6),
+       st.sampled_from([1, 3, 13, 64, 256, 1024]), st.integers(0, 2**32 - 1))
+def test_a_row_with_a_destination_is_copied_as_it_is_hashed(kernel, shapes, sub, seed):
+    """Source and destination at every pair of alignments (every width of word the copy may
+    take): each destination holds its source's bytes, the CRCs are the library's, and not one
+    byte around a destination is written."""
+    rng = np.random.default_rng(seed)
+    backing = rng.integers(0, 256, sum(n + a for n, a, _ in shapes) + 32, dtype=np.uint8)
+    target = rng.integers(0, 256, sum(n + b for n, _, b in shapes) + 64, dtype=np.uint8)
+    before = target.copy()
+    s0 = (-backing.ctypes.data) % 16
+    t0 = (-target.ctypes.data) % 16
+    bufs, dsts, at, to = [], [], s0, t0
+    for n, a, b in shapes:
+        bufs.append(backing[at + a:at + a + n])
+        dsts.append(target[to + b:to + b + n])
+        at, to = at + a + n, to + b + n
+    assert _launch(kernel, bufs, sub, dsts) == [crc.host(b) for b in bufs]
+    want = before.copy()
+    for src, dst in zip(bufs, dsts):
+        off = dst.ctypes.data - target.ctypes.data
+        want[off:off + dst.size] = src
+    np.testing.assert_array_equal(target, want)
 
 
 def test_known_value_and_combine():

@@ -2,6 +2,8 @@
 between GPUs (notes in batches, the receiver copies, acks in batches, fallbacks over UCX), with
 host memory read by ``process_vm_readv``; between spawned processes over UCX on loopback."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,8 @@ def test_messages_arrive_exactly_one_sided(tmp_path, late):
     assert all("error" not in r for r in res), res
     assert res[1]["exact"]
     assert res[1]["counts"].pop("batched") > 75 and res[0]["counts"].pop("batched") == 0
-    assert res[0]["counts"] == res[1]["counts"] == {"one_sided": 150, "over_ucx": 0, "nacked": 0}
+    assert res[0]["counts"] == res[1]["counts"] == {"one_sided": 150, "over_ucx": 0, "nacked": 0,
+                                                    "unpacked": 0, "hashed": 0}
 
 
 @pytest.mark.timeout(120)
@@ -38,7 +41,8 @@ def test_memory_the_receiver_cannot_read_is_nacked_and_sent_over_ucx(tmp_path, m
     res = run_pair(str(tmp_path), threads=True, ipc="host", count=40, cuda=None, late=False)
     assert all("error" not in r for r in res), res
     assert res[1]["exact"]
-    assert res[1]["counts"] == {"one_sided": 0, "over_ucx": 0, "nacked": 40, "batched": 0}
+    assert res[1]["counts"] == {"one_sided": 0, "over_ucx": 0, "nacked": 40, "batched": 0,
+                                "unpacked": 0, "hashed": 0}
     # the first nack marks the sender's memory refused: the rest go over UCX without a note's
     # round trip, or after their own nack when already noted
     assert res[0]["counts"]["over_ucx"] == 40
@@ -181,7 +185,8 @@ class _Eager:
 def test_a_cancel_still_acknowledges_what_was_copied():
     """A rank that gives an attempt up still acks what it already copied: a sender that stays
     in the attempt (not every rank gives it up) would otherwise wait for those acks forever."""
-    from wb.runtime.transport.ipc import ACK_OK, HEADER, NOTE_IPC, ROW, Channel
+    from wb.runtime.transport.ipc import Channel
+    from wb.runtime.transport.notes import ACK_OK, HEADER, NOTE_IPC, ROW
     from wb.runtime.transport.memory import HostMemory
 
     mem, t = HostMemory(), _Eager(1)
@@ -205,7 +210,8 @@ def test_a_note_that_came_before_a_cancel_is_still_received():
     """A sender already in the next attempt (its tags are new) may note a message before this
     rank gives its own attempt up: the note stays through the cancel, as UCX keeps unexpected
     messages, and the receive posted in the next attempt takes it."""
-    from wb.runtime.transport.ipc import ACK_OK, HEADER, NOTE_IPC, ROW, Channel
+    from wb.runtime.transport.ipc import Channel
+    from wb.runtime.transport.notes import ACK_OK, HEADER, NOTE_IPC, ROW
     from wb.runtime.transport.memory import HostMemory
 
     mem, t = HostMemory(), _Eager(1)
@@ -225,7 +231,7 @@ def test_a_note_that_came_before_a_cancel_is_still_received():
 
 def _batch(rows, handles):
     """A control message as a peer's channel sends it."""
-    from wb.runtime.transport.ipc import HEADER, ROW
+    from wb.runtime.transport.notes import HEADER, ROW
 
     arr = np.array(rows, ROW)
     return np.frombuffer(HEADER.pack(len(rows), len(handles)) + arr.tobytes() + b"".join(handles),
@@ -295,6 +301,97 @@ def test_a_receive_its_caller_can_unpack_is_unpacked_from_the_senders_memory(tmp
                 assert not bufs[k].any() and np.array_equal(into.into[k], msgs[k][::-1])
             else:
                 assert np.array_equal(bufs[k], msgs[k]) and k not in into.into
+    finally:
+        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
+        [th.start() for th in ths]
+        [th.join() for th in ths]
+
+
+@pytest.mark.timeout(120)
+def test_a_receive_posted_hashed_is_copied_by_its_hasher_in_one_pass(tmp_path, monkeypatch):
+    """A receive posted with ``hashed=(hasher, key)`` is copied by the hasher (here: host
+    memory given a ``copy_hashed`` that reads with ``process_vm_readv`` and hands each copy to
+    it, as CUDA's hands the rows to one launch of the copy-and-CRC kernel): its buffer holds the
+    message, the request says ``hashed``, the hasher saw each key once with the message's bytes.
+    Receives posted to unpack, hashed and plain in the same turn go in groups of their own kind;
+    where the memory refuses a group (``None``) its messages are copied plainly, not hashed."""
+    import threading
+    import time
+
+    from wb.runtime.engine import crc
+    from wb.runtime.transport import memory
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    refuse = {3}  # the memory fails a group holding this key: copied plainly
+    groups = []  # the kind of each group handed to the memory
+
+    def copy_hashed(self, items, peer):
+        groups.append("hashed")
+        if any(key in refuse for (_, key), *_ in items):
+            return None
+        for (hasher, key), buf, pid, address, nbytes in items:
+            assert self.copy(buf, pid, address, nbytes, peer)
+            hasher.copy_many([(key, buf, nbytes)], None)
+        return True
+
+    def unpack_many(self, items, peer):
+        groups.append("unpack")
+        for (unpacker, key), pid, address, nbytes in items:
+            got = np.empty(nbytes, np.uint8)
+            assert self.copy(got, pid, address, nbytes, peer)
+            unpacker.into[key] = got
+        return True
+
+    class Hasher:
+        def __init__(self):
+            self.sums = {}
+
+        def copy_many(self, items, stream):
+            for key, buf, nbytes in items:
+                assert key not in self.sums and buf.nbytes == nbytes
+                self.sums[key] = crc.host(buf)
+
+    monkeypatch.setattr(memory.HostMemory, "copy_hashed", copy_hashed, raising=False)
+    monkeypatch.setattr(memory.HostMemory, "unpack_many", unpack_many, raising=False)
+    rng = np.random.default_rng(8)
+    msgs = [rng.integers(0, 256, 900 + 41 * k, dtype=np.uint8) for k in range(9)]
+    store = DirectoryStore(str(tmp_path))
+    t = [UcxTransport(r, store, session="hs", timeout=20, ipc="host") for r in (0, 1)]
+    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    try:
+        assert not t[1].copies_hashed  # the transport offers it for CUDA memory only
+        hasher, unpacker = Hasher(), type("U", (), {"into": {}})()
+        bufs = [np.zeros_like(m) for m in msgs]
+        recvs, sends = {}, {}
+        kind = {k: ("hashed", "unpack", "plain")[k % 3] for k in range(9)}  # 3: refused
+        for keys in ([3], [0, 1, 2, 4, 5, 6, 7, 8]):
+            groups.clear()
+            for k in keys:
+                opt = ({"hashed": (hasher, k)} if kind[k] == "hashed" else
+                       {"unpack": (unpacker, k)} if kind[k] == "unpack" else {})
+                recvs[k] = t[1].recv(0, bufs[k], 200 + k, **opt)
+            for k in keys:  # the notes come after every receive is posted: matched together
+                sends[k] = t[0].send(1, msgs[k], 200 + k)
+            reqs = [recvs[k] for k in keys] + [sends[k] for k in keys]
+            end = time.monotonic() + 20
+            while not all([q.done() for q in reqs]) and time.monotonic() < end:
+                time.sleep(1e-4)
+            assert all(q.done() for q in reqs)
+            if len(keys) > 1:  # matched in one turn (here: always) the unpacks go first
+                assert set(groups) == {"unpack", "hashed"}
+                assert len(groups) > 2 or groups == ["unpack", "hashed"]
+        for k in range(9):
+            hashed = kind[k] == "hashed" and k not in refuse
+            assert recvs[k].hashed is hashed, k
+            if kind[k] == "unpack":
+                assert np.array_equal(unpacker.into[k], msgs[k]) and not bufs[k].any()
+            else:
+                assert np.array_equal(bufs[k], msgs[k]), k
+            assert (hasher.sums.get(k) == crc.host(msgs[k])) if hashed else k not in hasher.sums
+        assert json.loads(t[1].describe())["one_sided"]["hashed"] == 2  # keys 0 and 6
     finally:
         ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
         [th.start() for th in ths]

@@ -285,8 +285,9 @@ def child_main(rank: int, plan_path: str, store_dir: str, result_dir: str, optio
         if quantised_at is not None:  # the update ran from the quantiser's launch on
             stats = replace(stats, start_s=min(stats.start_s, quantised_at))
             result["quantize_in_ewtt"] = True
-        result["unpacked"] = (json.loads(transport.describe()).get("one_sided") or {}).get(
-            "unpacked", 0)  # receives the transport unpacked from their senders' memory
+        one_sided = json.loads(transport.describe()).get("one_sided") or {}
+        result["unpacked"] = one_sided.get("unpacked", 0)  # unpacked from their senders' memory
+        result["hashed"] = one_sided.get("hashed", 0)  # copied out of it and hashed in one pass
         transport.close()
         if trace is not None:  # (message, stage, peer, out, nbytes, ready, posted, done)
             result["trace"] = [list(e) for e in trace]

@@ -9,7 +9,9 @@ of every lane's entry is its own), its words loaded 16 at a time, then shifts it
 whole stretches that follow it (one multiplication by ``x**(8 SUB j)`` modulo the polynomial,
 from a table of them: zlib's ``crc32_combine`` identity, ``crc(A + B) = shift(crc(A), len(B)) ^
 crc(B)``). A warp XORs its lanes' values per buffer before one atomic XOR into the buffer's slot
-of the output, which must hold zeros before the launch.
+of the output, which must hold zeros before the launch. A buffer given a destination is also
+copied there by the threads that hash it, from the words they loaded (a receive copied out of
+its sender's memory is then read once, not twice).
 
 The kernel's source (:func:`kernel_source`) is also compiled for the host and checked against the
 library in ``tests/test_crc.py``.
@@ -38,6 +40,7 @@ COPIES = 32
 #: 16-byte words each thread loads at once (registers: a thread of a block of 1024 has 64).
 GROUP = 8
 _THREADS = 1024
+_ROW = 5  # words of a row of the kernel's table (WB_ROW)
 
 
 def host(buf) -> int:
@@ -148,6 +151,7 @@ _SOURCE = r"""
 #ifndef WB_GROUP
 #define WB_GROUP 8
 #endif
+#define WB_ROW 5  /* words of a row of the table */
 #ifndef WB_SHARED
 #define WB_SHARED extern __shared__ unsigned int wb_T[];
 #endif
@@ -181,19 +185,60 @@ __device__ unsigned int wb_bytes(const unsigned int* T, unsigned int crc, uint4 
     return crc;
 }
 
+/* where a source word's bytes go: its address moved by `shift` */
+#define WB_AT_D(w) ((unsigned char*)((unsigned long long)(w) + shift))
+
+/* bytes [lo, hi) of word v written to q (where the word's byte 0 goes), one by one */
+__device__ void wb_put_bytes(unsigned char* q, uint4 v, int lo, int hi) {
+    unsigned int a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        if (i >= lo && i < hi) q[i] = (unsigned char)(a[i / 4] >> (8 * (i % 4)));
+}
+
+/* the 16 bytes of word v written to q in words of wd bytes (q aligned to wd) */
+__device__ void wb_put(unsigned char* q, uint4 v, int wd) {
+    if (wd == 16) {
+        *(uint4*)q = v;
+    } else if (wd == 8) {
+        unsigned long long* o = (unsigned long long*)q;
+        o[0] = ((unsigned long long)v.y << 32) | v.x;
+        o[1] = ((unsigned long long)v.w << 32) | v.z;
+    } else if (wd == 4) {
+        unsigned int* o = (unsigned int*)q;
+        o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+    } else if (wd == 2) {
+        unsigned short* o = (unsigned short*)q;
+        unsigned int a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = (unsigned short)(a[i / 2] >> (16 * (i % 2)));
+    } else {
+        wb_put_bytes(q, v, 0, 16);
+    }
+}
+
 /* the CRC32C of bytes [p, e), at any address: device memory is read in aligned 16-byte words
    only (a word holding bytes out of the range lies in the same allocation), each group of them
-   loaded before the first is used (the latency of device memory paid once per group) */
+   loaded before the first is used (the latency of device memory paid once per group). With
+   `d` (not null) the bytes are also copied there as they are hashed, in words as wide as the
+   two addresses' common alignment (16 bytes at most); no byte outside [d, d + (e - p)) is
+   written. */
 __device__ unsigned int wb_crc(const unsigned int* T, const unsigned char* p,
-                               const unsigned char* e) {
+                               const unsigned char* e, unsigned char* d) {
     unsigned int crc = 0xFFFFFFFFu;
     if (p >= e) return 0;
     const uint4* w = (const uint4*)((unsigned long long)p & ~15ull);
     const uint4* we = (const uint4*)(((unsigned long long)e + 15) & ~15ull);
     int head = (int)((unsigned long long)p & 15), tail = (int)((unsigned long long)e & 15);
+    /* a source word's destination: its address + shift; written in words of wd bytes */
+    const unsigned long long shift = d ? (unsigned long long)d - (unsigned long long)p : 0;
+    int wd = 16;
+    while (wd > 1 && (shift & (unsigned long long)(wd - 1))) wd >>= 1;
     if (head) {  /* the word the range starts inside */
         int hi = (w + 1 == we && tail) ? tail : 16;
-        crc = wb_bytes(T, crc, *w, head, hi);
+        uint4 v = *w;
+        crc = wb_bytes(T, crc, v, head, hi);
+        if (d) wb_put_bytes(WB_AT_D(w), v, head, hi);
         if (++w == we) return crc ^ 0xFFFFFFFFu;
     }
     const uint4* full = tail ? we - 1 : we;  /* the whole words end here */
@@ -210,6 +255,10 @@ __device__ unsigned int wb_crc(const unsigned int* T, const unsigned char* p,
                 crc = wb_step4(T, crc, g[k].z);
                 crc = wb_step4(T, crc, g[k].w);
             }
+            if (d) {
+#pragma unroll
+                for (int k = 0; k < WB_GROUP; ++k) wb_put(WB_AT_D(w + k), g[k], wd);
+            }
             w += WB_GROUP;
         } else {
 #pragma unroll
@@ -220,19 +269,25 @@ __device__ unsigned int wb_crc(const unsigned int* T, const unsigned char* p,
                 crc = wb_step4(T, crc, g[k].y);
                 crc = wb_step4(T, crc, g[k].z);
                 crc = wb_step4(T, crc, g[k].w);
+                if (d) wb_put(WB_AT_D(w + k), g[k], wd);
             }
             w = full;
         }
     }
-    if (tail && w < we) crc = wb_bytes(T, crc, *w, 0, tail);  /* the word the range ends in */
+    if (tail && w < we) {  /* the word the range ends in */
+        uint4 v = *w;
+        crc = wb_bytes(T, crc, v, 0, tail);
+        if (d) wb_put_bytes(WB_AT_D(w), v, 0, tail);
+    }
     return crc ^ 0xFFFFFFFFu;
 }
 
-/* CRC32C of the buffers of rows [0, n) of a table `rows` (n x 4: pointer, length, slot, first
-   stretch of the row; `total` stretches of `sub` bytes in all, counted from each buffer's end),
-   each XORed into `out[slot]` (zeros before); `zeros[j]`: x**(8 sub j) modulo the polynomial for
-   every j below a row's stretches. Blocks of whole warps; 4 * 256 * WB_COPIES words of dynamic
-   shared memory. */
+/* CRC32C of the buffers of rows [0, n) of a table `rows` (n x 5: pointer, length, slot, first
+   stretch of the row, destination; `total` stretches of `sub` bytes in all, counted from each
+   buffer's end), each XORed into `out[slot]` (zeros before), and the buffer copied to its
+   destination as it is read where that is not 0; `zeros[j]`: x**(8 sub j) modulo the
+   polynomial for every j below a row's stretches. Blocks of whole warps; 4 * 256 * WB_COPIES
+   words of dynamic shared memory. */
 extern "C" __global__ void __launch_bounds__(1024) wb_crc32c_rows(const long long* rows,
         long long n, long long total, long long sub, const unsigned int* tabs,
         const unsigned int* zeros, unsigned int* out) {
@@ -250,22 +305,22 @@ extern "C" __global__ void __launch_bounds__(1024) wb_crc32c_rows(const long lon
             long long lo = 0, hi = n - 1;  /* the row whose stretches hold c */
             while (lo < hi) {
                 long long mid = (lo + hi + 1) / 2;
-                if (rows[4 * mid + 3] <= c) lo = mid; else hi = mid - 1;
+                if (rows[WB_ROW * mid + 3] <= c) lo = mid; else hi = mid - 1;
             }
-            const long long* r = rows + 4 * lo;
+            const long long* r = rows + WB_ROW * lo;
             long long len = r[1], j = (len + sub - 1) / sub - 1 - (c - r[3]);  /* stretches after */
             long long e = len - j * sub, a = e > sub ? e - sub : 0;
             const unsigned char* base_p = (const unsigned char*)r[0];
-            v = wb_crc(T, base_p + a, base_p + e);
+            v = wb_crc(T, base_p + a, base_p + e, r[4] ? (unsigned char*)r[4] + a : 0);
             if (j) v = wb_multmodp(zeros[j], v);
             row = lo;
         }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
         unsigned int peers = __match_any_sync(0xFFFFFFFFu, row);  /* lanes of the same buffer */
         v = __reduce_xor_sync(peers, v);
-        if (row >= 0 && lane == __ffs(peers) - 1) atomicXor(&out[rows[4 * row + 2]], v);
+        if (row >= 0 && lane == __ffs(peers) - 1) atomicXor(&out[rows[WB_ROW * row + 2]], v);
 #else
-        if (row >= 0) atomicXor(&out[rows[4 * row + 2]], v);
+        if (row >= 0) atomicXor(&out[rows[WB_ROW * row + 2]], v);
 #endif
     }
 }
@@ -279,7 +334,8 @@ def kernel_source() -> str:
 
 class Launcher:
     """Launches of the CRC kernel over a CUDA device's buffers, many per launch, with nothing
-    waiting on the device: each buffer's row (pointer, length, slot, first stretch) is written
+    waiting on the device: each buffer's row (pointer, length, slot, first stretch, where it is
+    copied as it is read or 0) is written
     into pinned host memory at a row of its own for the update (rows are not reused before
     :meth:`reset`, so an asynchronous copy never reads a row written after it was queued),
     copied to the device behind the launches before, then one launch hashes them all.
@@ -295,19 +351,22 @@ class Launcher:
                  group: int = GROUP):
         self.xp, self.sub, self.n = xp, sub, max(int(rows), 1)
         self.variant = (int(copies), int(group))
-        self._pinned = xp.cuda.alloc_pinned_memory(32 * self.n)
-        self.host = np.frombuffer(self._pinned, np.int64, 4 * self.n).reshape(self.n, 4)
-        self.dev = xp.zeros((self.n, 4), xp.int64)
+        self._pinned = xp.cuda.alloc_pinned_memory(8 * _ROW * self.n)
+        self.host = np.frombuffer(self._pinned, np.int64, _ROW * self.n).reshape(self.n, _ROW)
+        self.dev = xp.zeros((self.n, _ROW), xp.int64)
         self.zeros = None  # shifts(len, sub) on the device, grown to the longest buffer's
+        self._older: list = []
         self.used = 0
 
     def reset(self) -> None:
         """A new update: every row may be written again (the last one's launches are done)."""
         self.used = 0
 
-    def launch(self, bufs: list[tuple[int, int, int]], out: Any) -> None:
+    def launch(self, bufs: list[tuple], out: Any, stream=None) -> None:
         """The CRC32C of each ``(pointer, bytes, slot)`` XORed into ``out[slot]`` (zero before)
-        once the current stream passes this launch."""
+        once ``stream`` (default: the current one) passes this launch; a row ``(pointer, bytes,
+        slot, destination)`` also copies its bytes to ``destination`` as they are read (one
+        pass over them: the CRC of what was read is the CRC of what was written)."""
         bufs = [b for b in bufs if b[1]]
         if not bufs:
             return
@@ -315,21 +374,29 @@ class Launcher:
         if k0 + k > self.n:
             raise ValueError(f"CRC launcher: {k0 + k} buffers for {self.n} rows")
         rows = self.host[k0:k0 + k]
-        rows[:, :3] = bufs
+        rows[:, 4] = 0
+        for i, b in enumerate(bufs):
+            rows[i, :3] = b[:3]
+            if len(b) > 3:
+                rows[i, 4] = b[3]
         stretches = -(-rows[:, 1] // self.sub)
         rows[:, 3] = np.cumsum(stretches) - stretches
         total, most = int(stretches.sum()), int(stretches.max())
         xp = self.xp
-        if self.zeros is None or self.zeros.size < most:  # the first update's, mostly
-            self.zeros = xp.asarray(shifts(max(1 << (most - 1).bit_length(), 1024), self.sub))
-        stream = xp.cuda.get_current_stream()
-        xp.cuda.runtime.memcpyAsync(self.dev[k0:].data.ptr, rows.ctypes.data, rows.nbytes,
-                                    xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        kernel, smem, blocks = _kernel(*self.variant, out.device.id)
-        tabs = _device_tables(xp, out.device.id)
-        kernel((min(-(-total // _THREADS), blocks),), (_THREADS,),
-               (self.dev[k0:], np.int64(k), np.int64(total), np.int64(self.sub), tabs,
-                self.zeros, out), shared_mem=smem)
+        stream = xp.cuda.get_current_stream() if stream is None else stream
+        with stream:  # (tables made here are copied on the launch's stream, ahead of it)
+            if self.zeros is None or self.zeros.size < most:  # the first update's, mostly
+                # (the smaller table stays: a launch on another stream may still read it)
+                self._older.append(self.zeros)
+                self.zeros = xp.asarray(shifts(max(1 << (most - 1).bit_length(), 1024),
+                                               self.sub))
+            xp.cuda.runtime.memcpyAsync(self.dev[k0:].data.ptr, rows.ctypes.data, rows.nbytes,
+                                        xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            kernel, smem, blocks = _kernel(*self.variant, out.device.id)
+            tabs = _device_tables(xp, out.device.id)
+            kernel((min(-(-total // _THREADS), blocks),), (_THREADS,),
+                   (self.dev[k0:], np.int64(k), np.int64(total), np.int64(self.sub), tabs,
+                    self.zeros, out), shared_mem=smem)
         self.used += k
 
 

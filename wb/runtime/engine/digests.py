@@ -21,13 +21,17 @@ landed; on a GPU by one kernel launch per :data:`FLUSH_BYTES` of messages (or wh
 loop is idle), on a stream of its own (their stretches of 1 KiB hashed by threads of their own; the table of
 them copied from pinned memory, asynchronously), the CRCs copied back behind an event
 (:class:`_DeviceSums`: the loop never waits on the device for them; staging they read goes back
-to the pool once they passed). A forward of exactly its parent's bytes takes its parent's CRC. Both ends must agree to take them: the
+to the pool once they passed). A device's receive that the transport copies out of its sender's
+memory (one-sided, within a host) is hashed by the same kernel as it is copied
+(:class:`CopyHashed`): its bytes are read once. A forward of exactly its parent's bytes takes its
+parent's CRC. Both ends must agree to take them: the
 transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
 connect` refuses peers that differ.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -37,8 +41,8 @@ from wb.runtime.engine import crc
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.inflight import recorded
 
-__all__ = ["ChecksumError", "Routes", "Digests", "checksumming", "DIGEST_TAG", "OK", "CORRUPT",
-           "FLUSH_BYTES"]
+__all__ = ["ChecksumError", "Routes", "Digests", "CopyHashed", "copies_hashed", "checksumming",
+           "DIGEST_TAG", "OK", "CORRUPT", "FLUSH_BYTES"]
 
 #: Digests' tags sit above every message's (a plan holds fewer than this many messages).
 DIGEST_TAG = 1 << 26
@@ -181,6 +185,9 @@ class _DeviceSums:
         self._pinned = xp.cuda.alloc_pinned_memory(4 * max(n, 1))
         self.host = np.frombuffer(self._pinned, np.uint32, max(n, 1))
         self.launcher = crc.Launcher(xp, n)  # a unit is hashed once per update: n rows
+        # units copied out of their senders' memory and hashed in the same pass, on the
+        # transport's streams (copy_hashed): rows of their own
+        self.copier = crc.Launcher(xp, n)
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.reset()
 
@@ -192,6 +199,7 @@ class _DeviceSums:
         self.pending, self.pending_bytes = [], 0
         self.batches: list = []  # an event after each launched batch
         self.launcher.reset()
+        self.copier.reset()
 
     def take(self, buf, slot: int) -> None:
         """Queues ``buf`` (a CuPy array or a :class:`~wb.runtime.engine.inflight.DeviceBytes`)."""
@@ -203,6 +211,12 @@ class _DeviceSums:
         zeroing of the update's CRCs)."""
         self.xp.cuda.get_current_stream().wait_event(self.cleared)
         self.launcher.launch(rows, self.values)
+
+    def copy_hashed(self, rows: list, stream) -> None:
+        """Copies ``(source, bytes, slot, destination)`` rows on ``stream`` and takes their
+        CRCs in the same pass (behind the zeroing of the update's CRCs)."""
+        stream.wait_event(self.cleared)
+        self.copier.launch(rows, self.values, stream)
 
     def flush(self, *, idle: bool = True) -> None:
         """Launches the batch taken so far (unless it is short of :data:`FLUSH_BYTES` and not
@@ -235,6 +249,36 @@ class _DeviceSums:
     def read(self, slots: list[int]) -> list[int]:
         """CRCs of a fetch that is done."""
         return self.host[slots].tolist()
+
+
+class CopyHashed:
+    """What a transport calls to copy received units out of their senders' memory and take
+    their CRCs in the same pass (``copy_many([(unit, destination, source, bytes), ...],
+    stream)``, on the stream it copies them on; one launch): a device's receiver then reads
+    each unit's bytes once, not a second time to hash them. The CRC is of the bytes as read,
+    which are the bytes written."""
+
+    __slots__ = ("sums", "slot")
+
+    def __init__(self, digests: "Digests"):
+        self.sums, self.slot = digests.sums, digests.r.slot
+
+    def copy_many(self, items: list, stream) -> None:
+        slot = self.slot
+        self.sums.copy_hashed([(int(src), int(n), slot[g.m], int(dst))
+                               for g, dst, src, n in items], stream)
+
+
+def copies_hashed(transport, digests, delta) -> CopyHashed | None:
+    """A :class:`CopyHashed` for ``transport``'s receives where it can run one (its
+    ``copies_hashed``: device buffers through its one-sided channel) and the CRCs are a
+    device's; not with deltas (a delta's CRC is of what came, its size known once it came), nor
+    with ``WB_COPY_HASHED=0`` in the environment (copied, then hashed: to compare)."""
+    if digests is None or delta is not None or not isinstance(digests.sums, _DeviceSums) or \
+            not getattr(transport, "copies_hashed", False) or \
+            os.environ.get("WB_COPY_HASHED", "1") == "0":
+        return None
+    return CopyHashed(digests)
 
 
 class Digests:
@@ -276,7 +320,7 @@ class Digests:
 
     def landed(self, g, buf) -> None:
         """Unit ``g`` landed in ``buf`` (before it is unpacked; ``None``: hashed where it was
-        read, :meth:`hash_at`)."""
+        read, :meth:`hash_at` or :class:`CopyHashed`)."""
         if buf is not None:
             self.sums.take(buf, self.r.slot[g.m])
         self.to_land[(g.peer, self.r.hop_of[g.m])] -= 1

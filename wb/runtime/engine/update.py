@@ -38,7 +38,7 @@ from wb.errors import PeersLost, TransferError
 from wb.algorithms.delta import max_bytes
 from wb.runtime.engine.deltas.batches import post_sends, take_completions, take_parked
 from wb.runtime.engine.deltas.units import DeltaPlan
-from wb.runtime.engine.digests import Digests
+from wb.runtime.engine.digests import Digests, copies_hashed
 from wb.runtime.engine.execstats import ExecStats, TraceEntry
 from wb.runtime.engine.frames import Frame
 from wb.runtime.engine.gather import STAGES
@@ -169,7 +169,7 @@ class _Update(Stalls):
                  "ready", "sent_out", "fenced", "done", "marks", "bytes_sent", "bytes_received",
                  "bytes_local", "messages_sent", "messages_received", "packed", "packed_done",
                  "sums", "held", "delta", "zc_in", "staged_in", "came", "cut", "pooled",
-                 "stage_send", "unpacks")
+                 "stage_send", "unpacks", "hasher")
 
     def __init__(self, prog, mover, transport, *, tag_base: int, staging_bytes: int,
                  traced: bool, delta: DeltaPlan | None = None):
@@ -221,6 +221,7 @@ class _Update(Stalls):
         # peers whose messages the transport may unpack from their memory: InPlace by peer
         self.unpacks = in_place(transport, mover, self.sums, delta,
                                 {prog.units[m].peer for m in self.staged_in})
+        self.hasher = copies_hashed(transport, self.sums, delta)  # copies hashed as they go
 
     # --- the steps of a turn -------------------------------------------------------------------
     def post_zero_copy_receives(self) -> None:
@@ -230,9 +231,11 @@ class _Update(Stalls):
         base, marks = self.tag_base, self.marks
         if self.sums is not None:
             self.sums.post()
+        hasher = self.hasher
         for m in self.zc_in:
             g = msgs[m]
-            add(recv(g.peer, target(g), base + m), g, None)
+            add(recv(g.peer, target(g), base + m) if hasher is None else
+                recv(g.peer, target(g), base + m, hashed=(hasher, g)), g, None)
             if marks is not None:
                 self.mark(m, 1)
 
@@ -253,7 +256,9 @@ class _Update(Stalls):
                                           unpack=(self.unpacks[g.peer], g))
             else:
                 buf = self.mover.staging(g.nbytes)
-                req = self.transport.recv(g.peer, buf, self.tag_base + g.m)
+                req = (self.transport.recv(g.peer, buf, self.tag_base + g.m)
+                       if self.hasher is None else self.transport.recv(
+                           g.peer, buf, self.tag_base + g.m, hashed=(self.hasher, g)))
             self.inflight.add(req, g, buf)
             self.mark(g.m, 1)
             self.staged_recv += buf.nbytes
@@ -355,9 +360,10 @@ class _Update(Stalls):
         if delta is not None:
             return take_completions(self, got)
         if sums is not None and got:  # hashed as landed (unpacking only reads the staging)
-            for req, g, buf in got:  # (one unpacked from its sender's memory: hashed there)
-                if not g.out:
-                    sums.landed(g, None if getattr(req, "unpacked", False) else
+            for req, g, buf in got:  # (one unpacked from its sender's memory, or copied
+                if not g.out:  # hashed: hashed there)
+                    sums.landed(g, None if getattr(req, "unpacked", False) or
+                                getattr(req, "hashed", False) else
                                 buf if buf is not None else self.mover.target(g))
         unpacks = []  # unpacked together where the mover can (one launch for several)
         for req, g, buf in got:

@@ -20,6 +20,8 @@ bytes take to move. :class:`Channel` carries the same messages with the same tag
   memory cannot batch them; a receive completes when its group has;
 - a receive its caller can unpack (``unpack``) is unpacked by its kernel from the sender's memory
   on that stream, not copied into its buffer to be unpacked after: one pass, no wait between;
+  one its caller hashes (``hashed``: checksums) is copied by the caller's kernel that takes its
+  checksum as it copies;
 - the receiver's acknowledgements go back in batches too; a send completes with its ack, so the
   sender never reuses memory a peer may still read.
 
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import struct
 import threading
 import time
 from collections import deque
@@ -47,7 +48,8 @@ import numpy as np
 
 from wb.errors import TransferError
 from wb.runtime.transport import ucx_env
-from wb.runtime.transport.memory import HANDLE_BYTES
+from wb.runtime.transport.notes import (ACK_NACK, ACK_OK, ACK_SIZE, NOTE_IPC, NOTE_UCX, decode,
+                                        encode, size)
 
 __all__ = ["Channel", "CTRL_TAG"]
 
@@ -70,24 +72,20 @@ FULL_EVERY = 16  # pumps between looks at every posted control receive
 _PUMP_S = 20e-6
 GROUP_BYTES = 64 << 20  # copies from one peer started (and completed) together, at most
 
-# the rows of a control message: notes of sends, acknowledgements of receives
-ROW = np.dtype([("tag", "<u8"), ("nbytes", "<u8"), ("offset", "<u8"), ("handle", "<u4"),
-                ("kind", "<u4")])
-HEADER = struct.Struct("<II")  # rows, handles
-NOTE_IPC, NOTE_UCX, ACK_OK, ACK_NACK, ACK_SIZE = 1, 2, 3, 4, 5
 
 
 class _Req:
     """A send or receive through a :class:`Channel`: pending, done, failed, or handed to UCX."""
 
     __slots__ = ("chan", "peer", "tag", "what", "buf", "ok", "error", "ucx", "upto", "unpack",
-                 "unpacked", "__weakref__")
+                 "unpacked", "hasher", "hashed", "__weakref__")
 
     def __init__(self, chan, peer: int, tag: int, what: str, buf, upto: bool = False,
-                 unpack=None):
+                 unpack=None, hasher=None):
         self.chan, self.peer, self.tag, self.what, self.buf = chan, peer, tag, what, buf
         self.ok, self.error, self.ucx, self.upto = False, None, None, upto
         self.unpack, self.unpacked = unpack, False
+        self.hasher, self.hashed = hasher, False
 
     def done(self) -> bool:
         if self.ucx is not None:
@@ -137,9 +135,10 @@ class Channel:
         self.eager = min(EAGER_BYTES, ucx_env.rndv_thresh(EAGER_BYTES + 64) - 64)
         self._met: dict[int, int] = {}  # peer -> the seq0 it was met with
         # messages this side sent or received one-sided, over UCX (not exportable, or as a nack
-        # asked) and refused by a nack (this side could not open the sender's memory)
-        self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0, "batched": 0}
-        self.unpacked = 0  # of the one-sided receives: unpacked from the sender's memory
+        # asked) and refused by a nack (this side could not open the sender's memory); of the
+        # one-sided receives, those unpacked from the sender's memory and those copied hashed
+        self.counts = {"one_sided": 0, "over_ucx": 0, "nacked": 0, "batched": 0, "unpacked": 0,
+                       "hashed": 0}
 
     # --- the caller's side ---------------------------------------------------------------------
     def meet(self, peer: int, seq0: int) -> None:
@@ -182,12 +181,16 @@ class Channel:
         with self._lock:
             return self.mem.unexportable(buf)
 
-    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None) -> _Req:
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None,
+             hashed=None) -> _Req:
         """``upto``: the message may be shorter than ``buf`` (see :class:`~wb.runtime.transport.
         Transport`). ``unpack``: ``(unpacker, key)``, where the memory can run it
-        (``unpack_many``) the message is unpacked from the sender's memory instead of copied."""
+        (``unpack_many``) the message is unpacked from the sender's memory instead of copied.
+        ``hashed``: ``(hasher, key)``, where the memory can run it (``copy_hashed``) the
+        hasher copies the message and takes its checksum in one pass (the request's
+        ``hashed`` then true)."""
         with self._lock:
-            req = _Req(self, peer, tag, "recv", buf, upto, unpack)
+            req = _Req(self, peer, tag, "recv", buf, upto, unpack, hashed)
             note = self._notes.pop((peer, tag), None)
             if note is None:
                 self._recvs[peer, tag] = req
@@ -257,8 +260,7 @@ class Channel:
             self._kept.clear()
 
     def describe(self) -> dict:
-        return {"memory": self.mem.name, "peers": sorted(self._ctrl), **self.counts,
-                "unpacked": self.unpacked}
+        return {"memory": self.mem.name, "peers": sorted(self._ctrl), **self.counts}
 
     # --- inside --------------------------------------------------------------------------------
     def _post_ctrl(self, peer: int, seq: int | None = None) -> None:
@@ -317,13 +319,8 @@ class Channel:
                     break
 
     def _read(self, peer: int, buf: np.ndarray) -> None:
-        nrows, nhandles = HEADER.unpack_from(buf)
-        at = HEADER.size
-        rows = np.frombuffer(buf, ROW, nrows, at)
-        at += nrows * ROW.itemsize
-        handles = [bytes(buf[at + k * HANDLE_BYTES:at + (k + 1) * HANDLE_BYTES])
-                   for k in range(nhandles)]
-        for tag, nbytes, offset, h, kind in rows.tolist():
+        rows, handles = decode(buf)
+        for tag, nbytes, offset, h, kind in rows:
             if kind in (NOTE_IPC, NOTE_UCX):
                 note = (kind, nbytes, handles[h] if kind == NOTE_IPC else b"", offset)
                 req = self._recvs.pop((peer, tag), None)
@@ -382,20 +379,24 @@ class Channel:
         if not self._starting:
             return
         mem, can = self.mem, hasattr(self.mem, "unpack_many")
+        hashes = hasattr(mem, "copy_hashed")
+
+        def kind(item) -> int:  # unpacks in place first, then copies hashed, then copies
+            r = item[0]
+            return 0 if can and r.unpack else 1 if hashes and r.hasher else 2
         for peer, items in self._starting.items():
             q = self._copies.setdefault(peer, deque())
-            if can:  # unpacks in place first, then the copies
-                items.sort(key=lambda item: item[0].unpack is None)
+            items.sort(key=kind)
             at = 0
             while at < len(items):
                 end, size = at, 0
-                kind = items[at][0].unpack is None  # unpacks and copies go in groups apart
+                k = kind(items[at])  # each kind goes in groups of its own
                 while end < len(items) and (end == at or size + items[end][3] <= GROUP_BYTES
-                                            and (items[end][0].unpack is None) == kind):
+                                            and kind(items[end]) == k):
                     size += items[end][3]
                     end += 1
                 group = items[at:end]
-                token = self._unpack(group, peer) if can and group[0][0].unpack else None
+                token = self._one_pass(group, peer, k == 0) if k < 2 else None
                 if token is not None:
                     q.append(([r for r, *_ in group], token))
                     at = end
@@ -417,14 +418,17 @@ class Channel:
                 at = end
         self._starting.clear()
 
-    def _unpack(self, group: list, peer: int):
-        """A token for ``group``'s receives unpacked from ``peer``'s memory, or ``None``."""
-        token = self.mem.unpack_many([(r.unpack, o, off, n) for r, o, off, n in group], peer)
+    def _one_pass(self, group: list, peer: int, unpack: bool):
+        """A token for ``group``'s receives unpacked from ``peer``'s memory (``unpack``) or
+        copied and hashed in one pass, or ``None`` (they are copied as any other)."""
+        token = (self.mem.unpack_many([(r.unpack, o, off, n) for r, o, off, n in group], peer)
+                 if unpack else self.mem.copy_hashed([(r.hasher, r.buf, o, off, n)
+                                                       for r, o, off, n in group], peer))
         if token is not None:
             for r, *_ in group:
-                r.unpacked = True
+                r.unpacked, r.hashed = unpack, not unpack
             self.counts["one_sided"] += len(group)
-            self.unpacked += len(group)
+            self.counts["unpacked" if unpack else "hashed"] += len(group)
         return token
 
     def _to_ucx(self, req: _Req) -> None:
@@ -465,9 +469,7 @@ class Channel:
                 kind, tag, nbytes, handle, offset = row
                 h = handles.setdefault(handle, len(handles)) if kind == NOTE_IPC else 0
                 batch.append((tag, nbytes, offset, h, kind))
-                room = HEADER.size + (len(batch) + 1) * ROW.itemsize + \
-                    (len(handles) + 1) * HANDLE_BYTES
-                if room > self.eager:
+                if size(len(batch) + 1, len(handles) + 1) > self.eager:
                     self._send_ctrl(peer, batch, handles)
                     handles, batch = {}, []
             if batch:
@@ -475,14 +477,7 @@ class Channel:
             rows.clear()
 
     def _send_ctrl(self, peer: int, batch: list, handles: dict) -> None:
-        arr = np.array(batch, ROW)
-        msg = np.empty(HEADER.size + arr.nbytes + len(handles) * HANDLE_BYTES, np.uint8)
-        HEADER.pack_into(msg, 0, len(batch), len(handles))
-        msg[HEADER.size:HEADER.size + arr.nbytes] = np.frombuffer(arr, np.uint8)  # no view checks
-        at = HEADER.size + arr.nbytes
-        for handle, k in handles.items():
-            at_k = at + k * HANDLE_BYTES
-            msg[at_k:at_k + HANDLE_BYTES] = np.frombuffer(handle, np.uint8)
+        msg = encode(batch, handles)
         seq = self._seq[peer]
         self._seq[peer] = (seq + 1) & 0xFFFFFFFF
         req = self.t._post("send", peer, msg, CTRL_TAG | self.rank << 32 | seq)

@@ -282,6 +282,33 @@ class CudaMemory:
             log.info("CUDA IPC copies from peer %d failed (%s)", peer, e)
             return None
 
+    def copy_hashed(self, items, peer: int):
+        """:meth:`copy_many` of ``((hasher, key), buf, opened, offset, nbytes)`` items by their
+        hashers, which take each message's checksum as they copy it: a hasher's items handed
+        to its ``copy_many([(key, destination, source, bytes), ...], stream)`` at once, on
+        ``peer``'s stream. A token (an event), or ``None`` where it failed (the caller copies
+        them plainly; a copy may then run twice, the same bytes)."""
+        by: dict[int, tuple] = {}
+        for (hasher, key), buf, opened, offset, nbytes in items:
+            dst = _cuda_ptr(buf)
+            if dst is None:
+                return None
+            by.setdefault(id(hasher), (hasher, []))[1].append((key, dst, opened + offset,
+                                                                nbytes))
+        cp = self.cp
+        try:
+            with cp.cuda.Device(self.device):
+                stream = self._stream(peer)
+                for hasher, rows in by.values():
+                    hasher.copy_many(rows, stream)
+                event = cp.cuda.Event(block=False, disable_timing=True)
+                event.record(stream)
+                return event
+        except Exception as e:  # noqa: BLE001 - the caller copies them instead
+            log.warning("copying and hashing messages from peer %d in one pass failed (%s): "
+                        "copied plainly", peer, e)
+            return None
+
     def unpack_many(self, items, peer: int):
         """Messages unpacked by their receivers' kernels straight from ``peer``'s memory, on its
         stream: ``((unpacker, key), opened, offset, nbytes)`` each, an unpacker's keys handed to

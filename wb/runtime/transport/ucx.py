@@ -93,10 +93,7 @@ class _UcxRequest:
 
     def done(self) -> bool:
         if not self.req.completed:
-            if self.tick is None:
-                return False
-            self.tick()
-            if not self.req.completed:
+            if self.tick is None or (self.tick() or not self.req.completed):
                 return False
         try:
             self.req.check_error()
@@ -427,23 +424,24 @@ class UcxTransport:
             return self._gate.hold(peer, tag, lambda: self._send(peer, buf, tag))
         return self._send(peer, buf, tag)
 
-    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None):
+    def recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None, hashed=None):
         if self._gate is not None and peer not in self._gate.trusted:
             return self._gate.hold(peer, tag, lambda: self._recv(peer, buf, tag, upto=upto))
-        return self._recv(peer, buf, tag, upto=upto, unpack=unpack)
+        return self._recv(peer, buf, tag, upto=upto, unpack=unpack, hashed=hashed)
+
+    # receives take hashed=(hasher, key): copied and hashed in one pass (ipc.Channel.recv)
+    copies_hashed = property(lambda self: self.ipc_mode == "cuda" and self._ipc is not None)
 
     def unpacks_from(self, peer: int) -> bool:
-        """Whether a receive from ``peer`` may take ``unpack=(unpacker, key)``: unpacked straight
-        from the sender's memory where the one-sided channel reaches it (:mod:`~wb.runtime.
-        transport.ipc`), ``buf`` untouched and the request's ``unpacked`` true."""
+        """Whether a receive from ``peer`` may take ``unpack=(unpacker, key)``: unpacked from
+        the sender's memory (``buf`` untouched, the request's ``unpacked`` true; ipc)."""
         return self.ipc_mode == "cuda" and self._ipc is not None and (
             self._gate is None or peer in self._gate.trusted) and self._one_sided(peer)
 
     def stage_send(self, peer: int, buf) -> bool | None:
         """Whether a message to ``peer`` should leave from staging, not ``buf``: CUDA memory the
-        one-sided channel cannot export (JAX's, for one) would take UCX's far slower path, where
-        a device copy into staging costs microseconds. ``None`` while ``peer`` is not trusted
-        yet (the job key's challenge still running): one-sided or not is not settled."""
+        one-sided channel cannot export (JAX's) would take UCX's far slower path. ``None`` while
+        ``peer`` is not trusted yet (the job key's challenge running): that is not settled."""
         if self._ipc is None:
             return False
         if self._gate is not None and peer not in self._gate.trusted:
@@ -455,9 +453,9 @@ class UcxTransport:
             return self._ipc.send(peer, buf, tag)
         return self._post("send", peer, buf, tag)
 
-    def _recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None):
+    def _recv(self, peer: int, buf, tag: int, *, upto: bool = False, unpack=None, hashed=None):
         if self._ipc is not None and self._one_sided(peer):
-            return self._ipc.recv(peer, buf, tag, upto=upto, unpack=unpack)
+            return self._ipc.recv(peer, buf, tag, upto=upto, unpack=unpack, hashed=hashed)
         return self._post("recv", peer, buf, tag)  # UCX takes a shorter message as it is
 
     def _one_sided(self, peer: int) -> bool:

@@ -22,7 +22,7 @@ if _out:
                 c = T.setdefault(name, [0, 0.0, 0.0]); c[0] += 1; c[1] += d; c[2] = max(c[2], d)
         return w
     def patch():
-        from wb.runtime.transport import memory, ipc
+        from wb.runtime.transport import memory, ipc, notes
         from wb.runtime.endpoints import group, sender, receiver
         from wb.runtime.engine import program, buffers
         for n in ("as_array", "check_buffers", "copy_of", "settle"):
@@ -65,7 +65,7 @@ if _out:
         gather.copy = gather_copy
         rd = ipc.Channel._read
         def _read(self, peer, buf):
-            READS.append((time.time(), int(ipc.HEADER.unpack_from(buf)[0])))
+            READS.append((time.time(), int(notes.HEADER.unpack_from(buf)[0])))
             return rd(self, peer, buf)
         ipc.Channel._read = _read
         def counted(name, queue, into):  # times and sizes of a channel step's queued work
