@@ -5,7 +5,8 @@
 # bench/results/checksums/COMMAND.md); writes its files to $OUT.
 #   LAYERS (default 12), REPEAT (2), MPS="0 1" (default 0), SKIP_TESTS=1, BENCH_TIMEOUT (s),
 #   TRACE=1: per-message traces of each run too ($OUT/trace<mps>/bf16_{off,on}/trace_<run>.json),
-#   HASHED="1 0": one run per value of WB_COPY_HASHED (0: receives copied, then hashed; default
+#   HASHED="1 0 512:512": one run per value of WB_COPY_HASHED (0: receives copied, then hashed;
+#   stretch:threads: the shape of the kernel that copies and hashes in one pass; default
 #   1 only: copied and hashed in one pass), TEST_TIMEOUT (s).
 set -uo pipefail
 source bench/gpu_common.sh
@@ -18,7 +19,7 @@ timeout 120 python3 bench/bench_crc.py --json > "$OUT/crc_kernel.json" 2>&1; cat
 for M in ${MPS:-0}; do
   tag=""; if [ "$M" = 1 ]; then mps_on; tag="_mps"; fi
   for H in ${HASHED:-1}; do
-    name=checksums_${LAYERS:-12}l${tag}_copyhashed$H
+    name=checksums_${LAYERS:-12}l${tag}_copyhashed${H//:/x}
     echo "== $name"
     WB_COPY_HASHED=$H timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 \
       --layers ${LAYERS:-12} --experts 64 --repeat ${REPEAT:-2} --warmup 1 --checksums compare \

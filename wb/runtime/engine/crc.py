@@ -344,13 +344,18 @@ class Launcher:
         xp: CuPy.
         rows: the most buffers hashed between two :meth:`reset` calls.
         sub: bytes per stretch (tests take short ones); ``copies``, ``group``: see
-            :data:`COPIES`, :data:`GROUP`.
+            :data:`COPIES`, :data:`GROUP`; ``threads``: per CUDA block, a multiple of 32 up to
+            1024 (a launch of few stretches spreads over more of the device's processors in
+            smaller blocks).
     """
 
     def __init__(self, xp, rows: int, *, sub: int = SUB, copies: int = COPIES,
-                 group: int = GROUP):
+                 group: int = GROUP, threads: int = _THREADS):
+        if not (0 < threads <= 1024 and threads % 32 == 0):
+            raise ValueError(f"CRC launcher: threads per block must be a multiple of 32 up to "
+                             f"1024, got {threads}")
         self.xp, self.sub, self.n = xp, sub, max(int(rows), 1)
-        self.variant = (int(copies), int(group))
+        self.variant = (int(copies), int(group), int(threads))
         self._pinned = xp.cuda.alloc_pinned_memory(8 * _ROW * self.n)
         self.host = np.frombuffer(self._pinned, np.int64, _ROW * self.n).reshape(self.n, _ROW)
         self.dev = xp.zeros((self.n, _ROW), xp.int64)
@@ -394,7 +399,8 @@ class Launcher:
                                         xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             kernel, smem, blocks = _kernel(*self.variant, out.device.id)
             tabs = _device_tables(xp, out.device.id)
-            kernel((min(-(-total // _THREADS), blocks),), (_THREADS,),
+            threads = self.variant[2]
+            kernel((min(-(-total // threads), blocks),), (threads,),
                    (self.dev[k0:], np.int64(k), np.int64(total), np.int64(self.sub), tabs,
                     self.zeros, out), shared_mem=smem)
         self.used += k
@@ -406,10 +412,10 @@ def _device_tables(xp, device: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(copies: int, group: int, device: int):
+def _kernel(copies: int, group: int, threads: int, device: int):
     """The kernel for ``copies`` copies of its tables and loads of ``group`` words, its shared
-    memory and how many of its blocks the device holds at once (the launch's most: each then
-    loops over stretches)."""
+    memory and how many of its blocks of ``threads`` the device holds at once (the launch's
+    most: each then loops over stretches)."""
     import cupy  # only CUDA buffers come here
 
     k = cupy.RawKernel(f"#define WB_COPIES {copies}\n#define WB_GROUP {group}\n"
@@ -419,5 +425,5 @@ def _kernel(copies: int, group: int, device: int):
     k.compile()
     dev = cupy.cuda.Device(device)
     per_sm = max(min(dev.attributes["MaxSharedMemoryPerMultiprocessor"] // (smem + 1024),
-                     dev.attributes["MaxThreadsPerMultiProcessor"] // _THREADS), 1)
+                     dev.attributes["MaxThreadsPerMultiProcessor"] // threads), 1)
     return k, smem, per_sm * dev.attributes["MultiProcessorCount"]

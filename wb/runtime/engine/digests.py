@@ -52,6 +52,8 @@ _MAX_RANK = 1 << 20  # digest tags: DIGEST_TAG + hops * _MAX_RANK + sender, belo
 _MAX_HOPS = 1 << 6
 #: A device launches its hashing once this many bytes are queued (or when nothing else moves).
 FLUSH_BYTES = 32 << 20
+#: Bytes per thread and threads per block of the kernel that copies a receive and hashes it.
+COPY_SHAPE = (crc.SUB, 1024)
 
 
 def checksumming(transport) -> bool:
@@ -187,7 +189,7 @@ class _DeviceSums:
         self.launcher = crc.Launcher(xp, n)  # a unit is hashed once per update: n rows
         # units copied out of their senders' memory and hashed in the same pass, on the
         # transport's streams (copy_hashed): rows of their own
-        self.copier = crc.Launcher(xp, n)
+        self.copier = crc.Launcher(xp, n, **_copier_shape())
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.reset()
 
@@ -251,6 +253,15 @@ class _DeviceSums:
         return self.host[slots].tolist()
 
 
+def _copier_shape() -> dict:
+    """Stretches and threads per block of the kernel that copies and hashes (a launch copies a
+    group of a peer's messages, tens of MiB: smaller than what the hashing of a turn takes):
+    :data:`COPY_SHAPE`, or ``WB_COPY_HASHED=stretch:threads`` from the environment."""
+    v = os.environ.get("WB_COPY_HASHED", "")
+    sub, threads = (int(x) for x in v.split(":")) if ":" in v else COPY_SHAPE
+    return {"sub": sub, "threads": threads}
+
+
 class CopyHashed:
     """What a transport calls to copy received units out of their senders' memory and take
     their CRCs in the same pass (``copy_many([(unit, destination, source, bytes), ...],
@@ -273,7 +284,8 @@ def copies_hashed(transport, digests, delta) -> CopyHashed | None:
     """A :class:`CopyHashed` for ``transport``'s receives where it can run one (its
     ``copies_hashed``: device buffers through its one-sided channel) and the CRCs are a
     device's; not with deltas (a delta's CRC is of what came, its size known once it came), nor
-    with ``WB_COPY_HASHED=0`` in the environment (copied, then hashed: to compare)."""
+    with ``WB_COPY_HASHED=0`` in the environment (copied, then hashed: to compare; see
+    :func:`_copier_shape` for its other values)."""
     if digests is None or delta is not None or not isinstance(digests.sums, _DeviceSums) or \
             not getattr(transport, "copies_hashed", False) or \
             os.environ.get("WB_COPY_HASHED", "1") == "0":
