@@ -29,6 +29,7 @@ from bench_transfer import run  # noqa: E402
 
 def main() -> None:
     import wb
+    from wb.algorithms.planner import DEFAULT_CHUNK_BYTES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -40,7 +41,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1,
                     help="updates per process before the measured one (default 1: a first "
                          "update also loads kernels and maps memory; first_ewtt_s has it)")
-    ap.add_argument("--chunk-mb", type=float, default=8.0, help="plan piece size (MiB)")
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20,
+                    help="plan piece size (MiB; default wb.plan's, 8)")
+    ap.add_argument("--pack-mb", type=float, default=None,
+                    help="the plan packs contiguous ranges below this (MiB; default wb.plan's, "
+                         "1): fewer, larger messages, packed and unpacked")
     ap.add_argument("--polling", choices=("auto", "on", "off"), default="auto",
                     help="UCX progress threads busy-poll (on) or wait on events (off); auto: "
                          "wb.UcxTransport's default (with a CUDA device: no thread, the update "
@@ -83,6 +88,8 @@ def main() -> None:
               repeat=a.repeat, cuda_device=a.cuda, warmup=a.warmup,
               chunk=int(a.chunk_mb * 2**20),
               polling={"auto": None, "on": True, "off": False}[a.polling], timeout=a.timeout)
+    if a.pack_mb is not None:
+        kw["pack_below"] = int(a.pack_mb * 2**20)
     trace = (lambda name: str(Path(a.trace, name))) if a.trace else (lambda name: None)
     prof = (lambda name: str(Path(a.profile, name))) if a.profile else (lambda name: None)
     if a.checksums == "compare":
