@@ -52,8 +52,11 @@ _MAX_RANK = 1 << 20  # digest tags: DIGEST_TAG + hops * _MAX_RANK + sender, belo
 _MAX_HOPS = 1 << 6
 #: A device launches its hashing once this many bytes are queued (or when nothing else moves).
 FLUSH_BYTES = 32 << 20
-#: Bytes per thread and threads per block of the kernel that copies a receive and hashes it.
-COPY_SHAPE = (crc.SUB, 1024)
+#: Bytes per thread and threads per block of the kernel that copies a receive and hashes it: an
+#: 8 MiB message in 64 blocks of 256 threads, as the row copy kernel spreads it (1 KiB stretches
+#: in blocks of 1024 would put it on 8 of the device's processors). Chosen from that geometry;
+#: ``bench/bench_crc.py --fused`` times the shapes on a GPU.
+COPY_SHAPE = (512, 256)
 
 
 def checksumming(transport) -> bool:
