@@ -5,7 +5,7 @@
 # bench/results/checksums/COMMAND.md); writes its files to $OUT.
 #   LAYERS (default 12), REPEAT (2), MPS="0 1" (default 0), SKIP_TESTS=1, BENCH_TIMEOUT (s),
 #   TRACE=1: per-message traces of each run too ($OUT/trace<mps>/bf16_{off,on}/trace_<run>.json),
-#   HASHED="1 0 512:512": one run per value of WB_COPY_HASHED (0: receives copied, then hashed;
+#   HASHED="1 0 1024:1024": one run per value of WB_COPY_HASHED (0: receives copied, then hashed;
 #   stretch:threads: the shape of the kernel that copies and hashes in one pass; default
 #   1 only: copied and hashed in one pass), TEST_TIMEOUT (s).
 set -uo pipefail
