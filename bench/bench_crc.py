@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--variants", default=f"{crc.COPIES}:{crc.GROUP},32:4,16:8")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--fused", default="1024:1024,512:512,256:256,1024:256",
+    ap.add_argument("--fused", default="512:256,1024:1024,512:512,256:256,1024:256",
                     help="stretch:threads variants of the copy hashed as it goes, timed against "
                          "the row copy kernel alone and followed by the CRC ('' skips them)")
     a = ap.parse_args()
