@@ -180,3 +180,41 @@ def test_over_ucx_the_version_is_refused_and_the_next_applied(ring, ring_file, t
                 assert refused["version"] == -1 and "hold what failed" in refused["error"]
         else:
             assert res["applied"] == [1, 2, 3] and "refused" not in res, res
+
+
+def test_receives_are_copied_hashed_only_where_a_device_s_transport_can(monkeypatch):
+    """The engine hands its receives to the transport's copy-and-hash (``hashed=``) only where
+    the CRCs are a device's, the transport says it can, the update sends no deltas and
+    ``WB_COPY_HASHED`` is not ``0``; the hasher's rows are ``(source, bytes, slot,
+    destination)`` in the unit's slot, and ``WB_COPY_HASHED=stretch:threads`` shapes its
+    kernel."""
+    from wb.runtime.engine import digests as dg
+
+    rows = []
+
+    class Sums(dg._DeviceSums):  # a device's CRCs, without a device
+        def __init__(self):
+            pass
+
+        def copy_hashed(self, r, stream):
+            rows.append((r, stream))
+
+    digests = type("D", (), {"sums": Sums(), "r": type("R", (), {"slot": {7: 3}})()})()
+    can = type("T", (), {"copies_hashed": True})()
+    cannot = type("T", (), {"copies_hashed": False})()
+    host = type("D", (), {"sums": dg._HostSums(1), "r": digests.r})()
+    monkeypatch.delenv("WB_COPY_HASHED", raising=False)
+    hasher = dg.copies_hashed(can, digests, None)
+    assert isinstance(hasher, dg.CopyHashed)
+    for args in ((cannot, digests, None), (object(), digests, None), (can, host, None),
+                 (can, None, None), (can, digests, object())):
+        assert dg.copies_hashed(*args) is None
+    g = type("G", (), {"m": 7})()
+    hasher.copy_many([(g, 1000, 2000, 64)], "stream")
+    assert rows == [([(2000, 64, 3, 1000)], "stream")]
+    assert dg._copier_shape() == {"sub": dg.COPY_SHAPE[0], "threads": dg.COPY_SHAPE[1]}
+    monkeypatch.setenv("WB_COPY_HASHED", "0")
+    assert dg.copies_hashed(can, digests, None) is None
+    monkeypatch.setenv("WB_COPY_HASHED", "256:128")
+    assert dg.copies_hashed(can, digests, None) is not None
+    assert dg._copier_shape() == {"sub": 256, "threads": 128}
