@@ -218,3 +218,7 @@ def test_receives_are_copied_hashed_only_where_a_device_s_transport_can(monkeypa
     monkeypatch.setenv("WB_COPY_HASHED", "256:128")
     assert dg.copies_hashed(can, digests, None) is not None
     assert dg._copier_shape() == {"sub": 256, "threads": 128}
+    for bad in ("1024:", "256:100", "0:256", "a:b"):
+        monkeypatch.setenv("WB_COPY_HASHED", bad)
+        with pytest.raises(wb.TransferError, match="WB_COPY_HASHED"):
+            dg._copier_shape()

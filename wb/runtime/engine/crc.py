@@ -379,22 +379,26 @@ class Launcher:
         if k0 + k > self.n:
             raise ValueError(f"CRC launcher: {k0 + k} buffers for {self.n} rows")
         rows = self.host[k0:k0 + k]
-        rows[:, 4] = 0
-        for i, b in enumerate(bufs):
-            rows[i, :3] = b[:3]
-            if len(b) > 3:
-                rows[i, 4] = b[3]
+        widths = {len(b) for b in bufs}
+        if widths == {3}:
+            rows[:, :3], rows[:, 4] = bufs, 0
+        elif widths == {4}:
+            rows[:, [0, 1, 2, 4]] = bufs
+        else:
+            rows[:, 4] = 0
+            for i, b in enumerate(bufs):
+                rows[i, :3] = b[:3]
+                rows[i, 4] = b[3] if len(b) > 3 else 0
         stretches = -(-rows[:, 1] // self.sub)
         rows[:, 3] = np.cumsum(stretches) - stretches
         total, most = int(stretches.sum()), int(stretches.max())
         xp = self.xp
+        if self.zeros is None or self.zeros.size < most:  # the first update's, mostly
+            # (the smaller table stays: a launch on another stream may still read it)
+            self._older.append(self.zeros)
+            self.zeros = _made(xp, shifts(max(1 << (most - 1).bit_length(), 1024), self.sub))
         stream = xp.cuda.get_current_stream() if stream is None else stream
-        with stream:  # (tables made here are copied on the launch's stream, ahead of it)
-            if self.zeros is None or self.zeros.size < most:  # the first update's, mostly
-                # (the smaller table stays: a launch on another stream may still read it)
-                self._older.append(self.zeros)
-                self.zeros = xp.asarray(shifts(max(1 << (most - 1).bit_length(), 1024),
-                                               self.sub))
+        with stream:
             xp.cuda.runtime.memcpyAsync(self.dev[k0:].data.ptr, rows.ctypes.data, rows.nbytes,
                                         xp.cuda.runtime.memcpyHostToDevice, stream.ptr)
             kernel, smem, blocks = _kernel(*self.variant, out.device.id)
@@ -408,7 +412,17 @@ class Launcher:
 
 @functools.lru_cache(maxsize=None)
 def _device_tables(xp, device: int):
-    return xp.asarray(tables().reshape(-1))
+    return _made(xp, tables().reshape(-1))
+
+
+def _made(xp, a: np.ndarray):
+    """``a`` on the device, there before this returns: launches on any stream may read it (an
+    array copied on one stream is not ordered with the others)."""
+    stream = xp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = xp.asarray(a)
+    stream.synchronize()
+    return out
 
 
 @functools.lru_cache(maxsize=None)

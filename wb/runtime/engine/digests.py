@@ -261,7 +261,13 @@ def _copier_shape() -> dict:
     group of a peer's messages, tens of MiB: smaller than what the hashing of a turn takes):
     :data:`COPY_SHAPE`, or ``WB_COPY_HASHED=stretch:threads`` from the environment."""
     v = os.environ.get("WB_COPY_HASHED", "")
-    sub, threads = (int(x) for x in v.split(":")) if ":" in v else COPY_SHAPE
+    try:
+        sub, threads = (int(x) for x in v.split(":")) if ":" in v else COPY_SHAPE
+        if sub < 1 or not (0 < threads <= 1024 and threads % 32 == 0):
+            raise ValueError
+    except ValueError:
+        raise TransferError(f"WB_COPY_HASHED={v!r}: 0, 1, or stretch:threads (bytes per "
+                            f"thread, threads per block: a multiple of 32 up to 1024)") from None
     return {"sub": sub, "threads": threads}
 
 

@@ -150,6 +150,17 @@ class HostMemory:
         pass
 
 
+class _Failed:
+    """A token of copies that failed once queued: asking whether they passed raises."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    @property
+    def done(self) -> bool:
+        raise self.error
+
+
 def _cuda_ptr(buf) -> int | None:
     """The device address of CUDA array ``buf``'s first byte, or ``None`` for other arrays: a
     CuPy array's own pointer (its ``__cuda_array_interface__`` builds a dict per call, microseconds
@@ -286,8 +297,9 @@ class CudaMemory:
         """:meth:`copy_many` of ``((hasher, key), buf, opened, offset, nbytes)`` items by their
         hashers, which take each message's checksum as they copy it: a hasher's items handed
         to its ``copy_many([(key, destination, source, bytes), ...], stream)`` at once, on
-        ``peer``'s stream. A token (an event), or ``None`` where it failed (the caller copies
-        them plainly; a copy may then run twice, the same bytes)."""
+        ``peer``'s stream. A token (an event); ``None`` where it failed before any was queued
+        (the caller copies them plainly, hashed after); a token that fails their receives where
+        it failed after (a copy hashed twice would cancel its checksum out)."""
         by: dict[int, tuple] = {}
         for (hasher, key), buf, opened, offset, nbytes in items:
             dst = _cuda_ptr(buf)
@@ -295,16 +307,19 @@ class CudaMemory:
                 return None
             by.setdefault(id(hasher), (hasher, []))[1].append((key, dst, opened + offset,
                                                                 nbytes))
-        cp = self.cp
+        cp, queued = self.cp, False
         try:
             with cp.cuda.Device(self.device):
                 stream = self._stream(peer)
                 for hasher, rows in by.values():
                     hasher.copy_many(rows, stream)
+                    queued = True
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)
                 return event
-        except Exception as e:  # noqa: BLE001 - the caller copies them instead
+        except Exception as e:  # noqa: BLE001 - the caller copies them instead, or they fail
+            if queued:
+                return _Failed(e)
             log.warning("copying and hashing messages from peer %d in one pass failed (%s): "
                         "copied plainly", peer, e)
             return None

@@ -93,7 +93,10 @@ class _UcxRequest:
 
     def done(self) -> bool:
         if not self.req.completed:
-            if self.tick is None or (self.tick() or not self.req.completed):
+            if self.tick is None:
+                return False
+            self.tick()
+            if not self.req.completed:
                 return False
         try:
             self.req.check_error()
@@ -207,8 +210,7 @@ class UcxTransport:
             if self._ipc is not None:
                 self._ipc.new_round()
         self.store.set(f"{self.session}/hello/{self._round}/{self.rank}", hello)
-        # Endpoints are created on first use, so a caller can refuse a peer's hello (a different
-        # plan) before any endpoint exists.
+        # endpoints come at first use: a caller may refuse a peer's hello (another plan) first
         self._peers = sorted(set(self._peers) | (set(int(p) for p in peers) - {self.rank}))
         return {p: self._get(f"hello/{self._round}/{p}", p)
                 for p in sorted(set(int(p) for p in peers) - {self.rank})}
