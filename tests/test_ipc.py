@@ -396,3 +396,51 @@ def test_a_receive_posted_hashed_is_copied_by_its_hasher_in_one_pass(tmp_path, m
         ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
         [th.start() for th in ths]
         [th.join() for th in ths]
+
+
+@pytest.mark.timeout(120)
+def test_copies_hashed_that_fail_once_queued_fail_their_receives(tmp_path, monkeypatch):
+    """Where the memory queued a group's copies and hashing and then failed, it hands back a
+    token that fails them: their receives raise, naming the peer and the error (copied again
+    plainly, each would be hashed twice, and the two CRCs would cancel out)."""
+    import threading
+    import time
+
+    import wb
+    from wb.runtime.transport import memory
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    def copy_hashed(self, items, peer):
+        for (hasher, key), buf, pid, address, nbytes in items:
+            assert self.copy(buf, pid, address, nbytes, peer)
+        return memory._Failed(RuntimeError("the event could not be recorded"))
+
+    monkeypatch.setattr(memory.HostMemory, "copy_hashed", copy_hashed, raising=False)
+    monkeypatch.setattr(memory.HostMemory, "passed", lambda self, token: (
+        token.done if isinstance(token, memory._Failed) else True))
+    store = DirectoryStore(str(tmp_path))
+    t = [UcxTransport(r, store, session="hf", timeout=20, ipc="host") for r in (0, 1)]
+    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    try:
+        msg, buf = np.arange(5000, dtype=np.uint8), np.zeros(5000, np.uint8)
+        recv = t[1].recv(0, buf, 300, hashed=(object(), 0))
+        send = t[0].send(1, msg, 300)
+        end, err = time.monotonic() + 20, None
+        while time.monotonic() < end:
+            send.done()  # the sender's turn: its note goes out
+            try:
+                if recv.done():
+                    break
+            except wb.TransferError as e:
+                err = e
+                break
+            time.sleep(1e-4)
+        assert err is not None and "from peer 0 failed" in str(err)
+        assert "could not be recorded" in str(err)
+    finally:
+        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
+        [th.start() for th in ths]
+        [th.join() for th in ths]

@@ -130,8 +130,10 @@ def region(xp, flat, f0, na, nb, fa, fb):
 
 class InPlace:
     """What a transport calls to unpack received messages straight from their senders' memory
-    (``unpack_many([(message, address), ...])``, on the stream it reads them on): with checksums
-    their CRCs are taken there first, then the mover's kernels unpack them."""
+    (``unpack_many([(message, address), ...])``, on the stream it reads them on): the mover's
+    kernels unpack them, then, with checksums, their CRCs are taken there (in this order: an
+    unpacking that fails has hashed nothing, so the copy the transport falls back to is hashed
+    once)."""
 
     __slots__ = ("mover", "sums")
 
@@ -139,9 +141,9 @@ class InPlace:
         self.mover, self.sums = mover, sums
 
     def unpack_many(self, items: list) -> None:
+        self.mover.unpack_many(items)
         if self.sums is not None:
             self.sums.hash_at(items)
-        self.mover.unpack_many(items)
 
 
 def in_place(transport, mover, sums, delta, peers) -> dict:

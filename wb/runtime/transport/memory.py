@@ -328,22 +328,26 @@ class CudaMemory:
         """Messages unpacked by their receivers' kernels straight from ``peer``'s memory, on its
         stream: ``((unpacker, key), opened, offset, nbytes)`` each, an unpacker's keys handed to
         its ``unpack_many([(key, address), ...])`` at once: a token (an event), or ``None`` where
-        it failed (the caller copies them instead; the unpacks may run twice, to the same
-        bytes)."""
+        an unpacker failed (the caller copies them instead; the unpacks may run twice, to the
+        same bytes); a token that fails their receives where all were queued and the rest
+        failed (their checksums are taken)."""
         by: dict[int, tuple] = {}
         for (unpacker, key), opened, offset, _ in items:
             by.setdefault(id(unpacker), (unpacker, []))[1].append((key, opened + offset))
-        cp = self.cp
+        cp, queued = self.cp, False
         try:
             with cp.cuda.Device(self.device):
                 stream = self._stream(peer)
                 with stream:
                     for unpacker, keyed in by.values():
                         unpacker.unpack_many(keyed)
+                queued = True
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)
                 return event
-        except Exception as e:  # noqa: BLE001 - the caller copies them instead
+        except Exception as e:  # noqa: BLE001 - the caller copies them instead, or they fail
+            if queued:
+                return _Failed(e)
             log.warning("unpacking messages from peer %d in place failed (%s): copied instead",
                         peer, e)
             return None
