@@ -175,3 +175,104 @@ def test_shift_table_against_the_library():
             b = np.zeros(j * sub, np.uint8)
             want = crc.host(np.concatenate([a, b])) ^ crc.host(b)
             assert crc._multmodp(int(z[j]), crc.host(a)) == want, (sub, j)
+
+
+class _DevArray(np.ndarray):
+    """Host memory standing in for a CuPy array: ``.data.ptr`` and ``.device.id``."""
+
+    @property
+    def data(self):
+        return type("Ptr", (), {"ptr": self.ctypes.data})()
+
+    @property
+    def device(self):
+        return type("Device", (), {"id": 0})()
+
+
+class _Stream:
+    ptr = 0
+
+    def __init__(self, **_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+class _FakeCupy:
+    """As much of CuPy as :class:`crc.Launcher` uses, over host memory (work done when queued)."""
+
+    class cuda:  # noqa: N801 (CuPy's name)
+        Stream = _Stream
+
+        class runtime:  # noqa: N801
+            memcpyHostToDevice = 1
+
+            @staticmethod
+            def memcpyAsync(dst, src, n, _kind, _stream):  # noqa: N802 (CUDA's name)
+                ctypes.memmove(dst, src, n)
+
+        @staticmethod
+        def alloc_pinned_memory(n):
+            return bytearray(n)
+
+        @staticmethod
+        def get_current_stream():
+            return _Stream()
+
+    int64 = np.int64
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype).view(_DevArray)
+
+    @staticmethod
+    def asarray(a):
+        return np.array(a).view(_DevArray)
+
+
+@needs_cxx
+def test_the_launcher_s_rows_over_launches_of_mixed_rows(kernel, monkeypatch):
+    """:class:`crc.Launcher` itself (the rows it writes, their first stretches, its shift table
+    grown for longer buffers, rows with and without a destination in one launch and apart,
+    launches on given streams), its kernel the host build (one thread visits every stretch)."""
+    def run(grid, block, args, shared_mem=0):
+        rows, k, total, sub, tabs, zeros, out = args
+        p = ctypes.c_void_p
+        kernel.run_rows(p(rows.ctypes.data), ctypes.c_longlong(int(k)),
+                        ctypes.c_longlong(int(total)), ctypes.c_longlong(int(sub)),
+                        p(tabs.ctypes.data), p(zeros.ctypes.data), p(out.ctypes.data))
+
+    monkeypatch.setattr(crc, "_kernel", lambda *a: (run, 0, 1))
+    crc._device_tables.cache_clear()
+    try:
+        rng = np.random.default_rng(5)
+        src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+        dst = np.zeros(src.size, np.uint8)
+        lz = crc.Launcher(_FakeCupy, 12, sub=100, threads=64)
+        out = _FakeCupy.zeros(12, np.uint32)
+        cuts = [(0, 5, None), (7, 300, 9), (500, 0, None), (1000, 4099, 1003),
+                (9000, 20_000, None), (40_000, 77_777, 40_005), (200_000, 1, 200_001),
+                (300_000, 250_000, 300_016)]
+        launches = [cuts[:2], cuts[2:4], cuts[4:5], cuts[5:]]  # mixed, copies alone, hashes alone
+        slot = {c: 11 - i for i, c in enumerate(cuts)}
+        for batch in launches:
+            lz.launch([(src.ctypes.data + a, n, slot[(a, n, d)]) + (
+                () if d is None else (dst.ctypes.data + d,)) for a, n, d in batch], out,
+                _Stream())
+        want = np.zeros(src.size, np.uint8)
+        for a, n, d in cuts:
+            got = int(out[slot[(a, n, d)]])
+            assert got == crc.host(src[a:a + n]), (a, n)
+            if d is not None:
+                want[d:d + n] = src[a:a + n]
+        np.testing.assert_array_equal(dst, want)
+        assert lz.used == 7  # the empty buffer takes no row
+    finally:
+        crc._device_tables.cache_clear()
