@@ -5,9 +5,9 @@
 # bench/results/checksums/COMMAND.md); writes its files to $OUT.
 #   LAYERS (default 12), REPEAT (2), MPS="0 1" (default 0), SKIP_TESTS=1, BENCH_TIMEOUT (s),
 #   TRACE=1: per-message traces of each run too ($OUT/trace<mps>/bf16_{off,on}/trace_<run>.json),
-#   HASHED="1 0 1024:1024": one run per value of WB_COPY_HASHED (0: receives copied, then hashed;
-#   stretch:threads: the shape of the kernel that copies and hashes in one pass; default
-#   1 only: copied and hashed in one pass), TEST_TIMEOUT (s).
+#   HASHED="1 0 1024:1024": one run per value of WB_COPY_HASHED (1: receives copied and hashed
+#   in one pass; stretch:threads: the same, the kernel shaped so; 0: copied, then hashed;
+#   default "1 0"), TEST_TIMEOUT (s).
 set -uo pipefail
 source bench/gpu_common.sh
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -18,7 +18,7 @@ fi
 timeout 120 python3 bench/bench_crc.py --json > "$OUT/crc_kernel.json" 2>&1; cat "$OUT/crc_kernel.json"
 for M in ${MPS:-0}; do
   tag=""; if [ "$M" = 1 ]; then mps_on; tag="_mps"; fi
-  for H in ${HASHED:-1}; do
+  for H in ${HASHED:-1 0}; do
     name=checksums_${LAYERS:-12}l${tag}_copyhashed${H//:/x}
     echo "== $name"
     WB_COPY_HASHED=$H timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_fp8.py --cuda 0 --hidden 2048 \

@@ -185,9 +185,9 @@ def test_over_ucx_the_version_is_refused_and_the_next_applied(ring, ring_file, t
 def test_receives_are_copied_hashed_only_where_a_device_s_transport_can(monkeypatch):
     """The engine hands its receives to the transport's copy-and-hash (``hashed=``) only where
     the CRCs are a device's, the transport says it can, the update sends no deltas and
-    ``WB_COPY_HASHED`` is not ``0``; the hasher's rows are ``(source, bytes, slot,
-    destination)`` in the unit's slot, and ``WB_COPY_HASHED=stretch:threads`` shapes its
-    kernel."""
+    ``WB_COPY_HASHED`` asks for it (``1`` or ``stretch:threads``; unset or ``0``: not); the
+    hasher's rows are ``(source, bytes, slot, destination)`` in the unit's slot, and
+    ``WB_COPY_HASHED=stretch:threads`` shapes its kernel."""
     from wb.runtime.engine import digests as dg
 
     rows = []
@@ -204,6 +204,8 @@ def test_receives_are_copied_hashed_only_where_a_device_s_transport_can(monkeypa
     cannot = type("T", (), {"copies_hashed": False})()
     host = type("D", (), {"sums": dg._HostSums(1), "r": digests.r})()
     monkeypatch.delenv("WB_COPY_HASHED", raising=False)
+    assert dg.copies_hashed(can, digests, None) is None  # opt-in
+    monkeypatch.setenv("WB_COPY_HASHED", "1")
     hasher = dg.copies_hashed(can, digests, None)
     assert isinstance(hasher, dg.CopyHashed)
     for args in ((cannot, digests, None), (object(), digests, None), (can, host, None),

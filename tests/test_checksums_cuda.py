@@ -1,8 +1,8 @@
 """Checksums on the GPU: the CRC32C kernel (``wb.runtime.engine.crc``) on device buffers equals
 the host library, many buffers of any length and alignment in one launch, and copies what it
 hashes where a row says; and a real transfer of CUDA buffers over UCX (copied out of their
-senders' memory and hashed in one pass) with one bit flipped on the wire is refused where it
-lands, the others bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
+senders' memory and hashed in one pass with ``WB_COPY_HASHED=1``, and without) with one bit
+flipped on the wire is refused where it lands, the others bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
 
 import json
 
@@ -85,7 +85,10 @@ def test_rows_with_a_destination_are_copied_as_they_are_hashed(sub):
 
 
 @pytest.mark.timeout(300)
-def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
+@pytest.mark.parametrize("copy_hashed", ["1", "0"])
+def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path, monkeypatch,
+                                                                   copy_hashed):
+    monkeypatch.setenv("WB_COPY_HASHED", copy_hashed)  # (the spawned ranks inherit it)
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_plan import deployment
@@ -112,6 +115,7 @@ def test_a_flipped_bit_in_a_cuda_message_is_refused_where_it_lands(tmp_path):
         else:
             assert res["ok"], res
             assert r < len(trainers) or res["bit_identical"], res
-    # the rollouts that passed took their checks as they copied (one pass over the bytes)
-    assert sum(run.results[r]["hashed"] for r in ranks[len(trainers):]
-               if r not in reached) > 0
+    # with WB_COPY_HASHED=1 the rollouts that passed took their checks as they copied (one
+    # pass over the bytes); without, none did
+    hashed = sum(run.results[r]["hashed"] for r in ranks[len(trainers):] if r not in reached)
+    assert (hashed > 0) == (copy_hashed == "1"), hashed

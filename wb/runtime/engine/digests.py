@@ -292,12 +292,13 @@ class CopyHashed:
 def copies_hashed(transport, digests, delta) -> CopyHashed | None:
     """A :class:`CopyHashed` for ``transport``'s receives where it can run one (its
     ``copies_hashed``: device buffers through its one-sided channel) and the CRCs are a
-    device's; not with deltas (a delta's CRC is of what came, its size known once it came), nor
-    with ``WB_COPY_HASHED=0`` in the environment (copied, then hashed: to compare; see
-    :func:`_copier_shape` for its other values)."""
+    device's; not with deltas (a delta's CRC is of what came, its size known once it came).
+    Opt-in while its GPU runs are to come: ``WB_COPY_HASHED=1`` (or ``stretch:threads``, see
+    :func:`_copier_shape`) in the environment; unset or ``0``, receives are copied, then
+    hashed."""
     if digests is None or delta is not None or not isinstance(digests.sums, _DeviceSums) or \
             not getattr(transport, "copies_hashed", False) or \
-            os.environ.get("WB_COPY_HASHED", "1") == "0":
+            os.environ.get("WB_COPY_HASHED", "0") == "0":
         return None
     return CopyHashed(digests)
 
