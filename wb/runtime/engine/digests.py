@@ -21,9 +21,9 @@ landed; on a GPU by one kernel launch per :data:`FLUSH_BYTES` of messages (or wh
 loop is idle), on a stream of its own (their stretches of 1 KiB hashed by threads of their own; the table of
 them copied from pinned memory, asynchronously), the CRCs copied back behind an event
 (:class:`_DeviceSums`: the loop never waits on the device for them; staging they read goes back
-to the pool once they passed). A device's receive that the transport copies out of its sender's
-memory (one-sided, within a host) is hashed by the same kernel as it is copied
-(:class:`CopyHashed`): its bytes are read once. A forward of exactly its parent's bytes takes its
+to the pool once they passed). With ``WB_COPY_HASHED=1``, a device's receive that the transport
+copies out of its sender's memory (one-sided, within a host) is hashed by the same kernel as it
+is copied (:class:`CopyHashed`): its bytes are read once. A forward of exactly its parent's bytes takes its
 parent's CRC. Both ends must agree to take them: the
 transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
 connect` refuses peers that differ.
