@@ -73,3 +73,29 @@ def test_a_host_of_many_cores_keeps_its_short_sleeps_however_late(clock):
     _turns(w, clock, SPIN_TURNS + 40)
     assert (w.spin, w.most) == (SPIN_TURNS, IDLE_MAX_S)
     assert max(clock.naps) == IDLE_MAX_S
+
+
+def test_a_loop_on_a_host_of_many_cores_sleeps_with_a_fine_timer_slack():
+    """Its thread's timer slack is set to TIMER_SLACK_NS (Linux: read back with prctl), in the
+    thread that waits; a crowdable loop's thread keeps the slack it had."""
+    import ctypes
+    import sys
+    import threading
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("timer slack is Linux's")
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = {}
+
+    def run(crowdable):
+        libc.prctl(29, 50_000, 0, 0, 0)  # PR_SET_TIMERSLACK: Linux's default (threads inherit)
+        before = libc.prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+        Idle(crowdable=crowdable)
+        got[crowdable] = (before, libc.prctl(30, 0, 0, 0, 0))
+
+    for crowdable in (False, True):
+        t = threading.Thread(target=run, args=(crowdable,))
+        t.start()
+        t.join()
+    assert got[False][1] == idle_mod.TIMER_SLACK_NS != got[False][0]
+    assert got[True][1] == got[True][0]
