@@ -2,7 +2,8 @@
 the host library, many buffers of any length and alignment in one launch, and copies what it
 hashes where a row says; and a real transfer of CUDA buffers over UCX (copied out of their
 senders' memory and hashed in one pass with ``WB_COPY_HASHED=1``, and without) with one bit
-flipped on the wire is refused where it lands, the others bit-identical. Skips cleanly without a GPU (CI has none); run on the H200 device machine."""
+flipped on the wire is refused where it lands, the others bit-identical. Skips cleanly without
+a GPU (CI has none); run on the H200 device machine."""
 
 import json
 

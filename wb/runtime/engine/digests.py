@@ -23,10 +23,10 @@ them copied from pinned memory, asynchronously), the CRCs copied back behind an 
 (:class:`_DeviceSums`: the loop never waits on the device for them; staging they read goes back
 to the pool once they passed). With ``WB_COPY_HASHED=1``, a device's receive that the transport
 copies out of its sender's memory (one-sided, within a host) is hashed by the same kernel as it
-is copied (:class:`CopyHashed`): its bytes are read once. A forward of exactly its parent's bytes takes its
-parent's CRC. Both ends must agree to take them: the
-transport says whether it does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.
-connect` refuses peers that differ.
+is copied (:class:`CopyHashed`): its bytes are read once. A forward of exactly its parent's
+bytes takes its parent's CRC. Both ends must agree to take them: the transport says whether it
+does (:func:`checksumming`), and :func:`~wb.runtime.engine.executor.connect` refuses peers that
+differ.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def copies_hashed(transport, digests, delta) -> CopyHashed | None:
     """A :class:`CopyHashed` for ``transport``'s receives where it can run one (its
     ``copies_hashed``: device buffers through its one-sided channel) and the CRCs are a
     device's; not with deltas (a delta's CRC is of what came, its size known once it came).
-    Opt-in while its GPU runs are to come: ``WB_COPY_HASHED=1`` (or ``stretch:threads``, see
+    Opt-in until it has run on a GPU: ``WB_COPY_HASHED=1`` (or ``stretch:threads``, see
     :func:`_copier_shape`) in the environment; unset or ``0``, receives are copied, then
     hashed."""
     if digests is None or delta is not None or not isinstance(digests.sums, _DeviceSums) or \
