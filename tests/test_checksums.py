@@ -224,3 +224,108 @@ def test_receives_are_copied_hashed_only_where_a_device_s_transport_can(monkeypa
         monkeypatch.setenv("WB_COPY_HASHED", bad)
         with pytest.raises(wb.TransferError, match="WB_COPY_HASHED"):
             dg._copier_shape()
+
+
+class _HostDeviceSums:
+    """A device's CRCs (``digests._DeviceSums``' interface) kept on the host: each taken at once
+    and XORed into its slot as the kernel does, so a unit hashed twice cancels out."""
+
+    def __init__(self, n: int):
+        from wb.runtime.engine import crc
+
+        self.crc, self.values = crc, np.zeros(max(n, 1), np.uint32)
+
+    def take(self, buf, slot):
+        self.values[slot] ^= self.crc.host(np.ascontiguousarray(buf))
+
+    def copy_hashed(self, rows, stream):
+        import ctypes
+
+        for src, n, slot, dst in rows:
+            ctypes.memmove(dst, src, n)
+            self.values[slot] ^= self.crc.host(np.ctypeslib.as_array(
+                (ctypes.c_uint8 * n).from_address(dst)))
+
+    def flush(self, *, idle=True):
+        pass
+
+    def fetch(self):
+        return None
+
+    def guard(self):
+        return None
+
+    def passed(self, token):
+        return True
+
+    def read(self, slots):
+        return self.values[slots].tolist()
+
+
+class _Hashing:
+    """A LocalTransport whose receives take ``hashed=(hasher, key)``: the message lands in a
+    scratch buffer, then the hasher copies it into the receive's buffer and hashes it (as the
+    one-sided channel hands a CUDA receive's copy to the copy-and-CRC kernel)."""
+
+    copies_hashed = True
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.checksums, self.count = inner, inner.rank, inner.checksums, 0
+
+    def recv(self, peer, buf, tag, *, upto=False, hashed=None):
+        if hashed is None:
+            return self.inner.recv(peer, buf, tag, upto=upto)
+        scratch = np.empty(buf.nbytes, np.uint8)
+        return _HashedRecv(self, self.inner.recv(peer, scratch, tag), hashed, buf, scratch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _HashedRecv:
+    def __init__(self, t, req, hook, buf, scratch):
+        self.t, self.req, self.hook, self.buf, self.scratch = t, req, hook, buf, scratch
+        self.hashed = False
+
+    def done(self):
+        if not self.req.done():
+            return False
+        if not self.hashed:
+            hasher, key = self.hook
+            hasher.copy_many([(key, self.buf.ctypes.data, self.scratch.ctypes.data,
+                               self.scratch.nbytes)], None)
+            self.hashed = True
+            self.t.count += 1
+        return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flip", [False, True])
+def test_receives_copied_hashed_by_the_transport_are_checked_once(ring, monkeypatch, flip):
+    """The update's receives (zero-copy and staged) go to a transport that copies and hashes
+    them (``WB_COPY_HASHED=1``, a device's CRCs stood in for on the host): every rollout
+    bit-identical and every digest matched (a unit hashed twice would cancel its CRC out and
+    fail), or, with one bit flipped, refused by every rank it reaches and no other."""
+    from wb.runtime.engine import digests as dg
+
+    monkeypatch.setenv("WB_COPY_HASHED", "1")
+    monkeypatch.setattr(dg.Routes, "sums", lambda self, xp: _HostDeviceSums(len(self.slot)))
+    monkeypatch.setattr(dg, "_DeviceSums", _HostDeviceSums)
+    m = _messages_of_every_kind(ring)[-1] if flip else None
+    hub = LocalHub()
+    bufs = {r: buffers_for(ring, r, fill=r < len(ring.trainers)) for r in ring.ranks}
+    src = int(ring.messages.src_rank[m]) if flip else -1
+    transports = {}
+
+    def run(r):
+        t = transports[r] = _Hashing(LocalTransport(r, hub, timeout=20, checksums=True))
+        execute(RankPlan.of(ring, r), bufs[r], _Flip(t, m) if r == src else t, timeout=20)
+    errors = run_each(run, ring.ranks)
+    want = {r: buffers_for(ring, r, fill=True) for r in ring.ranks}
+    assert sum(t.count for t in transports.values()) > 0
+    reached = _reached(ring, m) if flip else set()
+    assert set(errors) == reached, errors
+    assert all(isinstance(e, wb.ChecksumError) for e in errors.values()), errors
+    for r in set(ring.ranks) - reached:
+        assert all(np.array_equal(bufs[r][k].view(np.uint8), want[r][k].view(np.uint8))
+                   for k in bufs[r]), r
