@@ -231,6 +231,21 @@ def test_a_delta_applies_where_a_packed_unit_s_regions_lie(lib, monkeypatch, w):
     check(_Xp(), lambda a: np.array(a).view(_Dev), np.asarray, lambda a: a.ctypes.data, w)
 
 
+def test_regions_without_rows_or_with_a_strided_table_are_left_to_the_host():
+    """apply_many refuses (ValueError: the host applies the delta) regions whose gather table
+    has no rows or is not contiguous: its kernel reads the table's fields row after row."""
+    from wb.runtime.engine import gather
+    from wb.runtime.engine.deltas import tables as many
+
+    table = gather.table([(0, 0, 1, 64, 64, 1)])
+    ptrs = np.zeros(1, np.uint64)
+    d = np.zeros(64, np.uint8)
+    bad, sizes = np.zeros(1, np.uint32), np.zeros(1, np.int64)
+    for t in (table[:, :0], np.repeat(table, 2, axis=1)[:, ::2]):
+        with pytest.raises(ValueError, match="regions"):
+            many.apply_many([(gather.Regions(t, ptrs, 64, 1), d, 1, 0)], bad, sizes, xp=np)
+
+
 def test_prepare_runs_every_step_of_the_codec_on_the_host_kernels(lib, monkeypatch):
     """prepare (what a delta job's first update on a device runs once) makes and applies tiny
     deltas of every kind and width without error, with the kernels compiled for the host."""

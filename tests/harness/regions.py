@@ -36,7 +36,8 @@ def check(xp, on, back, address, w: int) -> None:
     table, every change lands where the message's element lies (as the host codec applied to
     the message gathered says); no other byte changes; a malformed copy of the delta (a place
     out of order) is flagged 1, a delta of the same bytes in another element width flagged 2
-    (the host applies it: the regions are in their own width), and neither writes anything."""
+    (the host applies it: the regions are in their own width), and neither writes anything;
+    then a delta of changes far apart (the last element among them) lands as the codec says."""
     rng = np.random.default_rng(w)
     dt = np.dtype(f"u{w}")
     host = [rng.integers(0, 1 << 8 * w - 1, size, dtype=np.uint64).astype(dt)
@@ -66,6 +67,21 @@ def check(xp, on, back, address, w: int) -> None:
     assert back(bad).tolist() == [0, 1, 2] and int(back(sizes)[0]) == d.nbytes
     got = [back(b) for b in bufs]
     assert np.array_equal(_message(got), new)
+    # changes far apart (on a GPU a thread's next change lies a block's threads on: the table
+    # is searched past a few rows, not walked): regions' first and last elements, and, in the
+    # last block of the delta, one far before the message's last element (the table's last
+    # row; rows of 512 elements here, so that the last block holds dozens)
+    sparse = new.copy()
+    sparse[[4600 + 3 * i for i in range(0, 300, 20)] + [4602 + 3 * i for i in range(10, 300, 20)]
+           + [131_100, new.size - 1]] ^= 4
+    far = codec.encode(new.view(np.uint8), sparse.view(np.uint8), itemsize=w)
+    assert codec.kind_of(far) == "blocks"
+    bad, sizes = on(np.zeros(1, np.uint32)), on(np.zeros(1, np.int64))
+    rows512 = gather.Regions(on(gather.table(_SPANS, piece=512)), ptrs, old.nbytes, w)
+    many.apply_many([(rows512, on(far), w, 0)], bad, sizes, xp=xp)
+    assert back(bad).tolist() == [0]
+    got = [back(b) for b in bufs]
+    assert np.array_equal(_message(got), sparse)
     for h, (_, f0, na, nb, fa, fb), part in zip(  # the old message put back: the old buffers
             (got[s[0]] for s in _SPANS), _SPANS,
             np.split(old, np.cumsum([s[2] * s[3] for s in _SPANS])[:-1])):

@@ -237,7 +237,8 @@ extern "C" __global__ void wb_delta_check_many(const long long* tab, const int* 
 }
 // Where element p of a message lies in regions of buffers (a gather table of ``rows`` rows,
 // ``ptrs`` the buffers' addresses by slot; elements of w bytes): the last row that starts at or
-// before p (``*row``: -1 to search for it, else a row at or before it to walk on from).
+// before p (``*row``: -1 to search for it, else a row at or before it to walk on from, a few
+// rows, then searching the rest).
 __device__ unsigned char* wb_region(const long long* tab, long long rows,
                                     const unsigned long long* ptrs, long long p, long long* row,
                                     long long w) {
@@ -251,7 +252,15 @@ __device__ unsigned char* wb_region(const long long* tab, long long rows,
         }
         k = lo;
     }
-    while (k + 1 < rows && at[k + 1] <= p) ++k;
+    for (int step = 0; step < 8 && k + 1 < rows && at[k + 1] <= p; ++step) ++k;
+    if (k + 1 < rows && at[k + 1] <= p) {  // far on (a thread's elements lie blockDim apart)
+        long long lo = k + 1, hi = rows - 1;
+        while (lo < hi) {
+            long long mid = (lo + hi + 1) / 2;
+            if (at[mid] <= p) lo = mid; else hi = mid - 1;
+        }
+        k = lo;
+    }
     *row = k;
     long long q = p - at[k], nb = tab[3 * rows + k];
     return (unsigned char*)ptrs[tab[k]]

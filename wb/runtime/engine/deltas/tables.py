@@ -52,14 +52,18 @@ def apply_many(items, bad, sizes, *, xp) -> None:
     here, as the host codec would).
 
     Raises:
-        ValueError: a target or receive is not contiguous, or a target is empty or not a
-            whole number of elements (the host applies those).
+        ValueError: a target or receive is not contiguous, a target is empty or not a whole
+            number of elements, or regions have no rows or a table that is not contiguous (the
+            host applies those).
     """
     rows, nbs, total = [], [], 0
     for target, buf, w, j in items:
         spread = target.__class__ is Regions
         if not ((spread or target.flags.c_contiguous) and buf.flags.c_contiguous):
             raise ValueError("delta: apply_many's targets and receives must be contiguous")
+        if spread and (not target.table.flags.c_contiguous or target.table.ndim != 2
+                       or not target.table.shape[1]):
+            raise ValueError("delta: apply_many's regions need a contiguous table of rows")
         t = target.nbytes
         if w not in one.WIDTHS or not t or t % w:
             raise ValueError(f"delta: apply_many takes targets of whole {w}-byte elements, not "
