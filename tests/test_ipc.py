@@ -2,7 +2,9 @@
 between GPUs (notes in batches, the receiver copies, acks in batches, fallbacks over UCX), with
 host memory read by ``process_vm_readv``; between spawned processes over UCX on loopback."""
 
+import contextlib
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +15,28 @@ from harness.ipc import run_pair  # noqa: E402
 from wb.runtime.transport.ucx import cma_usable  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cma_usable(), reason="process_vm_readv refused here")
+
+
+@contextlib.contextmanager
+def _pair(tmp_path, session: str):
+    """Ranks 0 and 1 as UcxTransports over the one-sided host channel, connected to each other
+    (each from a thread of its own, as two processes would), closed after."""
+    from wb.runtime.transport.stores import DirectoryStore
+    from wb.runtime.transport.ucx import UcxTransport
+
+    store = DirectoryStore(str(tmp_path))
+    t = [UcxTransport(r, store, session=session, timeout=20, ipc="host") for r in (0, 1)]
+    _each(t, lambda x: x.connect([1 - x.rank]))
+    try:
+        yield t
+    finally:
+        _each(t, lambda x: x.close(barrier=False))
+
+
+def _each(transports, fn) -> None:
+    ths = [threading.Thread(target=fn, args=(x,)) for x in transports]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
 
 
 @pytest.mark.timeout(120)
@@ -50,18 +74,9 @@ def test_memory_the_receiver_cannot_read_is_nacked_and_sent_over_ucx(tmp_path, m
 
 @pytest.mark.timeout(120)
 def test_a_receive_of_another_size_is_refused_at_both_ends(tmp_path):
-    import threading
-
     from wb.errors import TransferError
-    from wb.runtime.transport.stores import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
 
-    store = DirectoryStore(str(tmp_path))
-    t = [UcxTransport(r, store, session="sz", timeout=20, ipc="host") for r in (0, 1)]
-    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
-    [th.start() for th in ths]
-    [th.join() for th in ths]
-    try:
+    with _pair(tmp_path, "sz") as t:
         s = t[0].send(1, np.ones(100, np.uint8), 5)
         r = t[1].recv(0, np.zeros(90, np.uint8), 5)
         errors = {}
@@ -76,10 +91,6 @@ def test_a_receive_of_another_size_is_refused_at_both_ends(tmp_path):
                 break
         assert "90 bytes, the peer sent 100" in errors["recv"]
         assert "not 100 bytes" in errors["send"]
-    finally:
-        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
-        [th.start() for th in ths]
-        [th.join() for th in ths]
 
 
 @pytest.mark.timeout(180)
@@ -246,12 +257,9 @@ def test_a_receive_its_caller_can_unpack_is_unpacked_from_the_senders_memory(tmp
     with ``process_vm_readv``, as CUDA's runs the unpacking kernel on the opened memory): its
     buffer stays untouched, the request says ``unpacked``, the sender's send completes with the
     ack. Where the memory cannot (``None``), the message is copied into the buffer as any."""
-    import threading
     import time
 
     from wb.runtime.transport import memory
-    from wb.runtime.transport.stores import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
 
     refuse = {3}  # the memory fails a group holding this key: copied instead
 
@@ -275,12 +283,7 @@ def test_a_receive_its_caller_can_unpack_is_unpacked_from_the_senders_memory(tmp
     monkeypatch.setattr(memory.HostMemory, "unpack_many", unpack_many, raising=False)
     rng = np.random.default_rng(7)
     msgs = [rng.integers(0, 256, 1000 + 37 * k, dtype=np.uint8) for k in range(8)]
-    store = DirectoryStore(str(tmp_path))
-    t = [UcxTransport(r, store, session="up", timeout=20, ipc="host") for r in (0, 1)]
-    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
-    [th.start() for th in ths]
-    [th.join() for th in ths]
-    try:
+    with _pair(tmp_path, "up") as t:
         assert not t[1].unpacks_from(0)  # the transport offers it for CUDA memory only
         into = Unpacker()
         bufs = [np.zeros_like(m) for m in msgs]
@@ -301,10 +304,6 @@ def test_a_receive_its_caller_can_unpack_is_unpacked_from_the_senders_memory(tmp
                 assert not bufs[k].any() and np.array_equal(into.into[k], msgs[k][::-1])
             else:
                 assert np.array_equal(bufs[k], msgs[k]) and k not in into.into
-    finally:
-        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
-        [th.start() for th in ths]
-        [th.join() for th in ths]
 
 
 @pytest.mark.timeout(120)
@@ -315,13 +314,10 @@ def test_a_receive_posted_hashed_is_copied_by_its_hasher_in_one_pass(tmp_path, m
     message, the request says ``hashed``, the hasher saw each key once with the message's bytes.
     Receives posted to unpack, hashed and plain in the same turn go in groups of their own kind;
     where the memory refuses a group (``None``) its messages are copied plainly, not hashed."""
-    import threading
     import time
 
     from wb.runtime.engine import crc
     from wb.runtime.transport import memory
-    from wb.runtime.transport.stores import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
 
     refuse = {3}  # the memory fails a group holding this key: copied plainly
     groups = []  # the kind of each group handed to the memory
@@ -356,12 +352,7 @@ def test_a_receive_posted_hashed_is_copied_by_its_hasher_in_one_pass(tmp_path, m
     monkeypatch.setattr(memory.HostMemory, "unpack_many", unpack_many, raising=False)
     rng = np.random.default_rng(8)
     msgs = [rng.integers(0, 256, 900 + 41 * k, dtype=np.uint8) for k in range(9)]
-    store = DirectoryStore(str(tmp_path))
-    t = [UcxTransport(r, store, session="hs", timeout=20, ipc="host") for r in (0, 1)]
-    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
-    [th.start() for th in ths]
-    [th.join() for th in ths]
-    try:
+    with _pair(tmp_path, "hs") as t:
         assert not t[1].copies_hashed  # the transport offers it for CUDA memory only
         hasher, unpacker = Hasher(), type("U", (), {"into": {}})()
         bufs = [np.zeros_like(m) for m in msgs]
@@ -392,10 +383,6 @@ def test_a_receive_posted_hashed_is_copied_by_its_hasher_in_one_pass(tmp_path, m
                 assert np.array_equal(bufs[k], msgs[k]), k
             assert (hasher.sums.get(k) == crc.host(msgs[k])) if hashed else k not in hasher.sums
         assert json.loads(t[1].describe())["one_sided"]["hashed"] == 2  # keys 0 and 6
-    finally:
-        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
-        [th.start() for th in ths]
-        [th.join() for th in ths]
 
 
 @pytest.mark.timeout(120)
@@ -403,13 +390,10 @@ def test_copies_hashed_that_fail_once_queued_fail_their_receives(tmp_path, monke
     """Where the memory queued a group's copies and hashing and then failed, it hands back a
     token that fails them: their receives raise, naming the peer and the error (copied again
     plainly, each would be hashed twice, and the two CRCs would cancel out)."""
-    import threading
     import time
 
     import wb
     from wb.runtime.transport import memory
-    from wb.runtime.transport.stores import DirectoryStore
-    from wb.runtime.transport.ucx import UcxTransport
 
     def copy_hashed(self, items, peer):
         for (hasher, key), buf, pid, address, nbytes in items:
@@ -419,12 +403,7 @@ def test_copies_hashed_that_fail_once_queued_fail_their_receives(tmp_path, monke
     monkeypatch.setattr(memory.HostMemory, "copy_hashed", copy_hashed, raising=False)
     monkeypatch.setattr(memory.HostMemory, "passed", lambda self, token: (
         token.done if isinstance(token, memory._Failed) else True))
-    store = DirectoryStore(str(tmp_path))
-    t = [UcxTransport(r, store, session="hf", timeout=20, ipc="host") for r in (0, 1)]
-    ths = [threading.Thread(target=x.connect, args=([1 - x.rank],)) for x in t]
-    [th.start() for th in ths]
-    [th.join() for th in ths]
-    try:
+    with _pair(tmp_path, "hf") as t:
         msg, buf = np.arange(5000, dtype=np.uint8), np.zeros(5000, np.uint8)
         recv = t[1].recv(0, buf, 300, hashed=(object(), 0))
         send = t[0].send(1, msg, 300)
@@ -440,7 +419,3 @@ def test_copies_hashed_that_fail_once_queued_fail_their_receives(tmp_path, monke
             time.sleep(1e-4)
         assert err is not None and "from peer 0 failed" in str(err)
         assert "could not be recorded" in str(err)
-    finally:
-        ths = [threading.Thread(target=x.close, kwargs={"barrier": False}) for x in t]
-        [th.start() for th in ths]
-        [th.join() for th in ths]

@@ -379,16 +379,8 @@ class Launcher:
         if k0 + k > self.n:
             raise ValueError(f"CRC launcher: {k0 + k} buffers for {self.n} rows")
         rows = self.host[k0:k0 + k]
-        widths = {len(b) for b in bufs}
-        if widths == {3}:
-            rows[:, :3], rows[:, 4] = bufs, 0
-        elif widths == {4}:
-            rows[:, [0, 1, 2, 4]] = bufs
-        else:
-            rows[:, 4] = 0
-            for i, b in enumerate(bufs):
-                rows[i, :3] = b[:3]
-                rows[i, 4] = b[3] if len(b) > 3 else 0
+        rows[:, :3] = [b[:3] for b in bufs]
+        rows[:, 4] = [b[3] if len(b) > 3 else 0 for b in bufs]
         stretches = -(-rows[:, 1] // self.sub)
         rows[:, 3] = np.cumsum(stretches) - stretches
         total, most = int(stretches.sum()), int(stretches.max())

@@ -297,9 +297,8 @@ class CudaMemory:
         """:meth:`copy_many` of ``((hasher, key), buf, opened, offset, nbytes)`` items by their
         hashers, which take each message's checksum as they copy it: a hasher's items handed
         to its ``copy_many([(key, destination, source, bytes), ...], stream)`` at once, on
-        ``peer``'s stream. A token (an event); ``None`` where it failed before any was queued
-        (the caller copies them plainly, hashed after); a token that fails their receives where
-        it failed after (a copy hashed twice would cancel its checksum out)."""
+        ``peer``'s stream. A token as :meth:`_in_groups` gives (``None``: the caller copies
+        them plainly, hashed after)."""
         by: dict[int, tuple] = {}
         for (hasher, key), buf, opened, offset, nbytes in items:
             dst = _cuda_ptr(buf)
@@ -307,49 +306,41 @@ class CudaMemory:
                 return None
             by.setdefault(id(hasher), (hasher, []))[1].append((key, dst, opened + offset,
                                                                 nbytes))
-        cp, queued = self.cp, False
-        try:
-            with cp.cuda.Device(self.device):
-                stream = self._stream(peer)
-                for hasher, rows in by.values():
-                    hasher.copy_many(rows, stream)
-                    queued = True
-                event = cp.cuda.Event(block=False, disable_timing=True)
-                event.record(stream)
-                return event
-        except Exception as e:  # noqa: BLE001 - the caller copies them instead, or they fail
-            if queued:
-                return _Failed(e)
-            log.warning("copying and hashing messages from peer %d in one pass failed (%s): "
-                        "copied plainly", peer, e)
-            return None
+        return self._in_groups(by, peer, lambda h, rows, stream: h.copy_many(rows, stream),
+                               "copying and hashing")
 
     def unpack_many(self, items, peer: int):
         """Messages unpacked by their receivers' kernels straight from ``peer``'s memory, on its
         stream: ``((unpacker, key), opened, offset, nbytes)`` each, an unpacker's keys handed to
-        its ``unpack_many([(key, address), ...])`` at once: a token (an event), or ``None`` where
-        an unpacker failed (the caller copies them instead; the unpacks may run twice, to the
-        same bytes); a token that fails their receives where all were queued and the rest
-        failed (their checksums are taken)."""
+        its ``unpack_many([(key, address), ...])`` at once. A token as :meth:`_in_groups` gives
+        (``None``: the caller copies them instead; the unpacks may run twice, to the same
+        bytes)."""
         by: dict[int, tuple] = {}
         for (unpacker, key), opened, offset, _ in items:
             by.setdefault(id(unpacker), (unpacker, []))[1].append((key, opened + offset))
+        return self._in_groups(by, peer, lambda u, keyed, _: u.unpack_many(keyed),
+                               "unpacking in place")
+
+    def _in_groups(self, by: dict, peer: int, run, what: str):
+        """``run(owner, rows, stream)`` for each ``(owner, rows)`` of ``by`` on ``peer``'s
+        stream: an event behind them; ``None`` (logged) where the first failed (nothing was
+        queued: the caller moves the messages plainly); a token that fails their receives where
+        a later step failed (what ran took checksums: run again, they would cancel out)."""
         cp, queued = self.cp, False
         try:
             with cp.cuda.Device(self.device):
                 stream = self._stream(peer)
                 with stream:
-                    for unpacker, keyed in by.values():
-                        unpacker.unpack_many(keyed)
-                queued = True
+                    for owner, rows in by.values():
+                        run(owner, rows, stream)
+                        queued = True
                 event = cp.cuda.Event(block=False, disable_timing=True)
                 event.record(stream)
                 return event
-        except Exception as e:  # noqa: BLE001 - the caller copies them instead, or they fail
+        except Exception as e:  # noqa: BLE001 - the caller moves them plainly, or they fail
             if queued:
                 return _Failed(e)
-            log.warning("unpacking messages from peer %d in place failed (%s): copied instead",
-                        peer, e)
+            log.warning("messages from peer %d: %s failed (%s); copied plainly", peer, what, e)
             return None
 
     def _copier(self):
